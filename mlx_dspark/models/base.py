@@ -1,0 +1,105 @@
+"""Model pieces shared by the targets and the draft: masks, partial-rotary RoPE, GELU, tap checks.
+
+Position convention (ARCHITECTURE.md, "Caches"): an attention call has `L` queries at positions
+`q_start .. q_start + L - 1` and `K` keys at positions `q_start + L - K .. q_start + L - 1` (the keys
+always end with the queries' own positions, as mlx-lm's `KVCache` and our `SlidingKVCache` return them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+# Exact (erf) GELU, as the reference's `ACT2FN["gelu"]`; never the tanh approximation.
+gelu = nn.gelu
+
+
+def attention_mask(q_start: int, num_queries: int, num_keys: int, *, window: Optional[int] = None) -> Optional[mx.array]:
+    """Boolean (L, K) mask for `mx.fast.scaled_dot_product_attention`, or None when nothing is masked.
+
+    Key `j` sits at position `q_start + L - K + j`. Query `q` sees key `k` iff `k <= q` and, with a
+    window, `q - window < k` (the window counts the query itself).
+    """
+    L, K = num_queries, num_keys
+    if K < L:
+        raise ValueError(f"attention_mask: {K} keys cannot cover {L} queries (keys end with the queries' positions)")
+    # Nothing is masked iff the first query sees the last key (L == 1) and the last query sees the
+    # first key (K <= window).
+    if L == 1 and (window is None or K <= window):
+        return None
+    q_pos = mx.arange(q_start, q_start + L)[:, None]
+    k_pos = mx.arange(q_start + L - K, q_start + L)[None]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (k_pos > q_pos - window)
+    return mask
+
+
+def rotary_dims(head_dim: int, partial_rotary_factor: float, *, source: str = "config.json") -> int:
+    """Number of rotated dims `r = head_dim * partial_rotary_factor`; must be even and in (0, head_dim]."""
+    dims = int(head_dim * partial_rotary_factor)
+    if dims <= 0 or dims > head_dim or dims % 2:
+        raise ValueError(
+            f"{source}: partial_rotary_factor {partial_rotary_factor} with head_dim {head_dim} gives {dims} "
+            "rotary dims; expected an even number in (0, head_dim]"
+        )
+    return dims
+
+
+class RoPE(nn.Module):
+    """Non-interleaved (rotate-half) RoPE on the first `dims` dims of each head; the rest passes through.
+
+    Frequencies are `base ** (-2i / dims)` for `i < dims / 2`, the Hugging Face `rotate_half` form.
+    """
+
+    def __init__(self, dims: int, *, base: float):
+        super().__init__()
+        self.dims = dims
+        self.base = float(base)
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        # x: (B, H, L, D); positions offset .. offset + L - 1
+        return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=1.0, offset=offset)
+
+
+class Float32RMSNorm(nn.RMSNorm):
+    """RMSNorm computed in float32 (as the Spark reference does), returned in `dtype`."""
+
+    def __call__(self, x: mx.array, dtype: Optional[mx.Dtype] = None) -> mx.array:
+        out = mx.fast.rms_norm(x.astype(mx.float32), self.weight.astype(mx.float32), self.eps)
+        return out.astype(dtype or x.dtype)
+
+
+def check_tap_ids(tap_ids: Sequence[int], num_hidden_layers: int) -> tuple[int, ...]:
+    """Validate tapped layer ids: each in [-1, num_hidden_layers - 2] (the last layer is never tapped)."""
+    ids = tuple(int(i) for i in tap_ids)
+    bad = [i for i in ids if not -1 <= i <= num_hidden_layers - 2]
+    if bad:
+        raise ValueError(
+            f"tap ids {bad} are out of range: expected ids in [-1, {num_hidden_layers - 2}] "
+            f"for a target with {num_hidden_layers} layers (-1 is the embedding output)"
+        )
+    return ids
+
+
+def gather_taps(taps: dict[int, mx.array], tap_ids: Sequence[int], dtype: mx.Dtype) -> Optional[mx.array]:
+    """Concatenate the tapped hidden states in the order of `tap_ids` -> (B, L, len(ids) * hidden)."""
+    if not tap_ids:
+        return None
+    return mx.concatenate([taps[i].astype(dtype) for i in tap_ids], axis=-1)
+
+
+def check_rope_default(params: Optional[dict], *, field: str, source: str = "config.json") -> None:
+    """Refuse any RoPE scaling: only the default (unscaled) RoPE is implemented."""
+    if not params:
+        return
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"{source}: {field} has rope_type {kind!r}; only 'default' RoPE (no scaling) is supported")

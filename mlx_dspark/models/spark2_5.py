@@ -1,0 +1,235 @@
+"""Spark2_5ForCausalLM target (Spark-X2.5 / X2.6): fused QKV, head-wise sigmoid output gate, GELU MLP.
+
+Layers are sliding or full attention (`layer_types`), each type with its own `rope_parameters`
+(theta and a partial rotary factor). As the reference, the residual stream, the norms and the gate are
+computed in float32 and the projections in the weights' dtype (`compute dtype`, the embedding's).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_dspark.cache import make_target_cache
+from mlx_dspark.models.base import (
+    LAYER_TYPES,
+    SLIDING_ATTENTION,
+    Float32RMSNorm,
+    RoPE,
+    attention_mask,
+    check_rope_default,
+    check_tap_ids,
+    gather_taps,
+    gelu,
+    rotary_dims,
+)
+
+_REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "layer_types",
+    "rope_parameters",
+)
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    layer_types: list
+    rope_parameters: dict
+    sliding_window: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "gelu"
+    gate_attn_act_mode: str = "sigmoid"
+    headwise_attn_output_gate: bool = True
+    rope_scaling: Optional[dict] = None
+    model_type: str = "spark2_5"
+    source: str = field(default="config.json", repr=False)
+
+    @classmethod
+    def from_dict(cls, config: dict, *, source: str = "config.json") -> "ModelArgs":
+        missing = [k for k in _REQUIRED if k not in config]
+        if missing:
+            raise ValueError(f"{source}: missing field(s) {missing} for a Spark2_5ForCausalLM target")
+        names = inspect.signature(cls).parameters
+        return cls(**{k: v for k, v in config.items() if k in names and k != "source"}, source=source)
+
+    def __post_init__(self):
+        src = self.source
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"{src}: layer_types has {len(self.layer_types)} entries; expected num_hidden_layers = {self.num_hidden_layers}"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"{src}: layer_types has unknown entries {unknown}; expected {list(LAYER_TYPES)}")
+        missing = sorted(set(self.layer_types) - set(self.rope_parameters or {}))
+        if missing:
+            raise ValueError(f"{src}: rope_parameters has no entry for layer type(s) {missing}")
+        check_rope_default(self.rope_scaling, field="rope_scaling", source=src)
+        for layer_type in set(self.layer_types):
+            params = self.rope_parameters[layer_type]
+            check_rope_default(params, field=f"rope_parameters.{layer_type}", source=src)
+            if "rope_theta" not in params:
+                raise ValueError(f"{src}: rope_parameters.{layer_type} has no 'rope_theta'")
+            rotary_dims(self.head_dim, params.get("partial_rotary_factor", 1.0), source=f"{src}: rope_parameters.{layer_type}")
+        if SLIDING_ATTENTION in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"{src}: sliding_window must be a positive integer with sliding layers, got {self.sliding_window}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"{src}: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.hidden_act != "gelu":
+            raise ValueError(f"{src}: hidden_act {self.hidden_act!r} is not supported; Spark2_5 uses 'gelu' (exact)")
+        if self.gate_attn_act_mode != "sigmoid":
+            raise ValueError(f"{src}: gate_attn_act_mode {self.gate_attn_act_mode!r} is not supported; expected 'sigmoid'")
+        if not self.headwise_attn_output_gate:
+            raise ValueError(f"{src}: headwise_attn_output_gate is false; only the gated Spark2_5 layout is supported")
+
+    def rope(self, layer_type: str) -> RoPE:
+        params = self.rope_parameters[layer_type]
+        dims = rotary_dims(self.head_dim, params.get("partial_rotary_factor", 1.0))
+        return RoPE(dims, base=params["rope_theta"])
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_type: str):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.scale = args.head_dim**-0.5
+        self.window = args.sliding_window if layer_type == SLIDING_ATTENTION else None
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_k_v_proj = nn.Linear(args.hidden_size, q_size + 2 * kv_size, bias=args.attention_bias)
+        self.g_proj = nn.Linear(args.hidden_size, self.n_heads, bias=args.attention_bias)
+        self.out_proj = nn.Linear(q_size, args.hidden_size, bias=args.attention_bias)
+        self.rope = args.rope(layer_type)
+
+    def __call__(self, x: mx.array, cache: Optional[Any] = None) -> mx.array:
+        B, L, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        queries, keys, values = mx.split(self.q_k_v_proj(x), [q_size, q_size + kv_size], axis=-1)
+        queries = queries.reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        keys = keys.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        offset = 0 if cache is None else cache.offset
+        queries = self.rope(queries, offset)  # (B, H, L, D)
+        keys = self.rope(keys, offset)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)  # (B, Hkv, K, D)
+        mask = attention_mask(offset, L, keys.shape[2], window=self.window)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3)  # (B, L, H, D)
+        gate = mx.sigmoid(self.g_proj(x).astype(mx.float32)).astype(out.dtype)  # (B, L, H)
+        return self.out_proj((out * gate[..., None]).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        self.self_attn = Attention(args, layer_type)
+        self.mlp = MLP(args)
+        self.input_layernorm = Float32RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = Float32RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: Optional[Any] = None, *, dtype: mx.Dtype) -> mx.array:
+        # x: float32 residual stream; the sublayers run in the compute dtype.
+        h = x + self.self_attn(self.input_layernorm(x, dtype), cache).astype(mx.float32)
+        return h + self.mlp(self.post_attention_layernorm(h, dtype)).astype(mx.float32)
+
+
+class Spark2_5Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embedding = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        self.norm = Float32RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Spark2_5Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.model.layers
+
+    @property
+    def layer_types(self) -> list[str]:
+        return list(self.args.layer_types)
+
+    def make_cache(self, *, max_rollback: int = 8) -> list[Any]:
+        return make_target_cache(self.layer_types, window=self.args.sliding_window, max_rollback=max_rollback)
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.model.embedding(ids)
+
+    def lm_head_logits(self, h: mx.array) -> mx.array:
+        """Logits from final-normed hidden states; works for tied, untied and quantized heads."""
+        if self.args.tie_word_embeddings:
+            return self.model.embedding.as_linear(h)
+        return self.lm_head(h)
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: Optional[list[Any]] = None,
+        tap_ids: tuple[int, ...] = (),
+        last_only: bool = False,
+    ) -> tuple[mx.array, Optional[mx.array]]:
+        tap_ids = check_tap_ids(tap_ids, self.args.num_hidden_layers)
+        if cache is not None and len(cache) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} caches (one per layer), got {len(cache)}")
+        x = self.embed(inputs)  # (B, L, hidden)
+        dtype = x.dtype  # compute dtype: the (possibly quantized) embedding's
+        h = x.astype(mx.float32)
+        taps = {-1: h}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, None if cache is None else cache[i], dtype=dtype)
+            if i in tap_ids:
+                taps[i] = h
+        features = gather_taps(taps, tap_ids, dtype)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head_logits(self.model.norm(h, dtype)), features
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return weights
