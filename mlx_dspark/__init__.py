@@ -1,4 +1,8 @@
-"""DSpark speculative decoding for Spark-X2.6 and Qwen3 targets with MLX."""
+"""DSpark speculative decoding for Spark-X2.6 and Qwen3 targets with MLX.
+
+The entry points are thin functions that import their module on first use, so `import mlx_dspark` stays
+cheap and `python -m mlx_dspark.generate` (the CLI module) never shadows the `generate` function.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +17,14 @@ def load(*args, **kwargs):
 
 
 def generate(*args, **kwargs):
-    """Generate a completion; see `mlx_dspark.generate.generate`."""
-    from mlx_dspark.generate import generate as _generate
+    """Generate a whole completion; see `mlx_dspark.api.generate`."""
+    from mlx_dspark.api import generate as _generate
 
     return _generate(*args, **kwargs)
 
 
 def stream_generate(*args, **kwargs):
-    """Stream a completion; see `mlx_dspark.generate.stream_generate`."""
-    from mlx_dspark.generate import stream_generate as _stream_generate
+    """Stream a completion step by step; see `mlx_dspark.api.stream_generate`."""
+    from mlx_dspark.api import stream_generate as _stream_generate
 
     return _stream_generate(*args, **kwargs)

@@ -1,0 +1,269 @@
+"""The public Python API: `generate` and `stream_generate` over a loaded target (and draft).
+
+`stream_generate` turns the step generators of `decode.py` into responses with new text and
+statistics; `generate` joins them. Stop tokens, stop strings and max_tokens are applied here, so the
+plain and the speculative path share exactly the same rules.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import mlx.core as mx
+
+from mlx_dspark.decode import Round, plain_steps, speculative_steps
+from mlx_dspark.propose import DraftProposer
+from mlx_dspark.sample import Sampler
+
+DRAFT_SAMPLING_MODES = ("greedy", "sample")
+
+
+@dataclass
+class StepResponse:
+    """What one step (one target forward) added."""
+
+    text: str  # new text only
+    tokens: list[int]  # tokens committed by this step (a stop token is included, never shown as text)
+    accepted: int  # draft tokens the verify round accepted (before any stop/max_tokens cut)
+    proposed: int  # draft tokens verified this step
+    verified: bool  # this step was a speculative verify round
+    finish_reason: str | None  # "stop", "length" or None while generating
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int  # tokens generated so far, this step's included
+    generation_tps: float
+    peak_memory_gb: float
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    peak_memory_gb: float
+    acceptance_lengths: list[int] = field(default_factory=list)  # per verify round: accepted + 1
+    proposal_lengths: list[int] = field(default_factory=list)  # per verify round: drafts verified
+    time_to_first_token: float = 0.0
+    total_time: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        if not self.acceptance_lengths:
+            return 0.0
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+
+def encode_prompt(
+    tokenizer: Any,
+    prompt: str | Sequence[int] | Sequence[dict],
+    *,
+    chat_template_kwargs: dict | None = None,
+) -> list[int]:
+    """A string is used as is, token ids as given, chat messages through the chat template."""
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        add_special = bos is None or not prompt.startswith(bos)
+        return list(tokenizer.encode(prompt, add_special_tokens=add_special))
+    items = list(prompt)
+    if not items:
+        raise ValueError("the prompt is empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return items
+    if all(isinstance(m, dict) for m in items):
+        for i, message in enumerate(items):
+            if "role" not in message or "content" not in message:
+                raise ValueError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(message)}")
+        if not getattr(tokenizer, "has_chat_template", True):
+            raise ValueError("the tokenizer has no chat template: pass the prompt as a string")
+        ids = tokenizer.apply_chat_template(items, add_generation_prompt=True, **(chat_template_kwargs or {}))
+        return list(ids)
+    raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
+
+
+def _steps(
+    model: Any,
+    prompt_ids: list[int],
+    *,
+    sampler: Sampler,
+    speculative: bool,
+    draft_sampling: str,
+    p_min: float,
+    confidence_threshold: float,
+    max_tokens: int,
+) -> Iterator[Round]:
+    vocab = model.target.args.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+    if speculative and model.draft is not None:
+        proposer = DraftProposer(
+            model.draft,
+            model.target,
+            greedy=draft_sampling == "greedy" or sampler.greedy,
+            temperature=max(sampler.temperature, 1e-6),
+        )
+        return speculative_steps(
+            model.target,
+            proposer,
+            prompt_ids,
+            sampler=sampler,
+            p_min=p_min,
+            confidence_threshold=confidence_threshold,
+            max_tokens=max_tokens,
+        )
+    return plain_steps(model.target, prompt_ids, sampler=sampler)
+
+
+def _check_options(*, max_tokens: int, draft_sampling: str, p_min: float, confidence_threshold: float) -> None:
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if draft_sampling not in DRAFT_SAMPLING_MODES:
+        raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING_MODES}, got {draft_sampling!r}")
+    if not 0.0 <= p_min <= 1.0:
+        raise ValueError(f"p_min must be in [0, 1], got {p_min!r}")
+    if not 0.0 <= confidence_threshold <= 1.0:
+        raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold!r}")
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters could still grow into a stop string (so are not shown yet)."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:n]):
+                hold = n
+                break
+    return hold
+
+
+def stream_generate(
+    model: Any,
+    prompt: str | Sequence[int] | Sequence[dict],
+    *,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    draft_sampling: str = "greedy",
+    speculative: bool = True,
+    confidence_threshold: float = 0.0,
+    p_min: float = 0.0,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> Iterator[StepResponse]:
+    """Yield a StepResponse per target forward; the last one carries the finish reason."""
+    sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    _check_options(
+        max_tokens=max_tokens, draft_sampling=draft_sampling, p_min=p_min, confidence_threshold=confidence_threshold
+    )
+    stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+    tokenizer = model.tokenizer
+    stop_ids = set(tokenizer.eos_token_ids) | set(stop_token_ids or [])
+    prompt_ids = encode_prompt(tokenizer, prompt, chat_template_kwargs=chat_template_kwargs)
+
+    if seed is not None:
+        mx.random.seed(seed)
+    mx.reset_peak_memory()
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    shown = 0  # characters of detokenizer.text already yielded
+    generated = 0
+    start = time.perf_counter()
+    first_token_time = None
+    steps = _steps(
+        model,
+        prompt_ids,
+        sampler=sampler,
+        speculative=speculative,
+        draft_sampling=draft_sampling,
+        p_min=p_min,
+        confidence_threshold=confidence_threshold,
+        max_tokens=max_tokens,
+    )
+    for step in steps:
+        now = time.perf_counter()
+        if first_token_time is None:
+            first_token_time = now
+        finish_reason = None
+        tokens: list[int] = []
+        for token in step.tokens:
+            tokens.append(token)
+            generated += 1
+            if token in stop_ids:
+                finish_reason = "stop"
+                break
+            detokenizer.add_token(token)
+            if generated >= max_tokens:
+                finish_reason = "length"
+                break
+        if finish_reason is not None:
+            detokenizer.finalize()
+        text = detokenizer.text
+        cut = min((i for i in (text.find(s, max(0, shown - len(s))) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text, finish_reason = text[:cut], "stop"
+        visible = len(text) if finish_reason else len(text) - _held_back(text, stops)
+        new_text = text[shown:visible] if visible > shown else ""
+        shown = max(shown, visible)
+        elapsed = now - first_token_time
+        yield StepResponse(
+            text=new_text,
+            tokens=tokens,
+            accepted=step.accepted,
+            proposed=step.proposed,
+            verified=step.verified,
+            finish_reason=finish_reason,
+            prompt_tokens=len(prompt_ids),
+            prompt_tps=len(prompt_ids) / max(first_token_time - start, 1e-9),
+            generation_tokens=generated,
+            generation_tps=(generated - 1) / elapsed if generated > 1 and elapsed > 0 else 0.0,
+            peak_memory_gb=mx.get_peak_memory() / 1e9,
+        )
+        if finish_reason is not None:
+            return
+
+
+def generate(model: Any, prompt: str | Sequence[int] | Sequence[dict], **options: Any) -> GenerationResult:
+    """Generate a whole completion; takes the same options as `stream_generate`."""
+    start = time.perf_counter()
+    text: list[str] = []
+    tokens: list[int] = []
+    acceptance_lengths: list[int] = []
+    proposal_lengths: list[int] = []
+    last = None
+    first_time = None
+    for step in stream_generate(model, prompt, **options):
+        if first_time is None:
+            first_time = time.perf_counter() - start
+        text.append(step.text)
+        tokens.extend(step.tokens)
+        if step.verified:
+            acceptance_lengths.append(step.accepted + 1)
+            proposal_lengths.append(step.proposed)
+        last = step
+    assert last is not None and last.finish_reason is not None
+    return GenerationResult(
+        text="".join(text),
+        tokens=tokens,
+        finish_reason=last.finish_reason,
+        prompt_tokens=last.prompt_tokens,
+        prompt_tps=last.prompt_tps,
+        generation_tps=last.generation_tps,
+        peak_memory_gb=last.peak_memory_gb,
+        acceptance_lengths=acceptance_lengths,
+        proposal_lengths=proposal_lengths,
+        time_to_first_token=first_time or 0.0,
+        total_time=time.perf_counter() - start,
+    )

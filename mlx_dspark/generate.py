@@ -1,0 +1,10 @@
+"""`python -m mlx_dspark.generate`: the command-line entry point (see `mlx_dspark.cli`).
+
+Library code imports `mlx_dspark.api`, never this module: importing it would rebind the package
+attribute `mlx_dspark.generate` from the API function to this module.
+"""
+
+from mlx_dspark.cli import main
+
+if __name__ == "__main__":
+    main()

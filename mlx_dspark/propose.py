@@ -1,0 +1,68 @@
+"""Proposers: what the speculative round asks for draft tokens.
+
+The round only needs three things from a proposer: which target layers to tap, a way to take the
+features of newly committed positions, and a proposal for the next block. `DraftProposer` is the real
+DSpark draft; tests and benchmarks plug in others (an oracle with injected errors) through the same
+protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import mlx.core as mx
+
+
+@dataclass
+class Proposal:
+    """A block of draft tokens (batch size 1 in the loop)."""
+
+    tokens: mx.array  # (1, K) int
+    draft_probs: mx.array | None = None  # (1, K, V) distributions drawn from; None = greedy (one-hot)
+    token_probs: mx.array | None = None  # (1, K) raw draft probability of each token, for p_min
+    confidence: mx.array | None = None  # (1, K) confidence head outputs c(k)
+
+
+class Proposer(Protocol):
+    tap_ids: Sequence[int]
+    block_size: int  # the most draft tokens one proposal can hold
+
+    def extend(self, features: mx.array) -> None:
+        """Take the target features (1, n, F) of the next n committed positions."""
+
+    def propose(self, anchor: mx.array, *, position: int, num_tokens: int) -> Proposal:
+        """Draft tokens for positions position+1 .. position+num_tokens; anchor (1,) sits at `position`."""
+
+
+class DraftProposer:
+    """The DSpark draft: one block forward per round over its own windowed context cache."""
+
+    def __init__(self, draft: Any, target: Any, *, greedy: bool, temperature: float) -> None:
+        self.draft = draft
+        self.target = target
+        self.greedy = greedy
+        self.temperature = temperature
+        self.tap_ids = tuple(draft.args.target_layer_ids)
+        # The block [anchor, mask x (block_size - 1)] predicts block_size tokens (DSPARK.md 3.4).
+        self.block_size = int(draft.args.block_size)
+        self.context = draft.make_cache()
+
+    def extend(self, features: mx.array) -> None:
+        self.draft.append_context(features, self.context)
+
+    def propose(self, anchor: mx.array, *, position: int, num_tokens: int) -> Proposal:
+        out = self.draft.propose(
+            anchor,
+            self.context,
+            target=self.target,
+            greedy=self.greedy,
+            temperature=self.temperature,
+            num_tokens=num_tokens,
+        )
+        return Proposal(
+            tokens=out.tokens,
+            draft_probs=out.draft_probs,
+            token_probs=out.token_probs,
+            confidence=out.confidence,
+        )
