@@ -1,0 +1,625 @@
+"""Random tiny checkpoints in the exact Hugging Face / DeepSpec layouts, with a real tokenizer.
+
+`write_tiny_target` writes a target directory of either family (config.json, safetensors, a byte-level
+BPE tokenizer with the family's special tokens and chat template, generation_config.json);
+`write_tiny_draft` writes a random DSpark draft for it. Weights come from a seeded numpy RNG at small
+scales so that logits are neither flat nor one-hot. Sizes keep every linear input dim divisible by
+128, so 4/8-bit quantization with group sizes 32/64/128 applies to every target linear layer.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FAMILIES = ("spark2_5", "qwen3")
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+# Total tokenizer (and config) vocabulary; merges fill it up, reserved specials pad the rest.
+VOCAB_SIZE = 384
+
+SPARK_SPECIALS = [
+    # (content, special): ids 0.. in this order, as the published Spark tokenizer starts
+    ("<｜start▁of▁sentence｜>", True),
+    ("<｜end▁of▁sentence｜>", True),
+    ("<｜▁pad▁｜>", True),
+    ("<think>", False),
+    ("</think>", False),
+    ("<|System|>", True),
+    ("<|User|>", True),
+    ("<|Bot|>", True),
+    ("<|mask|>", True),
+]
+QWEN3_SPECIALS = [
+    # (content, special): appended after the byte-level vocabulary, as Qwen's added tokens are
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|mask|>", True),
+    ("<think>", False),
+    ("</think>", False),
+]
+
+SPARK_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}<|System|>{{ message['content'] }}"
+    "{%- elif message['role'] == 'user' -%}<|User|>{{ message['content'] }}"
+    "{%- elif message['role'] == 'assistant' -%}<|Bot|>{{ message['content'] }}<｜end▁of▁sentence｜>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|Bot|>"
+    "{%- if thinking_effort is defined and thinking_effort -%}<think>{%- endif -%}"
+    "{%- endif -%}"
+)
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
+
+# Small embedded corpus for the BPE merges: English prose, numbers and a little code.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A speculative decoder drafts several tokens at once and
+the target model verifies them in a single forward pass. When the draft is right, the target accepts
+the tokens and the decoder moves ahead by more than one token per step. When it is wrong, the target
+keeps its own token, so the output is exactly what the target alone would have written.
+Hello, world! How are you today? I am fine, thank you. What is the answer to this question?
+Let us count: one, two, three, four, five, six, seven, eight, nine, ten. 1 2 3 4 5 6 7 8 9 10 100 2024.
+The theorem states that the sum of the first n odd numbers is n squared, so 1 + 3 + 5 = 9.
+def add(a, b):
+    return a + b
+
+for i in range(10):
+    print(i, add(i, i))
+Once upon a time there was a small model that wanted to speak. It learned the words of the world one
+byte at a time, then merged the bytes that appeared together most often into longer pieces.
+"""
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _bytes_to_unicode() -> list[str]:
+    """The byte-level alphabet: printable bytes map to themselves, the others to chars from 256 up."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = {}
+    extra = 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def _train_merges(num_merges: int) -> list[tuple[str, str]]:
+    """BPE merges learned on the embedded corpus by the tokenizers trainer (deterministic)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + num_merges,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
+
+
+def build_tokenizer(family: str):
+    """A byte-level BPE `tokenizers.Tokenizer` with the family's special tokens, VOCAB_SIZE in total.
+
+    Returns (tokenizer, specials) where specials maps each special token's content to its id.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    _check_family(family)
+    fixed = SPARK_SPECIALS if family == "spark2_5" else QWEN3_SPECIALS
+    num_merges = VOCAB_SIZE - 256 - len(fixed)
+    merges = _train_merges(num_merges)
+    num_reserved = num_merges - len(merges)  # the corpus may yield fewer merges than asked
+    added = list(fixed) + [(f"<|reserved_{i}|>", True) for i in range(num_reserved)]
+
+    pieces = _bytes_to_unicode() + [a + b for a, b in merges]
+    if family == "spark2_5":
+        # specials first (ids 0..), then bytes and merges
+        order = [content for content, _ in added] + pieces
+    else:
+        order = pieces + [content for content, _ in added]
+    vocab = {piece: i for i, piece in enumerate(order)}
+    if len(vocab) != VOCAB_SIZE:
+        raise AssertionError(f"tiny tokenizer has {len(vocab)} entries, expected {VOCAB_SIZE}")
+
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(
+        [AddedToken(c, special=True, normalized=False) for c, special in added if special]
+    )
+    tokenizer.add_tokens([AddedToken(c, special=False, normalized=False) for c, special in added if not special])
+    specials = {c: tokenizer.token_to_id(c) for c, _ in added}
+    return tokenizer, specials
+
+
+def _special_ids(family: str, specials: dict[str, int]) -> dict[str, Any]:
+    if family == "spark2_5":
+        return {
+            "bos": specials["<｜start▁of▁sentence｜>"],
+            "eos": specials["<｜end▁of▁sentence｜>"],
+            "pad": specials["<｜▁pad▁｜>"],
+            "mask": specials["<|mask|>"],
+            "gen_eos": specials["<｜end▁of▁sentence｜>"],
+        }
+    return {
+        "bos": specials["<|endoftext|>"],
+        "eos": specials["<|im_end|>"],
+        "pad": specials["<|endoftext|>"],
+        "mask": specials["<|mask|>"],
+        "gen_eos": [specials["<|im_end|>"], specials["<|endoftext|>"]],
+    }
+
+
+def write_tokenizer(path: Path, *, family: str) -> dict[str, Any]:
+    """Write tokenizer.json, tokenizer_config.json, chat_template.jinja (and spark's
+    special_tokens_map.json) into `path`; returns the special ids (bos, eos, pad, mask, gen_eos)."""
+    tokenizer, specials = build_tokenizer(family)
+    ids = _special_ids(family, specials)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+
+    added_decoder = {
+        str(tid): {
+            "content": c,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": c not in ("<think>", "</think>"),
+        }
+        for c, tid in sorted(specials.items(), key=lambda kv: kv[1])
+    }
+    id_to_content = {tid: c for c, tid in specials.items()}
+    template = SPARK_CHAT_TEMPLATE if family == "spark2_5" else QWEN3_CHAT_TEMPLATE
+    tok_config = {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "added_tokens_decoder": added_decoder,
+        "bos_token": id_to_content[ids["bos"]] if family == "spark2_5" else None,
+        "chat_template": template,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": id_to_content[ids["eos"]],
+        "mask_token": id_to_content[ids["mask"]],
+        "model_max_length": 4096,
+        "pad_token": id_to_content[ids["pad"]],
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
+    _write_json(path / "tokenizer_config.json", tok_config)
+    (path / "chat_template.jinja").write_text(template, encoding="utf-8")
+    if family == "spark2_5":
+        _write_json(
+            path / "special_tokens_map.json",
+            {k: tok_config[k] for k in ("bos_token", "eos_token", "pad_token")},
+        )
+    return ids
+
+
+# --------------------------------------------------------------------------------------------------
+# configs
+
+
+def _layer_types(family: str, num_layers: int) -> list[str]:
+    if family == "spark2_5":
+        # three sliding then one full, repeated (the published pattern)
+        return ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(num_layers)]
+    return ["full_attention"] * num_layers
+
+
+def tiny_target_config(
+    *, family: str, vocab_size: int, ids: dict[str, Any], tie_word_embeddings: bool, dtype: str, **overrides
+) -> dict[str, Any]:
+    """The config.json of a tiny target, in the family's Hugging Face field layout."""
+    _check_family(family)
+    if family == "spark2_5":
+        config: dict[str, Any] = {
+            "architectures": ["Spark2_5ForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "auto_map": {
+                "AutoConfig": "configuration_spark.Spark2_5Config",
+                "AutoModel": "modeling_spark.Spark2_5Model",
+                "AutoModelForCausalLM": "modeling_spark.Spark2_5ForCausalLM",
+            },
+            "bos_token_id": ids["bos"],
+            "dtype": dtype,
+            "eos_token_id": ids["eos"],
+            "gate_attn_act_mode": "sigmoid",
+            "head_dim": 64,
+            "headwise_attn_output_gate": True,
+            "hidden_act": "gelu",
+            "hidden_size": 128,  # != heads * head_dim (256), like the real 4B
+            "initializer_range": 0.02,
+            "intermediate_size": 256,
+            "max_position_embeddings": 4096,
+            "mlp_bias": False,
+            "model_type": "spark2_5",
+            "num_attention_heads": 4,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 2,
+            "pad_token_id": ids["pad"],
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 5000000},
+                "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000},
+            },
+            "sliding_window": 16,
+            "tie_word_embeddings": tie_word_embeddings,
+            "transformers_version": "4.57.1",
+            "use_cache": True,
+            "vocab_size": vocab_size,
+        }
+    else:
+        config = {
+            "architectures": ["Qwen3ForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": ids["bos"],
+            "dtype": dtype,
+            "eos_token_id": ids["eos"],
+            "head_dim": 32,
+            "hidden_act": "silu",
+            "hidden_size": 128,
+            "initializer_range": 0.02,
+            "intermediate_size": 256,
+            "max_position_embeddings": 4096,
+            "model_type": "qwen3",
+            "num_attention_heads": 4,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 2,
+            "pad_token_id": ids["pad"],
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+            "rope_scaling": None,
+            "rope_theta": 10000.0,
+            "sliding_window": None,
+            "tie_word_embeddings": tie_word_embeddings,
+            "torch_dtype": dtype,
+            "transformers_version": "5.10.2",
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": vocab_size,
+        }
+    config.update(overrides)
+    if "layer_types" not in overrides:
+        config["layer_types"] = _layer_types(family, config["num_hidden_layers"])
+    if family == "qwen3":
+        config.setdefault("max_window_layers", config["num_hidden_layers"])
+    return dict(sorted(config.items()))
+
+
+# --------------------------------------------------------------------------------------------------
+# weights
+
+
+def _linear(rng: np.random.Generator, out_dim: int, in_dim: int) -> np.ndarray:
+    # 0.5 / sqrt(fan_in): layers change the residual stream visibly without blowing it up
+    return (rng.standard_normal((out_dim, in_dim)) * (0.5 / np.sqrt(in_dim))).astype(np.float32)
+
+
+def _norm(rng: np.random.Generator, dim: int) -> np.ndarray:
+    return (1.0 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
+
+
+def _decoder_layer(rng: np.random.Generator, config: dict[str, Any], *, family: str, prefix: str) -> dict[str, np.ndarray]:
+    hidden = config["hidden_size"]
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    inter = config["intermediate_size"]
+    w = {f"{prefix}input_layernorm.weight": _norm(rng, hidden)}
+    if family == "spark2_5":
+        w[f"{prefix}self_attn.q_k_v_proj.weight"] = _linear(rng, (heads + 2 * kv_heads) * head_dim, hidden)
+        w[f"{prefix}self_attn.g_proj.weight"] = _linear(rng, heads, hidden)
+        w[f"{prefix}self_attn.out_proj.weight"] = _linear(rng, hidden, heads * head_dim)
+    else:
+        w[f"{prefix}self_attn.q_proj.weight"] = _linear(rng, heads * head_dim, hidden)
+        w[f"{prefix}self_attn.k_proj.weight"] = _linear(rng, kv_heads * head_dim, hidden)
+        w[f"{prefix}self_attn.v_proj.weight"] = _linear(rng, kv_heads * head_dim, hidden)
+        w[f"{prefix}self_attn.o_proj.weight"] = _linear(rng, hidden, heads * head_dim)
+        w[f"{prefix}self_attn.q_norm.weight"] = _norm(rng, head_dim)
+        w[f"{prefix}self_attn.k_norm.weight"] = _norm(rng, head_dim)
+    w[f"{prefix}post_attention_layernorm.weight"] = _norm(rng, hidden)
+    w[f"{prefix}mlp.gate_proj.weight"] = _linear(rng, inter, hidden)
+    w[f"{prefix}mlp.up_proj.weight"] = _linear(rng, inter, hidden)
+    w[f"{prefix}mlp.down_proj.weight"] = _linear(rng, hidden, inter)
+    return w
+
+
+def tiny_target_weights(config: dict[str, Any], *, seed: int) -> dict[str, np.ndarray]:
+    """Random float32 target weights under the Hugging Face names of the config's family."""
+    family = config["model_type"]
+    rng = np.random.default_rng(seed)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    embed_name = "model.embedding.weight" if family == "spark2_5" else "model.embed_tokens.weight"
+    weights = {embed_name: (0.1 * rng.standard_normal((vocab, hidden))).astype(np.float32)}
+    for i in range(config["num_hidden_layers"]):
+        weights.update(_decoder_layer(rng, config, family=family, prefix=f"model.layers.{i}."))
+    weights["model.norm.weight"] = _norm(rng, hidden)
+    if not config["tie_word_embeddings"]:
+        weights["lm_head.weight"] = (0.1 * rng.standard_normal((vocab, hidden))).astype(np.float32)
+    return dict(sorted(weights.items()))
+
+
+# --------------------------------------------------------------------------------------------------
+# files
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def save_hf_weights(path: Path, weights: dict[str, np.ndarray], *, dtype: str = "float32", num_shards: int = 1) -> None:
+    """Write weights as Hugging Face safetensors (`model.safetensors`, or `num_shards` shards plus
+    `model.safetensors.index.json`), cast to `dtype` (bf16 goes through MLX: numpy has no bf16)."""
+    import mlx.core as mx
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; expected one of {_DTYPES}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    mx_dtype = getattr(mx, dtype)
+    arrays = {k: mx.array(v).astype(mx_dtype) for k, v in weights.items()}
+    names = list(arrays)
+    if num_shards == 1:
+        mx.save_safetensors(str(path / "model.safetensors"), arrays, metadata={"format": "pt"})
+        return
+    chunks = [list(c) for c in np.array_split(np.array(names, dtype=object), num_shards)]
+    weight_map = {}
+    for i, chunk in enumerate(chunks):
+        shard = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        mx.save_safetensors(str(path / shard), {k: arrays[k] for k in chunk}, metadata={"format": "pt"})
+        weight_map.update({k: shard for k in chunk})
+    total = sum(a.nbytes for a in arrays.values())
+    _write_json(path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def write_tiny_target(
+    path: str | Path,
+    *,
+    family: str = "spark2_5",
+    seed: int = 0,
+    tie_word_embeddings: bool | None = None,
+    dtype: str = "float32",
+    num_shards: int = 1,
+    **overrides: Any,
+) -> Path:
+    """Write a random tiny target of `family` into `path` (created) and return the path.
+
+    Defaults: spark2_5 is tied, 4 layers (3 sliding + 1 full), window 16, hidden 128 with 4 x 64 heads;
+    qwen3 is untied, 4 full layers, hidden 128. `overrides` replace config.json fields (e.g.
+    num_hidden_layers=8); `layer_types` follows num_hidden_layers unless given.
+    """
+    _check_family(family)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if tie_word_embeddings is None:
+        tie_word_embeddings = family == "spark2_5"
+    ids = write_tokenizer(path, family=family)
+    config = tiny_target_config(
+        family=family, vocab_size=VOCAB_SIZE, ids=ids, tie_word_embeddings=tie_word_embeddings, dtype=dtype, **overrides
+    )
+    _write_json(path / "config.json", config)
+    _write_json(
+        path / "generation_config.json",
+        {
+            "_from_model_config": True,
+            "bos_token_id": ids["bos"],
+            "eos_token_id": ids["gen_eos"],
+            "pad_token_id": ids["pad"],
+            "transformers_version": config["transformers_version"],
+        },
+    )
+    save_hf_weights(path, tiny_target_weights(config, seed=seed), dtype=dtype, num_shards=num_shards)
+    return path
+
+
+def _default_tap_ids(num_target_layers: int) -> list[int]:
+    # two taps spread over the target, never its last layer: [0, 2] for 4 layers
+    return sorted({0, max(0, min(num_target_layers // 2, num_target_layers - 2))})
+
+
+def tiny_draft_config(
+    target_config: dict[str, Any],
+    *,
+    mask_token_id: int,
+    markov_head_type: str,
+    markov_rank: int,
+    enable_confidence_head: bool,
+    confidence_head_with_markov: bool,
+    layer_types: list[str],
+    sliding_window: int | None,
+    target_layer_ids: list[int],
+    block_size: int = 7,
+) -> dict[str, Any]:
+    """A DSpark draft config: a copy of the target's plus the DSpark fields (DeepSpec layout)."""
+    family = target_config["model_type"]
+    config = copy.deepcopy(target_config)
+    config.pop("auto_map", None)  # names the target's custom code, not a draft class
+    config.update(
+        {
+            "architectures": ["Spark2_5DSparkModel" if family == "spark2_5" else "Qwen3DSparkModel"],
+            "block_size": block_size,
+            "confidence_head_with_markov": confidence_head_with_markov,
+            "enable_confidence_head": enable_confidence_head,
+            "layer_types": list(layer_types),
+            "markov_head_type": markov_head_type,
+            "markov_rank": markov_rank,
+            "mask_token_id": mask_token_id,
+            "num_hidden_layers": len(layer_types),
+            "num_target_layers": target_config["num_hidden_layers"],
+            "sliding_window": sliding_window,
+            "target_layer_ids": list(target_layer_ids),
+        }
+    )
+    if family == "qwen3":
+        config["use_sliding_window"] = "sliding_attention" in layer_types
+    return dict(sorted(config.items()))
+
+
+def tiny_draft_weights(
+    config: dict[str, Any], *, target_weights: dict[str, np.ndarray] | None, seed: int
+) -> dict[str, np.ndarray]:
+    """Random draft weights (DeepSpec names); the shared embedding / lm_head are copied from
+    `target_weights` when given (`embed_tokens` for qwen3, `embedding` for spark2_5)."""
+    family = config["model_type"]
+    rng = np.random.default_rng(seed + 1000)
+    hidden, vocab, rank = config["hidden_size"], config["vocab_size"], config["markov_rank"]
+    num_taps = len(config["target_layer_ids"])
+    w = {
+        "fc.weight": _linear(rng, hidden, num_taps * hidden),
+        "hidden_norm.weight": _norm(rng, hidden),
+    }
+    for i in range(config["num_hidden_layers"]):
+        w.update(_decoder_layer(rng, config, family=family, prefix=f"layers.{i}."))
+    w["norm.weight"] = _norm(rng, hidden)
+    w["markov_head.markov_w1.weight"] = (0.3 * rng.standard_normal((vocab, rank))).astype(np.float32)
+    w["markov_head.markov_w2.weight"] = (0.3 * rng.standard_normal((vocab, rank))).astype(np.float32)
+    head = config["markov_head_type"]
+    if head == "gated":
+        w["markov_head.gate_proj.weight"] = _linear(rng, rank, hidden + rank)
+        w["markov_head.gate_proj.bias"] = (0.1 * rng.standard_normal(rank)).astype(np.float32)
+    elif head == "rnn":
+        w["markov_head.joint_proj.weight"] = _linear(rng, 3 * rank, 2 * rank + hidden)
+        w["markov_head.joint_proj.bias"] = (0.1 * rng.standard_normal(3 * rank)).astype(np.float32)
+    if config["enable_confidence_head"]:
+        in_dim = hidden + rank if config["confidence_head_with_markov"] else hidden
+        w["confidence_head.proj.weight"] = _linear(rng, 1, in_dim)
+        w["confidence_head.proj.bias"] = (0.1 * rng.standard_normal(1)).astype(np.float32)
+    if target_weights is not None:
+        if family == "spark2_5":
+            w["embedding.weight"] = target_weights["model.embedding.weight"]
+        else:
+            w["embed_tokens.weight"] = target_weights["model.embed_tokens.weight"]
+        if "lm_head.weight" in target_weights:
+            w["lm_head.weight"] = target_weights["lm_head.weight"]
+    return dict(sorted(w.items()))
+
+
+def _read_hf_weights(path: Path) -> dict[str, np.ndarray]:
+    import mlx.core as mx
+
+    files = sorted(path.glob("*.safetensors"))
+    out = {}
+    for f in files:
+        for k, v in mx.load(str(f)).items():
+            out[k] = np.array(v.astype(mx.float32))
+    return out
+
+
+def write_tiny_draft(
+    path: str | Path,
+    *,
+    target_path: str | Path,
+    family: str | None = None,
+    markov_head_type: str = "vanilla",
+    markov_rank: int = 16,
+    enable_confidence_head: bool = True,
+    confidence_head_with_markov: bool = True,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    target_layer_ids: list[int] | None = None,
+    seed: int = 0,
+    include_shared: bool = True,
+    dtype: str | None = None,
+    num_shards: int = 1,
+) -> Path:
+    """Write a random tiny DSpark draft for the target at `target_path` into `path`; return it.
+
+    `family` defaults to the target's (a different one writes a mismatched pair, for error tests).
+    Defaults: 2 sliding layers with the target's window (16 when it has none), taps [0, L/2],
+    mask token = the tokenizer's `<|mask|>`, the shared embedding / lm_head copied from the target
+    (`include_shared=False` leaves them out, as our converter does).
+    """
+    target_path = Path(target_path)
+    target_config = json.loads((target_path / "config.json").read_text(encoding="utf-8"))
+    target_family = target_config["model_type"]
+    family = family or target_family
+    _check_family(family)
+    if markov_head_type not in MARKOV_HEAD_TYPES:
+        raise ValueError(f"markov_head_type {markov_head_type!r} is not one of {MARKOV_HEAD_TYPES}")
+    if family != target_family:
+        # a draft of the other family, sized like the target: only for pair-validation tests
+        base = tiny_target_config(
+            family=family,
+            vocab_size=target_config["vocab_size"],
+            ids={"bos": target_config["bos_token_id"], "eos": target_config["eos_token_id"], "pad": target_config["pad_token_id"]},
+            tie_word_embeddings=target_config["tie_word_embeddings"],
+            dtype=target_config.get("dtype", "float32"),
+            hidden_size=target_config["hidden_size"],
+            num_hidden_layers=target_config["num_hidden_layers"],
+        )
+    else:
+        base = target_config
+    if layer_types is None:
+        layer_types = ["sliding_attention", "sliding_attention"]
+    if sliding_window is None and "sliding_attention" in layer_types:
+        sliding_window = target_config.get("sliding_window") or 16
+    if target_layer_ids is None:
+        target_layer_ids = _default_tap_ids(target_config["num_hidden_layers"])
+    tok_config = json.loads((target_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    mask_token = tok_config.get("mask_token") or "<|mask|>"
+    mask_ids = [int(i) for i, t in tok_config.get("added_tokens_decoder", {}).items() if t["content"] == mask_token]
+    if not mask_ids:
+        raise ValueError(f"{target_path / 'tokenizer_config.json'}: no mask token {mask_token!r} among the added tokens")
+    config = tiny_draft_config(
+        base,
+        mask_token_id=mask_ids[0],
+        markov_head_type=markov_head_type,
+        markov_rank=markov_rank,
+        enable_confidence_head=enable_confidence_head,
+        confidence_head_with_markov=confidence_head_with_markov,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+        target_layer_ids=target_layer_ids,
+    )
+    config["num_target_layers"] = target_config["num_hidden_layers"]
+    target_weights = _read_hf_weights(target_path) if include_shared and family == target_family else None
+    weights = tiny_draft_weights(config, target_weights=target_weights, seed=seed)
+    dtype = dtype or target_config.get("dtype", "float32")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _write_json(path / "config.json", config)
+    save_hf_weights(path, weights, dtype=dtype, num_shards=num_shards)
+    return path
+
+
+def write_tiny_pair(
+    root: str | Path, *, family: str = "spark2_5", seed: int = 0, **draft_options: Any
+) -> tuple[Path, Path]:
+    """Write `root/target` and `root/draft` for `family`; returns (target_path, draft_path)."""
+    root = Path(root)
+    target = write_tiny_target(root / "target", family=family, seed=seed)
+    draft = write_tiny_draft(root / "draft", target_path=target, seed=seed, **draft_options)
+    return target, draft
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r} is not supported; expected one of {FAMILIES}")

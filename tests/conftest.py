@@ -1,0 +1,57 @@
+"""Shared pytest fixtures: tiny random checkpoints written once per session.
+
+Everything is float32 and seeded (seed 0), written by `mlx_dspark.tiny`; treat the directories as
+read-only (they are shared by every test of the session; write your own with the writer to modify).
+
+- `tiny_spark_target`: Path of a spark2_5 target (tied, 4 layers: 3 sliding + 1 full, window 16,
+  hidden 128, 4 query / 2 KV heads of 64, partial rotary 0.25 on the full layer, vocab 384).
+- `tiny_qwen3_target`: Path of a qwen3 target (untied, 4 layers, hidden 128, heads 4 x 32, vocab 384).
+- `tiny_spark_pair`, `tiny_qwen3_pair`: (target_path, draft_path); the draft is a vanilla-Markov DSpark
+  draft with a confidence head, 2 sliding layers (window 16), taps [0, 2], block size 7, mask token =
+  the tokenizer's `<|mask|>`, and the shared embedding / lm_head copied in (HF / DeepSpec layout).
+- `shared_fixtures`: Path of ../shared/fixtures (the reference tiny checkpoints); skips when absent.
+
+Spark directories carry `auto_map` like the real checkpoint: load their tokenizer with
+`mlx_dspark.load` (or pass `{"trust_remote_code": False}` to mlx-lm's `load_tokenizer`), never by
+letting transformers prompt for custom code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlx_dspark.tiny import write_tiny_draft, write_tiny_target
+
+SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"
+
+
+@pytest.fixture(scope="session")
+def tiny_spark_target(tmp_path_factory) -> Path:
+    return write_tiny_target(tmp_path_factory.mktemp("tiny-spark") / "target", family="spark2_5", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_target(tmp_path_factory) -> Path:
+    return write_tiny_target(tmp_path_factory.mktemp("tiny-qwen3") / "target", family="qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_spark_pair(tiny_spark_target) -> tuple[Path, Path]:
+    draft = write_tiny_draft(tiny_spark_target.parent / "draft", target_path=tiny_spark_target, seed=0)
+    return tiny_spark_target, draft
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_pair(tiny_qwen3_target) -> tuple[Path, Path]:
+    draft = write_tiny_draft(tiny_qwen3_target.parent / "draft", target_path=tiny_qwen3_target, seed=0)
+    return tiny_qwen3_target, draft
+
+
+@pytest.fixture(scope="session")
+def shared_fixtures() -> Path:
+    path = SHARED_DIR / "fixtures"
+    if not path.is_dir():
+        pytest.skip(f"shared reference fixtures not found at {path} (the folder beside the repo checkout)")
+    return path
