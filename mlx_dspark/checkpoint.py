@@ -189,7 +189,7 @@ class ShardWriter:
     def flush(self) -> None:
         if not self._pending:
             return
-        path = self.directory / f".shard-{len(self._written):05d}.safetensors.tmp"
+        path = self.directory / f".shard-{len(self._written):05d}.tmp.safetensors"
         mx.eval(list(self._pending.values()))
         mx.save_safetensors(str(path), self._pending, metadata={"format": "mlx"})
         self._written.append((path, list(self._pending)))
