@@ -75,7 +75,7 @@ class ContextCache:
         # New buffers holding the kept positions plus room for this append and a step more.
         kept = self.length
         if self.keep is None:
-            capacity = ((kept + rows + self.step - 1) // self.step + 1) * self.step
+            capacity = ((kept + rows) // self.step + 1) * self.step
         else:
             capacity = self.keep + max(rows, self.step)
         batch, heads, _, k_dim = keys.shape

@@ -283,6 +283,7 @@ class Proposal:
     draft_probs: Optional[mx.array]  # (B, K, V) softmax(logits(k) / T) each was drawn from; None when greedy
     token_probs: mx.array  # (B, K) softmax(logits(k))(x(k)) at T = 1, for p_min
     confidence: Optional[mx.array]  # (B, K) c(k) in (0, 1); None without a confidence head
+    logits: Optional[mx.array] = None  # (B, K, V) float32 logits(k) = z(k) + Markov bias (lazy; for tests, filters)
 
 
 class DSparkDraft(nn.Module):
@@ -390,7 +391,7 @@ class DSparkDraft(nn.Module):
     def _draft(self, anchor: mx.array, hidden: mx.array, base: mx.array, *, greedy: bool, temperature: float) -> Proposal:
         markov = getattr(self, "markov_head", None)
         prev = anchor
-        prev_embeddings, tokens, token_probs, draft_probs = [], [], [], []
+        prev_embeddings, tokens, token_probs, draft_probs, all_logits = [], [], [], [], []
         state = None
         for k in range(base.shape[1]):
             logits = base[:, k]  # (B, V)
@@ -408,6 +409,7 @@ class DSparkDraft(nn.Module):
                 token = mx.random.categorical(scaled)
                 draft_probs.append(mx.softmax(scaled, axis=-1))
             token = token.astype(anchor.dtype)
+            all_logits.append(logits)
             chosen = mx.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
             token_probs.append(mx.exp(chosen - mx.logsumexp(logits, axis=-1)))
             tokens.append(token)
@@ -423,4 +425,5 @@ class DSparkDraft(nn.Module):
             draft_probs=None if greedy else mx.stack(draft_probs, axis=1),
             token_probs=mx.stack(token_probs, axis=1),
             confidence=confidence,
+            logits=mx.stack(all_logits, axis=1),
         )
