@@ -71,6 +71,11 @@ class ContextCache:
         self.values[..., self._used : self._used + rows, :] = values
         self._used += rows
 
+    def advance(self, num_positions: int) -> None:
+        """Count positions that a layer keeping none of its context (window 1) never stores."""
+        assert self.keep == 0, "only a layer that keeps no context may skip positions"
+        self.offset += num_positions
+
     def _grow(self, keys: mx.array, values: mx.array, rows: int) -> None:
         # New buffers holding the kept positions plus room for this append and a step more.
         kept = self.length

@@ -186,6 +186,16 @@ def test_draft_without_markov_or_confidence_head_matches_reference(make):
     check_rounds(draft, ReferenceDraft(config, weights), target, embedding, lm_head, features, chunks=[4, 8], seed=2)
 
 
+@pytest.mark.parametrize("window", [1, 2, 7, 8, 9])
+def test_window_edges_match_reference(window):
+    # 1: only the block is visible; 7..9: the block's last query sees no / one / two context positions.
+    config = qwen3_config(sliding_window=window, markov_head_type="gated")
+    draft, weights = random_draft(config, seed=8)
+    target, embedding, lm_head = random_target(config, seed=8)
+    features = random_features(config, batch=1, length=21, seed=8)
+    check_rounds(draft, ReferenceDraft(config, weights), target, embedding, lm_head, features, chunks=[3, 9, 1, 8], seed=8)
+
+
 def test_fewer_tokens_compute_the_same_leading_draft():
     config = qwen3_config(markov_head_type="rnn")
     draft, _ = random_draft(config, seed=3)
@@ -351,6 +361,11 @@ def test_draft_args_name_missing_and_bad_fields():
         DraftArgs.from_dict(spark_config(rope_parameters={"sliding_attention": {"rope_theta": 1e4}}))
     with pytest.raises(ValueError, match="confidence_head_with_markov"):
         DraftArgs.from_dict(qwen3_config(markov_rank=0))
+    with pytest.raises(ValueError, match="gate_attn_act_mode"):
+        DraftArgs.from_dict(spark_config(gate_attn_act_mode="softmax"))
+    # As transformers' Qwen3Config (which DeepSpec's draft reads): no window without use_sliding_window.
+    no_window = DraftArgs.from_dict(qwen3_config(use_sliding_window=False))
+    assert [no_window.layer_window(i) for i in range(3)] == [None, None, None]
     args = DraftArgs.from_dict(spark_config())
     assert args.rope == {"sliding_attention": (10000.0, 8), "full_attention": (5000000.0, 4)}
     assert [args.layer_window(i) for i in range(3)] == [11, None, 11]

@@ -106,6 +106,13 @@ class DraftArgs:
         elif family == "spark2_5" and SLIDING_ATTENTION in layer_types:
             raise ValueError(f"{source}: field 'sliding_window' is missing but layer_types has sliding_attention layers")
 
+        if family == "spark2_5":
+            # Our Spark layout has one sigmoid gate per query head (g_proj: hidden -> heads).
+            if config.get("gate_attn_act_mode", "sigmoid") != "sigmoid" or config.get("headwise_attn_output_gate") is False:
+                raise ValueError(
+                    f"{source}: only a head-wise sigmoid attention output gate is supported; got gate_attn_act_mode "
+                    f"{config.get('gate_attn_act_mode')!r}, headwise_attn_output_gate {config.get('headwise_attn_output_gate')!r}"
+                )
         rope = _rope_by_layer_type(config, family=family, head_dim=head_dim, layer_types=layer_types, source=source)
         act = config.get("hidden_act")
         expected_act = {"qwen3": "silu", "spark2_5": "gelu"}[family]
@@ -342,7 +349,7 @@ class DSparkDraft(nn.Module):
         fused = self.hidden_norm(self.fc(features[:, n - rows :]))  # c(t), (B, rows, H)
         for layer, cache, need in zip(self.layers, ctx, needed):
             if need == 0:
-                cache.offset += n
+                cache.advance(n)
                 continue
             keys, values = layer.self_attn.key_values(fused[:, rows - need :], offset + n - need)
             cache.append(keys, values, num_positions=n)
