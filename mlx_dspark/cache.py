@@ -23,7 +23,7 @@ class SlidingKVCache:
     `update_and_fetch(keys, values)` appends the new positions and returns the keys and values the new
     queries can see: positions `[max(0, q_start - window + 1), offset)` with `q_start` the first new
     position and `offset` the cache offset after the update (so they always end with the new ones).
-    Memory: at most `window + max_rollback` kept positions plus one update's worth (>= `step`).
+    Memory: at most `window + max_rollback` kept positions plus `max(step, largest update)`.
     """
 
     step = 256
@@ -44,7 +44,7 @@ class SlidingKVCache:
         # New buffer holding the last window + max_rollback positions, then room for this update.
         num_new = keys.shape[2]
         keep = min(self._len, self.window + self.max_rollback)
-        capacity = keep + self.step * ((num_new + self.step - 1) // self.step)
+        capacity = keep + max(num_new, self.step)
         B, H, _, Dk = keys.shape
         new_keys = mx.zeros((B, H, capacity, Dk), keys.dtype)
         new_values = mx.zeros((B, H, capacity, values.shape[3]), values.dtype)
