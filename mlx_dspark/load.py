@@ -216,9 +216,9 @@ def _same_tensor(draft: mx.array, target: mx.array, quant: Optional[tuple], *, r
             scales, biases, group_size, bits = quant
             s, b = scales[start : start + rows], None if biases is None else biases[start : start + rows]
             t = mx.dequantize(target[start : start + rows], s, b, group_size=group_size, bits=bits).astype(mx.float32)
-            # affine rounding is at most half a step; plus the draft's own storage rounding
-            step = mx.repeat(s.astype(mx.float32), group_size, axis=-1)
-            tol = 0.51 * step + 1e-2 * mx.abs(t) + 1e-5
+            # MLX's affine quantization is off by up to one step; plus the draft's own storage rounding
+            step = mx.repeat(mx.abs(s.astype(mx.float32)), group_size, axis=-1)  # scales may be negative
+            tol = 1.01 * step + 1e-2 * mx.abs(t) + 1e-5
         if not mx.all(mx.abs(d - t) <= tol).item():
             return False
     return True
