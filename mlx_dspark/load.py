@@ -8,6 +8,8 @@ copies of the target's embedding / LM head are checked against the target's and 
 
 from __future__ import annotations
 
+import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -107,9 +109,11 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array], origin: dict[s
         raise ValueError(f"{directory}: the {what} weights do not match config.json: " + "; ".join(problems))
     wrong = [
         f"{k} in {origin[k].name}: found {tuple(v.shape)}, expected {tuple(expected[k].shape)}"
-        for k, v in weights.items()
+        for k, v in sorted(weights.items())
         if v.shape != expected[k].shape
     ]
+    if len(wrong) > 8:
+        wrong = wrong[:8] + [f"and {len(wrong) - 8} more"]
     if wrong:
         raise ValueError(f"{directory}: {what} tensor shape mismatch: " + "; ".join(wrong))
 
@@ -145,22 +149,31 @@ def load_target(path: Path, *, dtype: Optional[mx.Dtype] = None) -> tuple[nn.Mod
     return model, config, weights
 
 
-def load_draft(path: Path, *, dtype: Optional[mx.Dtype] = None) -> tuple[nn.Module, dict, dict[str, mx.array]]:
-    """(draft, config, its shared tensors as stored: embed_tokens / embedding / lm_head, possibly none)."""
-    from mlx_dspark.models.dspark import SHARED_PREFIXES, DraftArgs, DSparkDraft
+def read_draft_config(path: Path) -> dict:
+    """The draft's config.json, checked to be a complete DSpark config (before any weight is read)."""
+    from mlx_dspark.models.dspark import DraftArgs
 
     config = read_config(path)
     source = str(path / "config.json")
     if not is_draft_config(config):
         raise ValueError(
-            f"{source}: not a DSpark draft: architectures {config.get('architectures')} and none of the DSpark fields "
-            f"{list(DSPARK_MARKER_FIELDS)}; pass a draft directory as draft="
+            f"{source}: not a DSpark draft: architectures {config.get('architectures')} and not all of the DSpark "
+            f"fields {list(DSPARK_MARKER_FIELDS)}; pass a draft directory as draft="
         )
+    DraftArgs.from_dict(config, source=source)
+    return config
+
+
+def load_draft(path: Path, config: dict, *, dtype: Optional[mx.Dtype] = None) -> tuple[nn.Module, dict[str, mx.array]]:
+    """(draft, its shared tensors as stored: embed_tokens / embedding / lm_head, possibly none)."""
+    from mlx_dspark.models.dspark import SHARED_PREFIXES, DraftArgs, DSparkDraft
+
+    source = str(path / "config.json")
     args = DraftArgs.from_dict(config, source=source)
     weights, origin = load_weights(path)
     shared = {k: v for k, v in weights.items() if k.startswith(SHARED_PREFIXES)}
     model = _build_and_fill(DSparkDraft, args, dict(weights), origin, config, directory=path, what="draft", dtype=dtype)
-    return model, config, shared
+    return model, shared
 
 
 def _target_tensor(weights: dict[str, mx.array], config: dict, name: str) -> Optional[tuple[mx.array, Optional[tuple]]]:
@@ -317,8 +330,9 @@ def load(
     draft_model = draft_config = draft_path = None
     if draft is not None:
         draft_path = resolve_path(draft, role="draft")
-        draft_model, draft_config, shared = load_draft(draft_path, dtype=mx_dtype)
+        draft_config = read_draft_config(draft_path)
         validate_pair(target_config, draft_config, target_path=target_path, draft_path=draft_path)
+        draft_model, shared = load_draft(draft_path, draft_config, dtype=mx_dtype)
         check_shared_tensors(shared, target_weights, target_config, draft_path=draft_path)
     del target_weights
 
@@ -344,3 +358,14 @@ def load(
         target_path=target_path,
         draft_path=draft_path,
     )
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this submodule rebinds the package attribute `mlx_dspark.load` from the function to
+    the module; making the module callable keeps the documented `mlx_dspark.load(...)` working."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> LoadedModel:
+        return load(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

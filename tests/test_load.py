@@ -38,8 +38,12 @@ def test_load_hf_target_gives_model_tokenizer_and_config(family, tiny_spark_targ
     assert loaded.tokenizer.decode(loaded.tokenizer.encode(text, add_special_tokens=False)) == text
 
 
-def test_package_level_load_is_the_same_function(tiny_qwen3_target):
-    assert package_load(tiny_qwen3_target).target_config == load(tiny_qwen3_target).target_config
+def test_package_level_load_keeps_working_after_the_submodule_is_imported(tiny_qwen3_target):
+    import mlx_dspark
+    import mlx_dspark.load  # noqa: F401  (rebinds the package attribute to the submodule)
+
+    first, second = package_load(tiny_qwen3_target), mlx_dspark.load(tiny_qwen3_target)
+    assert isinstance(second, LoadedModel) and first.target_config == second.target_config
 
 
 def test_qwen3_eos_ids_include_generation_config_ones(tiny_qwen3_target):
