@@ -1,0 +1,109 @@
+"""In-memory tiny targets and test-only proposers for the engine tests (no files, no tokenizer)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from mlx_dspark.decode import plain_steps
+from mlx_dspark.models import qwen3, spark2_5
+from mlx_dspark.propose import Proposal
+from mlx_dspark.sample import Sampler
+
+
+def spark_config(*, vocab_size: int = 96, window: int = 16, tie: bool = True, layers: int = 4) -> dict:
+    # the real pattern (three sliding, one full) repeated; 2 layers = one of each, for fast tests
+    layer_types = ["sliding_attention", "full_attention"] if layers == 2 else (["sliding_attention"] * 3 + ["full_attention"]) * (layers // 4)
+    return {
+        "architectures": ["Spark2_5ForCausalLM"],
+        "model_type": "spark2_5",
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "num_hidden_layers": len(layer_types),
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": vocab_size,
+        "layer_types": layer_types,
+        "sliding_window": window,
+        "rope_parameters": {
+            "sliding_attention": {"rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+            "full_attention": {"rope_theta": 5000000.0, "partial_rotary_factor": 0.25},
+        },
+        "tie_word_embeddings": tie,
+        "hidden_act": "gelu",
+        "rms_norm_eps": 1e-6,
+    }
+
+
+def qwen3_config(*, vocab_size: int = 96, tie: bool = False, layers: int = 4) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": vocab_size,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+    }
+
+
+def make_target(family: str, *, seed: int = 0, **config_overrides):
+    """A random float32 target of the family; embeddings scaled so logits are not flat."""
+    mx.random.seed(seed)
+    if family == "spark2_5":
+        module, config = spark2_5, spark_config(**config_overrides)
+    else:
+        module, config = qwen3, qwen3_config(**config_overrides)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+def greedy_reference(target, prompt: Sequence[int], length: int) -> list[int]:
+    """The target's own greedy continuation, by plain decoding."""
+    out: list[int] = []
+    for step in plain_steps(target, prompt, sampler=Sampler()):
+        out.extend(step.tokens)
+        if len(out) >= length:
+            return out[:length]
+    raise AssertionError("unreachable")
+
+
+class OracleProposer:
+    """Proposes the target's own greedy continuation, with errors injected at chosen draft positions.
+
+    `errors(round_index)` returns the 1-based draft positions to corrupt in that round. It also records
+    every feature block it is given, so tests can check the rollback bookkeeping.
+    """
+
+    def __init__(self, reference: Sequence[int], prompt_len: int, vocab_size: int, *, errors, tap_ids=(0,), block_size=7):
+        self.reference = list(reference)
+        self.prompt_len = prompt_len
+        self.vocab_size = vocab_size
+        self.errors = errors
+        self.tap_ids = tuple(tap_ids)
+        self.block_size = block_size
+        self.rounds = 0
+        self.extended = 0  # committed positions whose features we received
+
+    def extend(self, features: mx.array) -> None:
+        self.extended += features.shape[1]
+
+    def propose(self, anchor: mx.array, *, position: int, num_tokens: int) -> Proposal:
+        assert self.extended == position, f"draft context holds {self.extended} positions, anchor at {position}"
+        start = position - self.prompt_len + 1  # index in the reference of the token after the anchor
+        tokens = list(self.reference[start : start + num_tokens])
+        tokens += [0] * (num_tokens - len(tokens))
+        for k in self.errors(self.rounds):
+            if k <= num_tokens:
+                tokens[k - 1] = (tokens[k - 1] + 1) % self.vocab_size
+        self.rounds += 1
+        return Proposal(tokens=mx.array([tokens], dtype=mx.int32))
