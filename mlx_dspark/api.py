@@ -14,7 +14,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from mlx_dspark.decode import Round, plain_steps, speculative_steps
-from mlx_dspark.propose import DraftProposer
+from mlx_dspark.propose import DraftProposer, Proposer
 from mlx_dspark.sample import Sampler
 
 DRAFT_SAMPLING_MODES = ("greedy", "sample")
@@ -99,18 +99,20 @@ def _steps(
     p_min: float,
     confidence_threshold: float,
     max_tokens: int,
+    proposer: Proposer | None,
 ) -> Iterator[Round]:
     vocab = model.target.args.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-    if speculative and model.draft is not None:
+    if speculative and proposer is None and model.draft is not None:
         proposer = DraftProposer(
             model.draft,
             model.target,
             greedy=draft_sampling == "greedy" or sampler.greedy,
             temperature=max(sampler.temperature, 1e-6),
         )
+    if speculative and proposer is not None:
         return speculative_steps(
             model.target,
             proposer,
@@ -162,8 +164,12 @@ def stream_generate(
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
+    proposer: Proposer | None = None,
 ) -> Iterator[StepResponse]:
-    """Yield a StepResponse per target forward; the last one carries the finish reason."""
+    """Yield a StepResponse per target forward; the last one carries the finish reason.
+
+    `proposer` replaces the loaded draft (tests and benchmarks plug in controlled proposers).
+    """
     sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     _check_options(
         max_tokens=max_tokens, draft_sampling=draft_sampling, p_min=p_min, confidence_threshold=confidence_threshold
@@ -191,6 +197,7 @@ def stream_generate(
         p_min=p_min,
         confidence_threshold=confidence_threshold,
         max_tokens=max_tokens,
+        proposer=proposer,
     )
     for step in steps:
         now = time.perf_counter()
