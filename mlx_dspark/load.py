@@ -294,9 +294,14 @@ def load_tokenizer(path: Path, config: dict):
 
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         raise FileNotFoundError(f"{path}: no tokenizer files (expected one of {list(_TOKENIZER_FILES)}); the target directory must carry its tokenizer")
-    # trust_remote_code=False: a Spark config names custom code (auto_map); we never run it, and
-    # without the flag transformers would stop and ask.
-    return mlx_lm_load_tokenizer(path, {"trust_remote_code": False}, eos_token_ids=eos_token_ids(path, config) or None)
+    # A Spark config names custom code (auto_map): we never run it. trust_remote_code=False keeps
+    # transformers from stopping to ask; a blank model config keeps it from reading config.json at all.
+    extra: dict[str, Any] = {"trust_remote_code": False}
+    if "auto_map" in config:
+        from transformers import PretrainedConfig
+
+        extra["config"] = PretrainedConfig()
+    return mlx_lm_load_tokenizer(path, extra, eos_token_ids=eos_token_ids(path, config) or None)
 
 
 # -- public entry --------------------------------------------------------------------------------

@@ -61,11 +61,14 @@ def test_spark_tokenizer_loads_without_running_or_asking_for_custom_code(tiny_sp
 
 
 @pytest.mark.parametrize("family", ["spark2_5", "qwen3"])
-def test_bf16_hf_directory_loads_in_bf16_with_logits_close_to_f32(family, tiny_spark_target, tiny_qwen3_target, tmp_path):
-    bf16 = write_tiny_target(tmp_path / "bf16", family=family, seed=0, dtype="bfloat16")
-    loaded = load(bf16)
+@pytest.mark.parametrize("stored", ["bfloat16", "float16"])
+def test_half_precision_hf_directory_loads_as_stored_with_logits_close_to_f32(
+    family, stored, tiny_spark_target, tiny_qwen3_target, tmp_path
+):
+    half = write_tiny_target(tmp_path / stored, family=family, seed=0, dtype=stored)
+    loaded = load(half)
     dtypes = {v.dtype for _, v in tree_flatten(loaded.target.parameters())}
-    assert dtypes == {mx.bfloat16}
+    assert dtypes == {getattr(mx, stored)}
     reference = _logits(load(_target(family, tiny_spark_target, tiny_qwen3_target)).target)
     got = _logits(loaded.target)
     assert np.abs(got - reference).max() < 0.1 * np.abs(reference).max()
