@@ -20,7 +20,7 @@ import typer
 from mlx.utils import tree_flatten
 
 from mlx_dspark.checkpoint import INDEX_FILE, ShardWriter, load_file, read_config, resolve_path, weight_files
-from mlx_dspark.load import DTYPES, Q_BITS, Q_GROUP_SIZES, is_draft_config, parse_dtype, quantizable
+from mlx_dspark.load import DTYPES, Q_BITS, Q_GROUP_SIZES, check_tensors, is_draft_config, parse_dtype, quantizable
 from mlx_dspark.models import target_module
 
 # Non-weight files carried over (tokenizer, generation defaults); never checkpoint code (*.py).
@@ -109,7 +109,7 @@ def convert(
         {path for path, m in model.named_modules() if quantizable(path, m, group_size=q_group_size)} if quantize else set()
     )
     files = weight_files(src)
-    _check_names(files, sanitize, expected, src=src, keep_shared=kind == "draft" and keep_shared)
+    _check_names(files, sanitize, expected, src=src, what=kind, keep_shared=kind == "draft" and keep_shared)
 
     dst.mkdir(parents=True, exist_ok=True)
     _clear_outputs(dst)
@@ -140,27 +140,19 @@ def convert(
     return dst
 
 
-def _check_names(files: list[Path], sanitize, expected: dict[str, tuple], *, src: Path, keep_shared: bool) -> None:
-    """Before writing anything: every expected tensor present once, nothing unexpected, shapes right."""
+def _check_names(files: list[Path], sanitize, expected: dict[str, tuple], *, src: Path, what: str, keep_shared: bool) -> None:
+    """Before writing anything: every expected tensor present, nothing unexpected, shapes right."""
     from mlx_dspark.models.dspark import SHARED_PREFIXES
 
-    seen: dict[str, tuple] = {}
+    found: dict[str, tuple] = {}
     origin: dict[str, str] = {}
     for path in files:
         for name, array in sanitize(load_file(path)).items():
-            seen[name] = tuple(array.shape)
+            if keep_shared and name.startswith(SHARED_PREFIXES):
+                continue  # kept as they are; the loader checks them against the target
+            found[name] = tuple(array.shape)
             origin[name] = path.name
-    allowed_extra = {k for k in seen if keep_shared and k.startswith(SHARED_PREFIXES)}
-    missing = sorted(set(expected) - set(seen))
-    unexpected = sorted(set(seen) - set(expected) - allowed_extra)
-    if missing or unexpected:
-        parts = ([f"missing tensor(s) {missing}"] if missing else []) + (
-            [", ".join(f"unexpected tensor {k} (in {origin[k]})" for k in unexpected)] if unexpected else []
-        )
-        raise ValueError(f"{src}: the weights do not match config.json: " + "; ".join(parts))
-    wrong = [f"{k} in {origin[k]}: found {seen[k]}, expected {expected[k]}" for k in sorted(expected) if seen[k] != expected[k]]
-    if wrong:
-        raise ValueError(f"{src}: tensor shape mismatch: " + "; ".join(wrong))
+    check_tensors(expected, found, origin, directory=src, what=what)
 
 
 def _write_config(config: dict, dst: Path, *, quantize: bool, q_bits: int, q_group_size: int, dtype: Optional[str]) -> None:

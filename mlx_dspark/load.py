@@ -95,27 +95,38 @@ def apply_stored_quantization(model: nn.Module, config: dict, weights: dict[str,
     nn.quantize(model, quant["group_size"], quant["bits"], mode=quant.get("mode", "affine"), class_predicate=predicate)
 
 
-def check_weights(model: nn.Module, weights: dict[str, mx.array], origin: dict[str, Path], *, directory: Path, what: str) -> None:
-    """Strict: ValueError listing missing / unexpected tensors (with their files) and shape mismatches."""
-    expected = dict(tree_flatten(model.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
+def check_tensors(
+    expected: dict[str, tuple], found: dict[str, tuple], origin: dict[str, str], *, directory: Path, what: str
+) -> None:
+    """Strict: ValueError listing missing / unexpected tensors (with their files) and shape mismatches.
+
+    expected / found: name -> shape; origin: name -> the file it came from."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
     problems = []
     if missing:
         problems.append(f"missing tensor(s) {missing}")
     if unexpected:
-        problems.append("unexpected tensor(s) " + ", ".join(f"{k} (in {origin[k].name})" for k in unexpected if k in origin))
+        problems.append("unexpected tensor(s) " + ", ".join(f"{k} (in {origin[k]})" for k in unexpected))
     if problems:
         raise ValueError(f"{directory}: the {what} weights do not match config.json: " + "; ".join(problems))
     wrong = [
-        f"{k} in {origin[k].name}: found {tuple(v.shape)}, expected {tuple(expected[k].shape)}"
-        for k, v in sorted(weights.items())
-        if v.shape != expected[k].shape
+        f"{k} in {origin[k]}: found {found[k]}, expected {expected[k]}" for k in sorted(found) if found[k] != expected[k]
     ]
     if len(wrong) > 8:
         wrong = wrong[:8] + [f"and {len(wrong) - 8} more"]
     if wrong:
         raise ValueError(f"{directory}: {what} tensor shape mismatch: " + "; ".join(wrong))
+
+
+def check_weights(model: nn.Module, weights: dict[str, mx.array], origin: dict[str, Path], *, directory: Path, what: str) -> None:
+    check_tensors(
+        {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())},
+        {k: tuple(v.shape) for k, v in weights.items()},
+        {k: origin[k].name for k in weights},
+        directory=directory,
+        what=what,
+    )
 
 
 def cast_floating(weights: dict[str, mx.array], dtype: Optional[mx.Dtype]) -> dict[str, mx.array]:
