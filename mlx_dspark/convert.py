@@ -20,7 +20,16 @@ import typer
 from mlx.utils import tree_flatten
 
 from mlx_dspark.checkpoint import INDEX_FILE, ShardWriter, load_file, read_config, resolve_path, weight_files
-from mlx_dspark.load import DTYPES, Q_BITS, Q_GROUP_SIZES, check_tensors, is_draft_config, parse_dtype, quantizable
+from mlx_dspark.load import (
+    DTYPES,
+    Q_BITS,
+    Q_GROUP_SIZES,
+    check_quantize_options,
+    check_tensors,
+    is_draft_config,
+    parse_dtype,
+    quantizable,
+)
 from mlx_dspark.models import target_module
 
 # Non-weight files carried over (tokenizer, generation defaults); never checkpoint code (*.py).
@@ -82,8 +91,6 @@ def convert(
     log: Callable[[str], None] = _log,
 ) -> Path:
     """Convert the checkpoint at `hf_path` into an MLX directory at `mlx_path`; returns its path."""
-    from mlx_dspark.load import check_quantize_options
-
     if quantize:
         check_quantize_options(bits=q_bits, group_size=q_group_size)
     mx_dtype = parse_dtype(dtype)
