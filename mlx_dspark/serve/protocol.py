@@ -1,0 +1,329 @@
+"""The OpenAI wire format: request bodies -> generation requests, steps -> response bodies and chunks.
+
+Pure functions of dicts and `StepResponse`s: no sockets, no threads, no model. Fields that clients
+send and that do not change the output (`user`, `metadata`, `store`, ...) are ignored, as other
+OpenAI-compatible servers do; a field whose value we cannot honour (`n` > 1, `logprobs`, `tools`,
+`echo`, ...) is a 400 that names it rather than a silently different answer.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_dspark.api import StepResponse
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+MAX_STOP_SEQUENCES = 16
+
+
+class APIError(Exception):
+    """An error the client gets as OpenAI's `{"error": {...}}` body with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Server-wide generation settings (the CLI flags); a request overrides the sampling knobs."""
+
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    draft_sampling: str = "greedy"
+    p_min: float = 0.0
+    confidence_threshold: float = 0.0
+    chat_template_kwargs: dict | None = None
+
+
+@dataclass
+class GenerationRequest:
+    kind: str  # "chat" or "text"
+    prompt: str | list[int] | list[dict]  # what api.stream_generate takes
+    options: dict  # keyword arguments of api.stream_generate
+    stream: bool = False
+    include_usage: bool = False
+
+
+# -- reading fields --------------------------------------------------------------------------------
+
+
+def _bad(name: str, expected: str, value: Any) -> APIError:
+    return APIError(400, f"'{name}' must be {expected}, got {value!r}", param=name, code="invalid_value")
+
+
+def _number(body: dict, name: str, default: float, *, low: float, high: float, open_low: bool = False,
+            open_high: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(name, "a number", value)
+    if value < low or (open_low and value == low) or value > high or (open_high and value == high):
+        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+        raise _bad(name, f"in {interval}", value)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None, *, low: int, high: int = 2**63 - 1) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # JavaScript clients send 64.0
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _bad(name, f"an integer in [{low}, {high}]", value)
+    return value
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(name, "true or false", value)
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("stop", "a string or a list of strings", value)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise _bad("stop", f"at most {MAX_STOP_SEQUENCES} sequences", f"{len(stops)} sequences")
+    return stops
+
+
+def _reject_unsupported(body: dict) -> None:
+    """Options whose value would change the answer in a way we cannot give: a 400 naming them."""
+    n = _integer(body, "n", 1, low=1)
+    if n != 1:
+        raise APIError(400, f"only n=1 is supported, got n={n}", param="n", code="unsupported_value")
+    best_of = _integer(body, "best_of", 1, low=1)
+    if best_of != 1:
+        raise APIError(400, f"only best_of=1 is supported, got {best_of}", param="best_of", code="unsupported_value")
+    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
+        if body.get(name) not in (None, False, 0, "", []):
+            raise APIError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+    response_format = body.get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
+        raise APIError(400, "only response_format {'type': 'text'} is supported (no constrained decoding)",
+                       param="response_format", code="unsupported_value")
+
+
+def _options(body: dict, defaults: Defaults) -> dict:
+    """The keyword arguments of api.stream_generate: the request's knobs over the server defaults."""
+    max_tokens = _integer(body, "max_completion_tokens", None, low=1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", defaults.max_tokens, low=1)
+    template_kwargs = body.get("chat_template_kwargs")
+    if template_kwargs is not None and not isinstance(template_kwargs, dict):
+        raise _bad("chat_template_kwargs", "an object", template_kwargs)
+    return dict(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", defaults.temperature, low=0.0, high=math.inf, open_high=True),
+        top_p=_number(body, "top_p", defaults.top_p, low=0.0, high=1.0, open_low=True),
+        top_k=_integer(body, "top_k", defaults.top_k, low=0),
+        min_p=_number(body, "min_p", defaults.min_p, low=0.0, high=1.0, open_high=True),
+        seed=_integer(body, "seed", None, low=0, high=2**64 - 1),
+        stop=_stop(body),
+        draft_sampling=defaults.draft_sampling,
+        p_min=defaults.p_min,
+        confidence_threshold=defaults.confidence_threshold,
+        chat_template_kwargs={**(defaults.chat_template_kwargs or {}), **(template_kwargs or {})} or None,
+    )
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _flag(body, "stream")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise _bad("stream_options", "an object", stream_options)
+    include_usage = stream and _flag(stream_options or {}, "include_usage")
+    return stream, include_usage
+
+
+def _message_text(content: Any, index: int) -> str:
+    """A message's content as text: a string, null (assistant tool turns) or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(400, f"messages[{index}].content: only text parts are supported, got {kind!r}",
+                               param=f"messages[{index}].content", code="unsupported_value")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise _bad(f"messages[{index}].content", "a string or a list of text parts", content)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "a non-empty list of messages", messages)
+    rendered = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _bad(f"messages[{i}]", "an object with 'role' and 'content'", message)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise _bad(f"messages[{i}].role", f"one of {list(CHAT_ROLES)}", role)
+        # Chat templates know "system"; "developer" is OpenAI's newer name for it.
+        item = {"role": "system" if role == "developer" else role, "content": _message_text(message.get("content"), i)}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if key in message:
+                item[key] = message[key]
+        rendered.append(item)
+    return rendered
+
+
+def _completion_prompt(body: dict) -> str | list[int]:
+    """A string, token ids, or a one-element list of either (what the openai client sends)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise _bad("prompt", "a non-empty string or list of token ids (one prompt per request)", prompt)
+
+
+def parse_request(kind: str, body: Any, *, defaults: Defaults) -> GenerationRequest:
+    """Validate a /v1/chat/completions (kind "chat") or /v1/completions ("text") body."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    _reject_unsupported(body)
+    prompt = _messages(body) if kind == "chat" else _completion_prompt(body)
+    stream, include_usage = _stream_flags(body)
+    return GenerationRequest(kind=kind, prompt=prompt, options=_options(body, defaults), stream=stream,
+                             include_usage=include_usage)
+
+
+# -- writing responses -----------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """Usage and speculative statistics accumulated over the steps of one request."""
+
+    speculative: bool
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    rounds: int = 0
+    accepted: int = 0
+    proposed: int = 0
+    generation_tps: float = 0.0
+    prompt_tps: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+    time_to_first_token: float | None = None
+
+    def add(self, step: StepResponse) -> None:
+        if self.time_to_first_token is None:
+            self.time_to_first_token = time.perf_counter() - self.started
+        self.prompt_tokens = step.prompt_tokens
+        self.completion_tokens = step.generation_tokens
+        self.generation_tps = step.generation_tps
+        self.prompt_tps = step.prompt_tps
+        if step.verified:
+            self.rounds += 1
+            self.accepted += step.accepted
+            self.proposed += step.proposed
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+    def stats(self) -> dict:
+        """The extra `dspark` field: acceptance length counts the bonus token (accepted + 1 per round)."""
+        return {
+            "speculative": self.speculative,
+            "rounds": self.rounds,
+            "mean_acceptance_length": (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0,
+            "accepted_tokens": self.accepted,
+            "proposed_tokens": self.proposed,
+            "generation_tps": round(self.generation_tps, 3),
+            "prompt_tps": round(self.prompt_tps, 3),
+            "time_to_first_token_s": round(self.time_to_first_token or 0.0, 4),
+        }
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What every body and chunk of one response shares: its id, object type, model and time."""
+
+    kind: str  # "chat" or "text"
+    model: str
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, kind: str, model: str) -> Envelope:
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return cls(kind=kind, model=model, id=f"{prefix}-{secrets.token_hex(12)}", created=int(time.time()))
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
+
+    def full(self, *, text: str, finish_reason: str, tally: Tally) -> dict:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": tally.usage(), "dspark": tally.stats()}
+
+    def chunk(self, *, text: str, finish_reason: str | None = None, first: bool = False,
+              tally: Tally | None = None) -> dict:
+        """One streamed chunk; the chunk that finishes carries the `dspark` statistics."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            body = {**self._head("text_completion"), "choices": [choice]}
+        if tally is not None:
+            body["dspark"] = tally.stats()
+        return body
+
+    def usage_chunk(self, tally: Tally) -> dict:
+        """OpenAI's last chunk under `stream_options.include_usage`: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": tally.usage(), "dspark": tally.stats()}
