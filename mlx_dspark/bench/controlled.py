@@ -1,0 +1,186 @@
+"""Engine measurements at a controlled acceptance length (benchmark-only; never model acceptance).
+
+Random-weight pairs accept almost nothing, so the speed of the round at a realistic acceptance is
+measured with `ControlledProposer`: it runs the real draft forward every round (its cost is paid:
+the proposed tokens depend on the draft's output in the graph) but proposes the target's own greedy
+continuation, corrupted at one position per round so the acceptance lengths follow a deterministic
+schedule with the chosen mean. Engine efficiency = measured speedup / ideal speedup, where the ideal
+is `tau * t_decode / (t_draft + t_verify(block + 1))` from the cost curve measured in the same process;
+with `t_decode` taken from the same interleaved plain runs, efficiency equals
+ideal round time / measured round time, so it carries over to other hardware.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from mlx_dspark.api import generate
+from mlx_dspark.decode import plain_steps
+from mlx_dspark.propose import DraftProposer, Proposal
+from mlx_dspark.sample import Sampler
+from mlx_dspark.bench.stats import loadavg, mean, median
+
+
+class AcceptanceSchedule:
+    """Acceptance lengths 1..block_size+1 whose running mean tracks `target` (error diffusion)."""
+
+    def __init__(self, target: float, *, block_size: int) -> None:
+        if not 1.0 <= target <= block_size + 1:
+            raise ValueError(f"controlled acceptance length {target} must be in [1, {block_size + 1}] (block size {block_size})")
+        self.target = target
+        self.block_size = block_size
+        self.total = 0
+        self.rounds = 0
+
+    def next(self) -> int:
+        self.rounds += 1
+        length = math.floor(self.target * self.rounds - self.total + 0.5)
+        length = min(max(length, 1), self.block_size + 1)
+        self.total += length
+        return length
+
+
+class ControlledProposer:
+    """The target's greedy continuation with one injected error per round, behind a real draft forward."""
+
+    def __init__(self, inner: DraftProposer, reference: Sequence[int], *, prompt_len: int, vocab_size: int, acceptance_length: float):
+        self.inner = inner
+        self.reference = list(reference)  # greedy tokens at positions prompt_len, prompt_len + 1, ...
+        self.prompt_len = prompt_len
+        self.vocab_size = vocab_size
+        self.tap_ids = inner.tap_ids
+        self.block_size = inner.block_size
+        self.schedule = AcceptanceSchedule(acceptance_length, block_size=inner.block_size)
+
+    def extend(self, features: mx.array) -> None:
+        self.inner.extend(features)
+
+    def propose(self, anchor: mx.array, *, position: int, num_tokens: int) -> Proposal:
+        real = self.inner.propose(anchor, position=position, num_tokens=num_tokens)
+        start = position - self.prompt_len + 1  # reference index of the token after the anchor
+        tokens = self.reference[start : start + num_tokens]
+        tokens += [0] * (num_tokens - len(tokens))
+        length = self.schedule.next()
+        if length <= num_tokens:
+            tokens[length - 1] = (tokens[length - 1] + 1) % self.vocab_size  # accepted = length - 1
+        # `+ 0 * draft` keeps the real draft forward in the round's graph, so it is evaluated and paid.
+        substituted = mx.array([tokens], dtype=mx.int32) + 0 * real.tokens[:, :num_tokens].astype(mx.int32)
+        return Proposal(tokens=substituted)
+
+
+def greedy_reference(target: Any, prompt: Sequence[int], length: int) -> list[int]:
+    """The target's own greedy continuation (no stop tokens), by plain decoding."""
+    out: list[int] = []
+    for step in plain_steps(target, prompt, sampler=Sampler()):
+        out.extend(step.tokens)
+        if len(out) >= length:
+            return out[:length]
+    raise AssertionError("plain_steps never ends")
+
+
+def tiled_prompt(ids: Sequence[int], length: int) -> list[int]:
+    """`ids` repeated and cut to `length` tokens: a prompt of a chosen context length."""
+    if not ids:
+        raise ValueError("cannot build a prompt from no tokens")
+    return [ids[i % len(ids)] for i in range(length)]
+
+
+def run_controlled(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    acceptance_lengths: Sequence[float],
+    max_tokens: int,
+    repeats: int,
+    cost_curve: dict,
+) -> dict:
+    """Interleaved plain and controlled-acceptance runs (greedy, stop tokens ignored by the caller's model).
+
+    Returns per target acceptance length: measured tok/s and speedup over our plain decoding, the
+    measured mean acceptance length, the ideal speedup from the cost curve, and the efficiency.
+    """
+    target, draft = model.target, model.draft
+    block = int(draft.args.block_size)
+    verify_ms = cost_curve["verify_ms"][str(block + 1)]
+    draft_ms = cost_curve["draft_block_ms"]
+    references = [greedy_reference(target, ids, max_tokens + block + 1) for ids in prompts]
+    plain_tps: list[float] = []
+    by_tau: dict[float, dict[str, list]] = {tau: {"tps": [], "lengths": [], "match": []} for tau in acceptance_lengths}
+    load_before = loadavg()
+    for repeat in range(repeats):
+        for ids, reference in zip(prompts, references):
+            modes: list[float | None] = [None, *acceptance_lengths]
+            rotation = repeat % len(modes)
+            for tau in modes[rotation:] + modes[:rotation]:
+                if tau is None:
+                    result = generate(model, list(ids), speculative=False, max_tokens=max_tokens)
+                    plain_tps.append(result.generation_tps)
+                    continue
+                proposer = ControlledProposer(
+                    DraftProposer(draft, target, greedy=True, temperature=1.0),
+                    reference,
+                    prompt_len=len(ids),
+                    vocab_size=target.args.vocab_size,
+                    acceptance_length=tau,
+                )
+                result = generate(model, list(ids), max_tokens=max_tokens, proposer=proposer)
+                by_tau[tau]["tps"].append(result.generation_tps)
+                by_tau[tau]["lengths"].extend(result.acceptance_lengths)
+                by_tau[tau]["match"].append(result.tokens == reference[: len(result.tokens)])
+
+    plain = median(plain_tps)
+    decode_ms = 1000 / plain if plain > 0 else math.inf
+    rows = []
+    for tau, runs in by_tau.items():
+        tps = median(runs["tps"])
+        measured_tau = mean(runs["lengths"])
+        ideal = measured_tau * decode_ms / (draft_ms + verify_ms)
+        speedup = tps / plain if plain > 0 else 0.0
+        rows.append(
+            {
+                "target_acceptance_length": tau,
+                "measured_acceptance_length": measured_tau,
+                "tokens_per_second": tps,
+                "tokens_per_second_runs": runs["tps"],
+                "measured_speedup": speedup,
+                "ideal_speedup": ideal,
+                "efficiency": speedup / ideal if ideal > 0 else 0.0,
+                "round_ms": 1000 * measured_tau / tps if tps > 0 else math.inf,
+                "ideal_round_ms": draft_ms + verify_ms,
+                "outputs_match_reference": sum(runs["match"]) / len(runs["match"]),
+            }
+        )
+    return {
+        "label": "engine measurement (controlled acceptance), not model acceptance",
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "prompt_tokens": [len(ids) for ids in prompts],
+        "plain_tokens_per_second": plain,
+        "plain_tokens_per_second_runs": plain_tps,
+        "decode_ms": decode_ms,
+        "draft_ms": draft_ms,
+        "verify_ms": verify_ms,
+        "rows": rows,
+        "loadavg_before": load_before,
+        "loadavg_after": loadavg(),
+    }
+
+
+def format_controlled(result: dict) -> str:
+    lines = [
+        "ENGINE MEASUREMENT at controlled acceptance (the draft's tokens are replaced; not model acceptance)",
+        f"  plain decoding {result['plain_tokens_per_second']:.1f} tok/s ({result['decode_ms']:.1f} ms/token); "
+        f"draft block {result['draft_ms']:.1f} ms, verify of {len(result['rows']) and ''}block+1 tokens {result['verify_ms']:.1f} ms",
+        f"  {'tau target':>10} {'tau meas.':>9} {'tok/s':>8} {'speedup':>8} {'ideal':>7} {'efficiency':>10} {'round ms':>9} {'ideal ms':>9}",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"  {row['target_acceptance_length']:>10.2f} {row['measured_acceptance_length']:>9.2f} {row['tokens_per_second']:>8.1f} "
+            f"{row['measured_speedup']:>7.2f}x {row['ideal_speedup']:>6.2f}x {row['efficiency']:>10.2f} "
+            f"{row['round_ms']:>9.1f} {row['ideal_round_ms']:>9.1f}"
+        )
+    lines.append(f"  loadavg {result['loadavg_before']} -> {result['loadavg_after']}")
+    return "\n".join(lines)

@@ -1,0 +1,151 @@
+"""One benchmark session: load the pair, run the datasets, the cost curve and the controlled runs, report.
+
+Text goes to stdout (tables) and stderr (progress, notes); files go to `Options.out`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from mlx_dspark.bench import controlled, cost, plots, report, runner
+from mlx_dspark.bench.mlx_lm_baseline import make_mlx_lm_baseline
+from mlx_dspark.bench.prompts import select_prompts
+from mlx_dspark.bench.stats import loadavg
+
+
+@dataclass
+class Options:
+    model: str
+    draft: str
+    out: Path
+    datasets: list[str] = field(default_factory=list)
+    dataset_files: list[str] = field(default_factory=list)
+    prompts_per_dataset: Optional[int] = None
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    draft_sampling: str = "greedy"
+    repeats: int = 1
+    seed: int = 0
+    dtype: Optional[str] = None
+    quantize: Optional[int] = None
+    ignore_eos: bool = False
+    mlx_lm_baseline: bool = True
+    run_datasets: bool = True
+    cost_curve: bool = False
+    cost_context: Optional[int] = None
+    cost_repeats: int = 10
+    controlled_acceptance: list[float] = field(default_factory=list)
+    controlled_context: int = 512
+    controlled_prompts: int = 2
+    controlled_tokens: int = 128
+    progress: bool = True
+
+    def settings(self) -> runner.RunSettings:
+        return runner.RunSettings(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            draft_sampling=self.draft_sampling,
+            repeats=self.repeats,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def _note(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _progress_records(model, prompts, settings, baseline, *, show: bool) -> list[dict]:
+    records = runner.run_prompts(model, prompts, settings, baseline)
+    if not show:
+        return list(records)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    out = []
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task("prompts", total=len(prompts))
+        for record in records:
+            out.append(record)
+            bar.update(task, advance=1, description=f"{record['category']} #{record['index']}")
+    return out
+
+
+def _controlled_prompts(model, prompts: Sequence, options: Options) -> list[list[int]]:
+    if not prompts:
+        prompts = select_prompts(datasets=[], files=[], limit=None)
+    count = min(options.controlled_prompts, len(prompts))
+    step = max(1, len(prompts) // max(count, 1))
+    chosen = [prompts[i * step] for i in range(count)]
+    return [controlled.tiled_prompt(runner.prompt_ids(model, p), options.controlled_context) for p in chosen]
+
+
+def run(options: Options, *, meta: dict) -> dict:
+    """Everything the flags ask for; returns the results dict also written to results.json."""
+    import mlx_dspark
+
+    settings = options.settings()
+    if options.controlled_acceptance and not options.ignore_eos:
+        _note("note: controlled-acceptance runs always ignore stop tokens (they follow a fixed greedy reference)")
+    loaded = mlx_dspark.load(options.model, draft=options.draft, dtype=options.dtype, quantize=options.quantize)
+    if loaded.draft is None:
+        raise ValueError("the benchmark needs a draft: pass --draft")
+    model = runner.prepare_model(loaded, settings)
+    meta = {**meta, "target": str(loaded.target_path), "draft": str(loaded.draft_path), "settings": vars(settings).copy()}
+    prompts = select_prompts(datasets=options.datasets, files=options.dataset_files, limit=options.prompts_per_dataset)
+
+    records: list[dict] = []
+    if options.run_datasets:
+        baseline = make_mlx_lm_baseline(loaded, dtype=options.dtype, quantize=options.quantize) if options.mlx_lm_baseline else None
+        meta["mlx_lm_baseline"] = baseline.kind if baseline else None
+        records = _progress_records(model, prompts, settings, baseline, show=options.progress)
+    results = report.build_results(records, meta=meta)
+    sections: list[str] = []
+    if records:
+        print("\n".join(report.table_lines([*results["rows"], results["average"]], markdown=False)))
+        print("\n".join(report.lossless_lines(records)))
+
+    if options.cost_curve or options.controlled_acceptance:
+        no_stop = runner.prepare_model(loaded, runner.RunSettings(ignore_eos=True))
+        controlled_ids = _controlled_prompts(no_stop, prompts, options) if options.controlled_acceptance else []
+        context = options.cost_context
+        if context is None:
+            context = options.controlled_context + options.controlled_tokens // 2 if controlled_ids else 512
+        curve = cost.measure_cost_curve(loaded, context=context, repeats=options.cost_repeats, seed=options.seed)
+        results["cost_curve"] = curve
+        sections.append(cost.format_cost_curve(curve))
+        print(sections[-1])
+        options.out.mkdir(parents=True, exist_ok=True)
+        (options.out / "cost_curve.json").write_text(json.dumps(curve, indent=2) + "\n", encoding="utf-8")
+        if controlled_ids:
+            results["controlled"] = controlled.run_controlled(
+                no_stop,
+                controlled_ids,
+                acceptance_lengths=options.controlled_acceptance,
+                max_tokens=options.controlled_tokens,
+                repeats=options.repeats,
+                cost_curve=curve,
+            )
+            sections.append(controlled.format_controlled(results["controlled"]))
+            print(sections[-1])
+
+    results["meta"]["loadavg_end"] = loadavg()
+    written = report.write_outputs(results, options.out, extra_sections=sections)
+    if records:
+        images, note = plots.write_plots(results, options.out)
+        written += images
+        if note:
+            _note(note)
+    _note("wrote " + ", ".join(str(p) for p in written))
+    return results

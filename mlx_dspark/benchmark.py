@@ -1,0 +1,156 @@
+"""`python -m mlx_dspark.benchmark`: model-card tables and honest engine measurements.
+
+For each prompt: our plain decoding and DSpark with the same settings, warmed up and interleaved in
+one process, plus mlx-lm's plain generation once; a table per dataset (AIME25, GSM8K, MATH500,
+HumanEval, MBPP, Arena-Hard-v2, average), results.json, results.md and plots. `--cost-curve` and
+`--controlled-acceptance` add engine measurements for random-weight pairs (see bench/cost.py and
+bench/controlled.py). The pieces live in `mlx_dspark.bench`; this module only parses flags.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, help="Benchmark DSpark against plain decoding (ours and mlx-lm's).")
+
+
+def fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+def preload_openblas() -> None:
+    """Route MLX's float32 sgemm to OpenBLAS (one thread): Linux only, before mlx is first imported."""
+    if sys.platform != "linux":
+        fail("--openblas is for Linux CPU runs only (never on macOS, where MLX uses Metal/Accelerate)")
+    if "mlx.core" in sys.modules:
+        fail("--openblas must take effect before mlx is imported; use LD_PRELOAD=libopenblas.so.0 instead")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    try:
+        ctypes.CDLL("libopenblas.so.0", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        fail("libopenblas.so.0 not found: apt-get install -y libopenblas0-pthread")
+
+
+def blas_setting() -> str:
+    """Which BLAS this process routes float32 matmuls to, read from its memory map (Linux)."""
+    if sys.platform == "darwin":
+        return "macOS (Metal / Accelerate)"
+    maps = Path("/proc/self/maps")
+    if maps.is_file() and "libopenblas" in maps.read_text():
+        return f"OpenBLAS (OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')})"
+    return "MLX's bundled reference BLAS"
+
+
+def run_meta(*, dtype: Optional[str], quantize: Optional[int]) -> dict:
+    import mlx.core as mx
+    from importlib.metadata import version
+
+    from mlx_dspark.bench.stats import loadavg
+
+    return {
+        "command": " ".join(["python -m mlx_dspark.benchmark", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "device": str(mx.default_device()),
+        "mlx": version("mlx"),
+        "mlx_lm": version("mlx-lm"),
+        "blas": blas_setting(),
+        "dtype": dtype or "checkpoint",
+        "quantize": quantize,
+        "loadavg_start": loadavg(),
+    }
+
+
+def parse_floats(text: str, *, option: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        fail(f"{option} expects comma-separated numbers, got {text!r}")
+        raise
+
+
+@app.command()
+def main(
+    model: str = typer.Option(..., "--model", help="Target directory or Hugging Face repo id."),
+    draft: str = typer.Option(..., "--draft", help="DSpark draft directory or repo id."),
+    datasets: Optional[list[str]] = typer.Option(None, "--datasets", help="Built-in sets (comma-separated or repeated); default all."),
+    dataset_files: Optional[list[str]] = typer.Option(None, "--dataset", help="NAME=FILE.jsonl (repeatable)."),
+    prompts_per_dataset: Optional[int] = typer.Option(None, "--prompts-per-dataset", help="Use at most N prompts of each set."),
+    max_tokens: int = typer.Option(128, "--max-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    draft_sampling: str = typer.Option("greedy", "--draft-sampling", help="greedy or sample."),
+    repeats: int = typer.Option(1, "--repeats", help="Timed repeats per prompt and mode (medians)."),
+    seed: int = typer.Option(0, "--seed"),
+    out: Path = typer.Option(Path("benchmark-results"), "--out", help="Directory for results.json, results.md, plots."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights: float32, bfloat16, float16."),
+    quantize: Optional[int] = typer.Option(None, "--quantize", help="Quantize at load time: 4 or 8 bits."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-tokens (random-weight pairs)."),
+    no_mlx_lm_baseline: bool = typer.Option(False, "--no-mlx-lm-baseline", help="Skip mlx-lm's plain generation."),
+    skip_datasets: bool = typer.Option(False, "--skip-datasets", help="Only the engine measurements."),
+    cost_curve: bool = typer.Option(False, "--cost-curve", help="Measure target forwards of 1..8 tokens, a draft block, decode."),
+    cost_context: Optional[int] = typer.Option(None, "--cost-context", help="Context length of the cost curve (default: the controlled runs' mean context, else 512)."),
+    cost_repeats: int = typer.Option(10, "--cost-repeats"),
+    controlled_acceptance: Optional[str] = typer.Option(None, "--controlled-acceptance", help="e.g. 3.0,4.0,4.55,6.0: engine efficiency at these acceptance lengths."),
+    controlled_context: int = typer.Option(512, "--controlled-context", help="Prompt length of the controlled runs."),
+    controlled_prompts: int = typer.Option(2, "--controlled-prompts"),
+    controlled_tokens: Optional[int] = typer.Option(None, "--controlled-tokens", help="Tokens per controlled run (default --max-tokens)."),
+    openblas: bool = typer.Option(False, "--openblas", help="Linux CPU: preload OpenBLAS (1 thread) before mlx loads."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
+) -> None:
+    if openblas:
+        preload_openblas()
+    from mlx_dspark.bench import session
+
+    taus = parse_floats(controlled_acceptance, option="--controlled-acceptance") if controlled_acceptance else []
+    names = [part.strip() for item in (datasets or []) for part in item.split(",") if part.strip()]
+    try:
+        session.run(
+            session.Options(
+                model=model,
+                draft=draft,
+                datasets=names,
+                dataset_files=list(dataset_files or []),
+                prompts_per_dataset=prompts_per_dataset,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                draft_sampling=draft_sampling,
+                repeats=repeats,
+                seed=seed,
+                out=out,
+                dtype=dtype,
+                quantize=quantize,
+                ignore_eos=ignore_eos,
+                mlx_lm_baseline=not no_mlx_lm_baseline,
+                run_datasets=not skip_datasets,
+                cost_curve=cost_curve,
+                cost_context=cost_context,
+                cost_repeats=cost_repeats,
+                controlled_acceptance=taus,
+                controlled_context=controlled_context,
+                controlled_prompts=controlled_prompts,
+                controlled_tokens=controlled_tokens or max_tokens,
+                progress=progress,
+            ),
+            meta=run_meta(dtype=dtype, quantize=quantize),
+        )
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    app()
