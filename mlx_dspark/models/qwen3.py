@@ -199,6 +199,7 @@ class Model(nn.Module):
         self,
         inputs: mx.array,
         cache: Optional[list[Any]] = None,
+        *,
         tap_ids: tuple[int, ...] = (),
         last_only: bool = False,
     ) -> tuple[mx.array, Optional[mx.array]]:
