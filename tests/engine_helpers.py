@@ -55,7 +55,7 @@ def qwen3_config(*, vocab_size: int = 96, tie: bool = False, layers: int = 4) ->
     }
 
 
-def make_target(family: str, *, seed: int = 0, **config_overrides):
+def make_target(family: str, *, seed: int = 0, embedding_scale: float = 0.03, **config_overrides):
     """A random float32 target of the family; embeddings scaled so logits are not flat."""
     mx.random.seed(seed)
     if family == "spark2_5":
@@ -63,6 +63,11 @@ def make_target(family: str, *, seed: int = 0, **config_overrides):
     else:
         module, config = qwen3, qwen3_config(**config_overrides)
     model = module.Model(module.ModelArgs.from_dict(config))
+    if model.args.tie_word_embeddings:
+        # With MLX's N(0, 1) embedding the residual stream is dominated by the input token and a tied
+        # head just repeats it; a smaller embedding gives varied continuations (stronger tests).
+        embedding = model.model.embedding if family == "spark2_5" else model.model.embed_tokens
+        embedding.weight = embedding.weight * embedding_scale
     mx.eval(model.parameters())
     return model
 
@@ -107,3 +112,30 @@ class OracleProposer:
                 tokens[k - 1] = (tokens[k - 1] + 1) % self.vocab_size
         self.rounds += 1
         return Proposal(tokens=mx.array([tokens], dtype=mx.int32))
+
+
+def make_draft(target, *, seed: int = 0, markov_head_type: str = "vanilla", window: int = 4, layers: int = 2):
+    """A random in-memory DSpark draft of the target's family (copy of its config + DSpark fields)."""
+    from mlx_dspark.models.dspark import DraftArgs, DSparkDraft
+
+    family = "spark2_5" if isinstance(target, spark2_5.Model) else "qwen3"
+    config = spark_config() if family == "spark2_5" else qwen3_config()
+    config.update(
+        vocab_size=target.args.vocab_size,
+        architectures=["Spark2_5DSparkModel" if family == "spark2_5" else "Qwen3DSparkModel"],
+        num_hidden_layers=layers,
+        layer_types=["sliding_attention"] * layers,
+        sliding_window=window,
+        use_sliding_window=True,
+        block_size=7,
+        target_layer_ids=[0, target.args.num_hidden_layers - 2],
+        mask_token_id=target.args.vocab_size - 1,
+        markov_rank=4,
+        markov_head_type=markov_head_type,
+        enable_confidence_head=True,
+        confidence_head_with_markov=True,
+    )
+    mx.random.seed(seed)
+    draft = DSparkDraft(DraftArgs.from_dict(config))
+    mx.eval(draft.parameters())
+    return draft

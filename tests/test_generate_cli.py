@@ -1,0 +1,95 @@
+"""The `python -m mlx_dspark.generate` command line, end to end on the tiny pairs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from mlx_dspark.cli import app
+
+runner = CliRunner()
+
+
+def run_cli(*args: str, stdin: str | None = None):
+    return runner.invoke(app, list(args), input=stdin)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_spark_pair", "tiny_qwen3_pair"])
+def test_json_output_of_speculative_and_plain_runs_agree(request, fixture):
+    target, draft = request.getfixturevalue(fixture)
+    common = ["--model", str(target), "--prompt", "Hello there", "--max-tokens", "12", "--json"]
+    spec = run_cli(*common, "--draft", str(draft))
+    plain = run_cli(*common, "--draft", str(draft), "--no-draft")
+    assert spec.exit_code == 0, spec.output
+    assert plain.exit_code == 0, plain.output
+    spec_result = json.loads(spec.stdout.strip().splitlines()[-1])
+    plain_result = json.loads(plain.stdout.strip().splitlines()[-1])
+    assert spec_result["tokens"] == plain_result["tokens"]
+    assert spec_result["speculative"] is True and plain_result["speculative"] is False
+    assert spec_result["acceptance_lengths"] and plain_result["acceptance_lengths"] == []
+    for key in ("text", "finish_reason", "prompt_tokens", "generation_tps", "peak_memory_gb", "mean_acceptance_length"):
+        assert key in spec_result
+
+
+def test_streams_text_and_prints_a_summary_to_stderr(tiny_spark_pair):
+    target, draft = tiny_spark_pair
+    result = run_cli("--model", str(target), "--draft", str(draft), "--prompt", "-", "--max-tokens", "6", stdin="Hi")
+    assert result.exit_code == 0, result.output
+    assert "mean acceptance length" in result.stderr
+    assert "generation:" in result.stderr and "peak memory" in result.stderr
+
+
+def test_sampling_options_and_template_switches_are_accepted(tiny_qwen3_pair):
+    target, draft = tiny_qwen3_pair
+    result = run_cli(
+        "--model", str(target), "--draft", str(draft), "--prompt", "Hi", "--max-tokens", "6",
+        "--temp", "0.8", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05", "--seed", "3",
+        "--draft-sampling", "sample", "--system", "be brief", "--chat-template-args", '{"enable_thinking": false}',
+        "--p-min", "0.01", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.strip().splitlines()[-1])["generation_tokens"] <= 6
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--model", "/definitely/not/here"], "does not exist"),
+        (["--temp", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--draft-sampling", "beam"], "--draft-sampling"),
+        (["--chat-template-args", "{not json"], "--chat-template-args"),
+        (["--chat-template-args", "[1, 2]"], "JSON object"),
+        (["--quantize", "3"], "--quantize"),
+        (["--max-tokens", "0"], "max_tokens"),
+    ],
+)
+def test_bad_inputs_give_one_clear_line_and_a_nonzero_exit(tiny_spark_pair, extra, message):
+    target, draft = tiny_spark_pair
+    args = ["--model", str(target), "--draft", str(draft), "--prompt", "Hi", "--max-tokens", "4"]
+    result = run_cli(*args, *extra)
+    assert result.exit_code != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+
+
+def test_a_draft_from_the_other_family_is_refused(tiny_spark_pair, tiny_qwen3_pair):
+    result = run_cli("--model", str(tiny_spark_pair[0]), "--draft", str(tiny_qwen3_pair[1]), "--prompt", "Hi")
+    assert result.exit_code != 0
+    assert result.stderr.startswith("error:") and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_python_dash_m_entry_point_runs(tiny_spark_pair):
+    target, draft = tiny_spark_pair
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark.generate", "--model", str(target), "--draft", str(draft),
+         "--prompt", "Hi", "--max-tokens", "5"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "error::RuntimeWarning"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "generation:" in proc.stderr
