@@ -66,7 +66,11 @@ class SlidingKVCache:
         return self.keys[..., first : self._len, :], self.values[..., first : self._len, :]
 
     def trimmable(self) -> int:
-        """How many positions `trim` may remove now (at least `max_rollback` right after an update)."""
+        """How many positions `trim` may remove now.
+
+        `max_rollback` right after an update as long as each earlier rollback stayed within its own
+        update (the speculative loop's case: verify l + 1 positions, roll back at most l).
+        """
         if self._len == self.offset:  # nothing dropped yet
             return min(self.max_rollback, self.offset)
         # Positions were dropped: the kept ones must still cover the next query's window.
