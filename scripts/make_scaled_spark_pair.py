@@ -11,6 +11,10 @@ The Markov rank is scaled too (default 32): the real head's W2 (131072 x 256) is
 target's parameters, and 32000 x 32 is ~1% of the scaled target's, so the seven sequential Markov
 products weigh about as much against a decode step as they do on the real pair.
 
+`--family qwen3` writes the same sizes as a qwen3 pair (36 full-attention layers; the draft keeps 5
+windowed layers): mlx-lm has its own qwen3 model, so on that pair our plain decoding can be compared
+with mlx-lm's model as well as with its loop.
+
 Random weights accept almost nothing: use this pair for cost curves and the controlled-acceptance
 benchmark, never for acceptance numbers. The tokenizer is the tiny byte-level one (384 entries);
 ids above it decode to placeholder text, which the benchmarks do not read.
@@ -28,6 +32,7 @@ import typer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_dspark.tiny import (  # noqa: E402
+    FAMILIES,
     save_hf_weights,
     tiny_target_config,
     tiny_target_weights,
@@ -46,10 +51,13 @@ app = typer.Typer(add_completion=False)
 
 
 def scaled_target_config(
-    ids: dict, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, vocab: int, dtype: str
+    ids: dict, *, family: str, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, vocab: int, dtype: str
 ) -> dict:
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r} is not one of {FAMILIES}")
+    window = {"sliding_window": WINDOW} if family == "spark2_5" else {}
     return tiny_target_config(
-        family="spark2_5",
+        family=family,
         vocab_size=vocab,
         ids=ids,
         tie_word_embeddings=True,
@@ -60,14 +68,15 @@ def scaled_target_config(
         head_dim=head_dim,
         intermediate_size=intermediate,
         num_hidden_layers=NUM_LAYERS,
-        sliding_window=WINDOW,
         max_position_embeddings=65536,
+        **window,
     )
 
 
 def write_scaled_target(
     path: Path,
     *,
+    family: str = "spark2_5",
     hidden: int = 512,
     heads: int = 8,
     kv_heads: int = 2,
@@ -77,11 +86,11 @@ def write_scaled_target(
     dtype: str = "float32",
     seed: int = 0,
 ) -> Path:
-    """A spark2_5 target with the 4B's layer structure and the given (scaled) width and vocabulary."""
+    """A target with the 4B's layer structure and the given (scaled) width and vocabulary."""
     path.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer(path, family="spark2_5")
+    ids = write_tokenizer(path, family=family)
     config = scaled_target_config(
-        ids, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate, vocab=vocab, dtype=dtype
+        ids, family=family, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate, vocab=vocab, dtype=dtype
     )
     (path / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     generation = {"bos_token_id": ids["bos"], "eos_token_id": ids["gen_eos"], "pad_token_id": ids["pad"]}
@@ -93,6 +102,7 @@ def write_scaled_target(
 @app.command()
 def main(
     out_dir: Path = typer.Argument(..., help="directory to write OUT/target and OUT/draft into"),
+    family: str = typer.Option("spark2_5", "--family", help="spark2_5 (the Spark pair) or qwen3 (same sizes)"),
     hidden: int = typer.Option(512, "--hidden"),
     heads: int = typer.Option(8, "--heads"),
     kv_heads: int = typer.Option(2, "--kv-heads"),
@@ -103,8 +113,12 @@ def main(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16 on disk"),
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
+    if family not in FAMILIES:
+        typer.echo(f"error: --family {family!r} is not one of {', '.join(FAMILIES)}", err=True)
+        raise typer.Exit(2)
     target = write_scaled_target(
         out_dir / "target",
+        family=family,
         hidden=hidden,
         heads=heads,
         kv_heads=kv_heads,

@@ -21,6 +21,7 @@ from mlx_dspark.api import generate
 from mlx_dspark.decode import plain_steps
 from mlx_dspark.propose import DraftProposer, Proposal
 from mlx_dspark.sample import Sampler
+from mlx_dspark.bench.profile import format_profile, profile_rounds
 from mlx_dspark.bench.stats import loadavg, mean, median
 
 
@@ -153,6 +154,18 @@ def run_controlled(
                 "outputs_match_reference": sum(runs["match"]) / len(runs["match"]),
             }
         )
+    # The round breakdown at the acceptance nearest the model card's greedy 4.55.
+    profile_tau = min(acceptance_lengths, key=lambda tau: abs(tau - 4.55))
+    profile_proposer = ControlledProposer(
+        DraftProposer(draft, target, greedy=True, temperature=1.0),
+        references[0],
+        prompt_len=len(prompts[0]),
+        vocab_size=target.args.vocab_size,
+        acceptance_length=profile_tau,
+    )
+    rounds = max(2, min(20, int(max_tokens / profile_tau) - 2))
+    profile = profile_rounds(target, profile_proposer, prompts[0], rounds=rounds, cost_curve=cost_curve)
+    profile["target_acceptance_length"] = profile_tau
     return {
         "label": "engine measurement (controlled acceptance), not model acceptance",
         "max_tokens": max_tokens,
@@ -164,6 +177,7 @@ def run_controlled(
         "draft_ms": draft_ms,
         "verify_ms": verify_ms,
         "rows": rows,
+        "profile": profile,
         "loadavg_before": load_before,
         "loadavg_after": loadavg(),
     }
@@ -173,7 +187,7 @@ def format_controlled(result: dict) -> str:
     lines = [
         "ENGINE MEASUREMENT at controlled acceptance (the draft's tokens are replaced; not model acceptance)",
         f"  plain decoding {result['plain_tokens_per_second']:.1f} tok/s ({result['decode_ms']:.1f} ms/token); "
-        f"draft block {result['draft_ms']:.1f} ms, verify of {len(result['rows']) and ''}block+1 tokens {result['verify_ms']:.1f} ms",
+        f"draft block {result['draft_ms']:.1f} ms, verify of block + 1 tokens {result['verify_ms']:.1f} ms (cost curve)",
         f"  {'tau target':>10} {'tau meas.':>9} {'tok/s':>8} {'speedup':>8} {'ideal':>7} {'efficiency':>10} {'round ms':>9} {'ideal ms':>9}",
     ]
     for row in result["rows"]:
@@ -183,4 +197,5 @@ def format_controlled(result: dict) -> str:
             f"{row['round_ms']:>9.1f} {row['ideal_round_ms']:>9.1f}"
         )
     lines.append(f"  loadavg {result['loadavg_before']} -> {result['loadavg_after']}")
+    lines.append(format_profile(result["profile"]))
     return "\n".join(lines)

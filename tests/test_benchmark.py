@@ -1,0 +1,225 @@
+"""The benchmark: prompt files, acceptance statistics, the controlled proposer, and an end-to-end run
+on the tiny pairs whose JSON must carry every field (no speed is asserted anywhere)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import mlx_dspark
+from mlx_dspark.api import generate
+from mlx_dspark.bench.builtin_prompts import BUILTIN
+from mlx_dspark.bench.controlled import AcceptanceSchedule, ControlledProposer, greedy_reference
+from mlx_dspark.bench.lossless import first_difference
+from mlx_dspark.bench.prompts import builtin_prompts, load_jsonl, parse_dataset_option, select_prompts
+from mlx_dspark.bench.runner import RunSettings, prepare_model
+from mlx_dspark.bench.stats import acceptance_histogram, position_acceptance
+from mlx_dspark.benchmark import app
+from mlx_dspark.propose import DraftProposer
+
+MODEL_CARD_ROWS = ["AIME25", "GSM8K", "MATH500", "HumanEval", "MBPP", "Arena-Hard-v2"]
+
+
+# -- prompts ---------------------------------------------------------------------------------------
+
+
+def test_builtin_sets_are_the_model_card_rows_with_a_handful_of_prompts_each():
+    assert [display for display, _ in BUILTIN.values()] == MODEL_CARD_ROWS
+    for name in BUILTIN:
+        prompts = builtin_prompts(name)
+        assert len(prompts) >= 4
+        assert all(p.messages[-1]["role"] == "user" and p.text.strip() for p in prompts)
+    assert len(builtin_prompts("gsm8k", limit=2)) == 2
+
+
+def test_unknown_builtin_set_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown built-in dataset 'gsm9k'"):
+        select_prompts(datasets=["gsm9k"], files=[], limit=None)
+
+
+def _write_jsonl(path, lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_jsonl_accepts_every_layout(tmp_path):
+    lines = [
+        json.dumps({"prompt": "p text"}),
+        json.dumps({"question": "q text", "answer": "42"}),
+        json.dumps({"problem": "r text", "solution": "..."}),
+        json.dumps({"turns": ["first turn", "second turn"]}),
+        json.dumps({"turns": [{"content": "arena turn"}]}),
+        "",
+        json.dumps({"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ref"}]}),
+    ]
+    prompts = load_jsonl("mine", _write_jsonl(tmp_path / "set.jsonl", lines))
+    assert [p.text for p in prompts] == ["p text", "q text", "r text", "first turn", "arena turn", "hi"]
+    assert prompts[-1].messages == ({"role": "system", "content": "sys"}, {"role": "user", "content": "hi"})
+    assert {p.category for p in prompts} == {"mine"}
+    assert [p.index for p in prompts] == list(range(6))
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ("{not json", r"set.jsonl:2: not valid JSON"),
+        (json.dumps({"text": "x"}), r"set.jsonl:2: no prompt field; expected one of \['prompt', 'question'"),
+        (json.dumps({"prompt": ""}), r"set.jsonl:2: field 'prompt' must be a non-empty string"),
+        (json.dumps({"turns": []}), r"set.jsonl:2: field 'turns' must be a non-empty list"),
+        (json.dumps({"messages": [{"role": "user"}]}), r"set.jsonl:2: messages\[0\] must be an object"),
+        (json.dumps({"messages": [{"role": "assistant", "content": "a"}]}), r"set.jsonl:2: 'messages' must end with a user message"),
+        (json.dumps(["a list"]), r"set.jsonl:2: expected a JSON object"),
+    ],
+)
+def test_malformed_jsonl_line_is_an_error_with_its_line_number(tmp_path, bad_line, message):
+    path = _write_jsonl(tmp_path / "set.jsonl", [json.dumps({"prompt": "fine"}), bad_line])
+    with pytest.raises(ValueError, match=message):
+        load_jsonl("mine", path)
+
+
+def test_dataset_option_needs_name_and_file(tmp_path):
+    assert parse_dataset_option("gsm8k=/data/g.jsonl")[0] == "gsm8k"
+    with pytest.raises(ValueError, match="NAME=FILE.jsonl"):
+        parse_dataset_option("just-a-file.jsonl")
+    with pytest.raises(ValueError, match="no such file"):
+        load_jsonl("x", tmp_path / "missing.jsonl")
+
+
+# -- statistics ------------------------------------------------------------------------------------
+
+
+def test_acceptance_histogram_and_per_position_rates():
+    lengths = [1, 3, 8, 2]  # accepted 0, 2, 7, 1
+    proposals = [7, 7, 7, 1]  # the last round verified a single draft token
+    assert acceptance_histogram(lengths, block_size=7) == [1, 1, 1, 0, 0, 0, 0, 1]
+    rows = position_acceptance(lengths, proposals, block_size=7)
+    assert rows[0] == {"position": 1, "reached": 4, "accepted": 3, "rate": 0.75}
+    assert rows[1] == {"position": 2, "reached": 2, "accepted": 2, "rate": 1.0}
+    assert rows[2] == {"position": 3, "reached": 2, "accepted": 1, "rate": 0.5}
+    assert rows[6] == {"position": 7, "reached": 1, "accepted": 1, "rate": 1.0}
+    with pytest.raises(ValueError, match="outside 1..8"):
+        acceptance_histogram([9], block_size=7)
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2, 3], [1, 2]) == 2
+
+
+# -- controlled acceptance -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", [3.0, 4.0, 4.55, 6.0])
+def test_acceptance_schedule_mean_tracks_the_target(target):
+    schedule = AcceptanceSchedule(target, block_size=7)
+    lengths = [schedule.next() for _ in range(20)]
+    assert all(1 <= n <= 8 for n in lengths)
+    assert abs(sum(lengths) / len(lengths) - target) <= 0.5 / 20
+
+
+def test_acceptance_schedule_rejects_impossible_targets():
+    with pytest.raises(ValueError, match="must be in \\[1, 8\\]"):
+        AcceptanceSchedule(8.5, block_size=7)
+
+
+class _CountingDraft(DraftProposer):
+    calls = 0
+
+    def propose(self, anchor, *, position, num_tokens):
+        type(self).calls += 1
+        return super().propose(anchor, position=position, num_tokens=num_tokens)
+
+
+@pytest.mark.parametrize("target", [3.0, 4.55, 6.0])
+def test_controlled_proposer_hits_its_acceptance_on_the_tiny_pair(tiny_spark_pair, target):
+    loaded = mlx_dspark.load(*tiny_spark_pair)
+    model = prepare_model(loaded, RunSettings(ignore_eos=True))
+    prompt = list(range(40, 70))
+    rounds = 20
+    max_tokens = 1 + int(target * rounds)  # the prefill's token, then about `rounds` full rounds
+    reference = greedy_reference(loaded.target, prompt, max_tokens + 8)
+    _CountingDraft.calls = 0
+    inner = _CountingDraft(loaded.draft, loaded.target, greedy=True, temperature=1.0)
+    proposer = ControlledProposer(inner, reference, prompt_len=len(prompt), vocab_size=loaded.target.args.vocab_size, acceptance_length=target)
+    result = generate(model, prompt, max_tokens=max_tokens, proposer=proposer)
+
+    expected = AcceptanceSchedule(target, block_size=7)
+    full_rounds = result.acceptance_lengths[:-1]  # the last round may be cut by max_tokens
+    assert full_rounds == [expected.next() for _ in full_rounds]
+    assert abs(sum(full_rounds) / len(full_rounds) - target) < 0.05
+    assert result.tokens == reference[:max_tokens]  # the corrupted drafts were rejected, nothing else
+    assert _CountingDraft.calls == result.rounds  # the real draft ran every round
+
+
+# -- end to end ------------------------------------------------------------------------------------
+
+PROMPT_FIELDS = {"category", "index", "prompt_tokens", "baseline", "dspark", "mlx_lm", "best_baseline_tps", "speedup", "speedup_vs_our_baseline", "lossless"}
+SPEED_FIELDS = {"generation_tps", "time_to_first_token", "total_time", "peak_memory_gb", "generated_tokens", "generation_tps_runs"}
+DSPARK_FIELDS = SPEED_FIELDS | {"mean_acceptance_length", "rounds", "acceptance_histogram", "position_acceptance", "target_forwards_per_token"}
+ROW_FIELDS = {"dataset", "prompts", "tps_without", "tps_with", "speedup", "mean_acceptance_length", "our_baseline_tps", "mlx_lm_baseline_tps", "greedy_identical"}
+CURVE_FIELDS = {"context", "verify_ms", "verify_build_ms", "verify_ratio", "decode_step_ms", "plain_loop_ms", "draft_block_ms", "draft_layers_ms", "draft_layers_and_lm_head_ms", "markov_and_sampling_ms", "break_even_acceptance", "loadavg"}
+CONTROLLED_ROW_FIELDS = {"target_acceptance_length", "measured_acceptance_length", "tokens_per_second", "measured_speedup", "ideal_speedup", "efficiency", "round_ms", "ideal_round_ms", "outputs_match_reference"}
+
+
+@pytest.mark.parametrize("pair_name, mlx_lm_kind", [("tiny_spark_pair", "our target under mlx_lm.generate_step"), ("tiny_qwen3_pair", "mlx_lm.load")])
+def test_benchmark_runs_end_to_end_and_its_json_has_every_field(request, tmp_path, pair_name, mlx_lm_kind):
+    target, draft = request.getfixturevalue(pair_name)
+    jsonl = _write_jsonl(tmp_path / "extra.jsonl", [json.dumps({"question": "What is 2 + 2?"})])
+    out = tmp_path / "out"
+    args = ["--model", str(target), "--draft", str(draft), "--datasets", "gsm8k,humaneval", "--dataset", f"Extra={jsonl}"]
+    args += ["--prompts-per-dataset", "1", "--max-tokens", "5", "--ignore-eos", "--out", str(out), "--no-progress"]
+    args += ["--cost-curve", "--cost-repeats", "1", "--controlled-acceptance", "4.55", "--controlled-context", "12", "--controlled-prompts", "1", "--controlled-tokens", "10"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+
+    results = json.loads((out / "results.json").read_text())
+    assert [r["dataset"] for r in results["rows"]] == ["GSM8K", "HumanEval", "Extra"]
+    assert set(results["average"]) == ROW_FIELDS and results["average"]["dataset"] == "Average"
+    for row in results["rows"]:
+        assert set(row) == ROW_FIELDS
+        assert row["greedy_identical"] == 1.0  # default BLAS: greedy speculative output is the baseline's
+    assert len(results["prompts"]) == 3
+    for record in results["prompts"]:
+        assert set(record) == PROMPT_FIELDS
+        assert set(record["baseline"]) == SPEED_FIELDS
+        assert set(record["dspark"]) == DSPARK_FIELDS
+        assert set(record["mlx_lm"]) == SPEED_FIELDS | {"tokens_match_baseline"}
+        assert record["mlx_lm"]["tokens_match_baseline"] is True
+        assert record["baseline"]["generated_tokens"] == record["dspark"]["generated_tokens"] == 5
+        assert sum(record["dspark"]["acceptance_histogram"]) == record["dspark"]["rounds"]
+        assert len(record["dspark"]["position_acceptance"]) == 7
+        assert record["lossless"] == {"identical": True, "first_difference": None, "top2_margin": None}
+    meta = results["meta"]
+    assert meta["mlx_lm_baseline"] == mlx_lm_kind
+    assert {"command", "machine", "mlx", "mlx_lm", "blas", "loadavg_start", "loadavg_end", "settings"} <= set(meta)
+    assert set(results["cost_curve"]) >= CURVE_FIELDS and set(results["cost_curve"]["verify_ms"]) == {str(w) for w in range(1, 9)}
+    assert json.loads((out / "cost_curve.json").read_text())["context"] == results["cost_curve"]["context"]
+    controlled = results["controlled"]
+    assert "not model acceptance" in controlled["label"]
+    assert [set(row) >= CONTROLLED_ROW_FIELDS for row in controlled["rows"]] == [True]
+    assert controlled["rows"][0]["outputs_match_reference"] == 1.0
+    assert {"round_ms", "draft_graph_build_ms", "verify_graph_build_ms", "context_append_build_ms", "other_ms"} <= set(controlled["profile"])
+    md = (out / "results.md").read_text()
+    assert "| Average |" in md and "ENGINE MEASUREMENT" in md
+    assert "GSM8K" in result.output
+
+
+def test_benchmark_cli_reports_a_bad_dataset_line(tiny_spark_pair, tmp_path):
+    target, draft = tiny_spark_pair
+    bad = _write_jsonl(tmp_path / "bad.jsonl", ["{oops"])
+    result = CliRunner().invoke(app, ["--model", str(target), "--draft", str(draft), "--dataset", f"Bad={bad}", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert "bad.jsonl:1: not valid JSON" in result.output
+
+
+def test_openblas_flag_refuses_once_mlx_is_loaded(tiny_spark_pair, tmp_path):
+    # mlx is already imported in the test process, so the flag must refuse rather than silently do nothing
+    target, draft = tiny_spark_pair
+    result = CliRunner().invoke(app, ["--openblas", "--model", str(target), "--draft", str(draft), "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    expected = "before mlx is imported" if sys.platform == "linux" else "Linux CPU runs only"
+    assert expected in result.output
