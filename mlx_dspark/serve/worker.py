@@ -38,14 +38,22 @@ class Job:
         self.cancelled.set()
 
     def results(self, *, client_gone: Callable[[], bool], poll_s: float = 0.2) -> Iterator[StepResponse]:
-        """The job's steps as they come; raises its APIError; cancels it when `client_gone()` says so."""
+        """The job's steps as they come; raises its APIError; cancels it when `client_gone()` says so.
+
+        The client is checked every `poll_s` seconds, busy or not, so a reply nobody waits for stops.
+        """
+        checked = time.monotonic()
         while True:
             try:
                 event = self.events.get(timeout=poll_s)
             except queue.Empty:
+                event = None
+            if time.monotonic() - checked >= poll_s:
+                checked = time.monotonic()
                 if client_gone():
                     self.cancel()
                     return
+            if event is None:
                 continue
             if isinstance(event, APIError):
                 raise event
@@ -67,15 +75,16 @@ class ModelWorker:
         self.model: Any = None
         self.busy = False
         self.recent: deque[Job] = deque(maxlen=history)  # finished jobs, newest last
+        self._stopped = threading.Event()
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, *, timeout: float | None = None) -> None:
-        """Finish the running job (cancel it first if you want it short), then end the thread."""
+        """Finish the running and queued jobs (cancel them first to make it short), then stop serving."""
         self._jobs.put(None)
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            self._stopped.wait(timeout)
 
     @property
     def queued(self) -> int:
@@ -97,6 +106,14 @@ class ModelWorker:
         return job
 
     def _run(self) -> None:
+        self._load_and_serve()
+        self._stopped.set()
+        # Park rather than return: when a thread that ran MLX work exits, its thread-local MLX state
+        # is destroyed, and if that overlaps interpreter exit the process aborts ("terminate called
+        # without an active exception", mlx 0.32 on Linux). A daemon thread that never exits never races.
+        threading.Event().wait()
+
+    def _load_and_serve(self) -> None:
         start = time.perf_counter()
         try:
             self.model = self._loader()
