@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_dspark.draft_cache import ContextCache
 from mlx_dspark.models import draft_family
 from mlx_dspark.models.base import LAYER_TYPES, SLIDING_ATTENTION, RoPE, check_rope_default, gelu, rotary_dims
-from mlx_dspark.models.dspark_heads import MARKOV_HEAD_TYPES, ConfidenceHead, make_markov_head
+from mlx_dspark.models.dspark_heads import MARKOV_HEAD_TYPES, ConfidenceHead, Proposal, draft_tokens, make_markov_head
 
 # Frozen copies of the target's tensors that DeepSpec saves in the draft; the draft shares the target's.
 SHARED_PREFIXES = ("embed_tokens.", "embedding.", "lm_head.")
@@ -284,15 +284,6 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-@dataclass
-class Proposal:
-    tokens: mx.array  # (B, K) draft tokens x(1..K)
-    draft_probs: Optional[mx.array]  # (B, K, V) softmax(logits(k) / T) each was drawn from; None when greedy
-    token_probs: mx.array  # (B, K) softmax(logits(k))(x(k)) at T = 1, for p_min
-    confidence: Optional[mx.array]  # (B, K) c(k) in (0, 1); None without a confidence head
-    logits: Optional[mx.array] = None  # (B, K, V) float32 logits(k) = z(k) + Markov bias (lazy; for tests, filters)
-
-
 class DSparkDraft(nn.Module):
     def __init__(self, args: DraftArgs):
         super().__init__()
@@ -393,44 +384,13 @@ class DSparkDraft(nn.Module):
             raise ValueError(f"sampled drafting needs temperature > 0, got {temperature}; use greedy=True")
         hidden = self.block_hidden(anchor, ctx, target=target)[:, :num_tokens]  # o(1..K), (B, K, H)
         base = target.lm_head_logits(hidden).astype(mx.float32)  # z(1..K): one LM head matmul
-        return self._draft(anchor, hidden, base, greedy=greedy, temperature=temperature)
-
-    def _draft(self, anchor: mx.array, hidden: mx.array, base: mx.array, *, greedy: bool, temperature: float) -> Proposal:
-        markov = getattr(self, "markov_head", None)
-        prev = anchor
-        prev_embeddings, tokens, token_probs, draft_probs, all_logits = [], [], [], [], []
-        state = None
-        for k in range(base.shape[1]):
-            logits = base[:, k]  # (B, V)
-            if markov is not None:
-                embedding = markov.prev_embedding(prev)  # W1[x(k-1)], (B, r)
-                if k == 0:
-                    state = markov.initial_state(embedding)
-                bias, state = markov.step(embedding, hidden[:, k], state)
-                logits = logits + bias.astype(mx.float32)
-                prev_embeddings.append(embedding)
-            if greedy:
-                token = mx.argmax(logits, axis=-1)
-            else:
-                scaled = logits * (1.0 / temperature)
-                token = mx.random.categorical(scaled)
-                draft_probs.append(mx.softmax(scaled, axis=-1))
-            token = token.astype(anchor.dtype)
-            all_logits.append(logits)
-            chosen = mx.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
-            token_probs.append(mx.exp(chosen - mx.logsumexp(logits, axis=-1)))
-            tokens.append(token)
-            prev = token
-        confidence = None
-        if self.args.enable_confidence_head:
-            features = hidden
-            if self.args.confidence_head_with_markov:
-                features = mx.concatenate([hidden, mx.stack(prev_embeddings, axis=1).astype(hidden.dtype)], axis=-1)
-            confidence = self.confidence_head(features)
-        return Proposal(
-            tokens=mx.stack(tokens, axis=1),
-            draft_probs=None if greedy else mx.stack(draft_probs, axis=1),
-            token_probs=mx.stack(token_probs, axis=1),
-            confidence=confidence,
-            logits=mx.stack(all_logits, axis=1),
+        return draft_tokens(
+            anchor,
+            hidden,
+            base,
+            markov_head=getattr(self, "markov_head", None),
+            confidence_head=getattr(self, "confidence_head", None),
+            confidence_with_markov=self.args.confidence_head_with_markov,
+            greedy=greedy,
+            temperature=temperature,
         )

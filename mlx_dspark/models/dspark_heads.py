@@ -8,6 +8,9 @@ Attribute names mirror DeepSpec's checkpoints (`markov_head.*`, `confidence_head
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -89,3 +92,67 @@ class ConfidenceHead(nn.Module):
 
     def __call__(self, features: mx.array) -> mx.array:
         return mx.sigmoid(self.proj(features).squeeze(-1).astype(mx.float32))
+
+
+@dataclass
+class Proposal:
+    tokens: mx.array  # (B, K) draft tokens x(1..K)
+    draft_probs: Optional[mx.array]  # (B, K, V) softmax(logits(k) / T) each was drawn from; None when greedy
+    token_probs: mx.array  # (B, K) softmax(logits(k))(x(k)) at T = 1, for p_min
+    confidence: Optional[mx.array]  # (B, K) c(k) in (0, 1); None without a confidence head
+    logits: Optional[mx.array] = None  # (B, K, V) float32 logits(k) = z(k) + Markov bias (lazy; for tests, filters)
+
+
+def draft_tokens(
+    anchor: mx.array,
+    hidden: mx.array,
+    base: mx.array,
+    *,
+    markov_head: Optional[VanillaMarkov],
+    confidence_head: Optional[ConfidenceHead],
+    confidence_with_markov: bool,
+    greedy: bool,
+    temperature: float,
+) -> Proposal:
+    """Sequential drafting over k = 1..K with x(0) = anchor (B,): o(k) = hidden[:, k-1], z(k) = base[:, k-1].
+
+    Greedy: x(k) = argmax logits(k); else a draw from softmax(logits(k) / T) with the global MLX RNG.
+    Lazy: builds the graph only (no host synchronization).
+    """
+    prev = anchor
+    prev_embeddings, tokens, token_probs, draft_probs, all_logits = [], [], [], [], []
+    state = None
+    for k in range(base.shape[1]):
+        logits = base[:, k]  # (B, V) float32
+        if markov_head is not None:
+            embedding = markov_head.prev_embedding(prev)  # W1[x(k-1)], (B, r)
+            if k == 0:
+                state = markov_head.initial_state(embedding)
+            bias, state = markov_head.step(embedding, hidden[:, k], state)
+            logits = logits + bias.astype(mx.float32)
+            prev_embeddings.append(embedding)
+        if greedy:
+            token = mx.argmax(logits, axis=-1)
+        else:
+            scaled = logits * (1.0 / temperature)
+            token = mx.random.categorical(scaled)
+            draft_probs.append(mx.softmax(scaled, axis=-1))
+        token = token.astype(anchor.dtype)
+        chosen = mx.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
+        token_probs.append(mx.exp(chosen - mx.logsumexp(logits, axis=-1)))
+        all_logits.append(logits)
+        tokens.append(token)
+        prev = token
+    confidence = None
+    if confidence_head is not None:
+        features = hidden
+        if confidence_with_markov:
+            features = mx.concatenate([hidden, mx.stack(prev_embeddings, axis=1).astype(hidden.dtype)], axis=-1)
+        confidence = confidence_head(features)  # one (B, K, in) @ (in, 1) product
+    return Proposal(
+        tokens=mx.stack(tokens, axis=1),
+        draft_probs=None if greedy else mx.stack(draft_probs, axis=1),
+        token_probs=mx.stack(token_probs, axis=1),
+        confidence=confidence,
+        logits=mx.stack(all_logits, axis=1),
+    )
