@@ -337,7 +337,9 @@ class DSparkDraft(nn.Module):
         # Rows each layer still needs: sliding layers drop all but their last `keep` positions.
         needed = [n if c.keep is None else min(n, c.keep) for c in ctx]
         rows = max(needed)
-        fused = self.hidden_norm(self.fc(features[:, n - rows :]))  # c(t), (B, rows, H)
+        # Features arrive in the target's dtype; compute and cache c(t) in the draft's.
+        features = features[:, n - rows :].astype(self.hidden_norm.weight.dtype)
+        fused = self.hidden_norm(self.fc(features))  # c(t), (B, rows, H)
         for layer, cache, need in zip(self.layers, ctx, needed):
             if need == 0:
                 cache.advance(n)
