@@ -8,8 +8,6 @@ copies of the target's embedding / LM head are checked against the target's and 
 
 from __future__ import annotations
 
-import sys
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -374,14 +372,3 @@ def load(
         target_path=target_path,
         draft_path=draft_path,
     )
-
-
-class _CallableModule(types.ModuleType):
-    """Importing this submodule rebinds the package attribute `mlx_dspark.load` from the function to
-    the module; making the module callable keeps the documented `mlx_dspark.load(...)` working."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> LoadedModel:
-        return load(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

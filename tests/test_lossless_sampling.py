@@ -17,7 +17,8 @@ import pytest
 from mlx_dspark.decode import plain_steps, speculative_steps
 from mlx_dspark.propose import Proposal
 from mlx_dspark.sample import Sampler
-from tests.engine_helpers import make_target
+from mlx_dspark.propose import DraftProposer
+from tests.engine_helpers import make_draft, make_target
 
 VOCAB = 8
 PROMPT = [1, 5, 2, 7, 3]
@@ -121,12 +122,12 @@ def to_array(outcomes: Counter, length: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def target():
-    return make_target("spark2_5", seed=11, vocab_size=VOCAB, layers=2, window=4)
+    return make_target("spark2_5", seed=11, vocab_size=VOCAB, layers=2, window=4, embedding_scale=0.5)
 
 
 SAMPLERS = {
     "temperature": Sampler(temperature=1.0),
-    "temperature_top_p": Sampler(temperature=1.5, top_p=0.85),
+    "temperature_top_p": Sampler(temperature=1.0, top_p=0.7),
     "temperature_top_k": Sampler(temperature=1.3, top_k=4),
 }
 
@@ -172,3 +173,25 @@ def test_plain_sampling_matches_the_exact_target_distribution(target):
     exact = exact_distribution(target, sampler, 2)
     outcomes = sample_runs(target, sampler, lambda: None, length=2, seed=7)
     assert chi_square_p_value(to_array(outcomes, 2).reshape(-1), exact.reshape(-1)) > MIN_P_VALUE
+
+
+@pytest.mark.parametrize("family, drafting", [("spark2_5", "sample"), ("qwen3", "greedy")])
+def test_real_dspark_draft_sampling_matches_the_exact_target_distribution(family, drafting):
+    """The real draft model of each family in the loop (its draft_probs, its windowed context)."""
+    window = {"window": 4} if family == "spark2_5" else {}
+    target = make_target(family, seed=5, vocab_size=VOCAB, layers=4, embedding_scale=0.5, **window)
+    draft = make_draft(target, seed=6, markov_head_type="gated" if family == "qwen3" else "vanilla")
+    sampler = SAMPLERS["temperature_top_k"]
+    exact = exact_distribution(target, sampler, 3)
+    outcomes = sample_runs(
+        target,
+        sampler,
+        lambda: DraftProposer(draft, target, greedy=drafting == "greedy", temperature=sampler.temperature),
+        length=3,
+        seed=4321,
+    )
+    counts = to_array(outcomes, 3)
+    assert outcomes.stats["accepted"] > 0
+    assert chi_square_p_value(counts.reshape(-1), exact.reshape(-1)) > MIN_P_VALUE
+    for observed, expected in zip(marginals(counts), marginals(exact)):
+        assert chi_square_p_value(observed, expected) > MIN_P_VALUE
