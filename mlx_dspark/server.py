@@ -122,8 +122,8 @@ def serve(
     if host not in LOOPBACK_HOSTS and api_key is None:
         typer.echo(f"[mlx_dspark] warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
 
-    server.start()
     typer.echo(f"[mlx_dspark] listening on {server.url}/v1 as model {model_id!r}; loading {model} ...", err=True)
+    server.start()
     try:
         server.worker.loaded.wait()
         if server.worker.state == FAILED:

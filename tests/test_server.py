@@ -39,8 +39,6 @@ def running_server(loader: Callable[[], Any], *, wait: bool = True, **options: A
             assert server.worker.loaded.wait(60), "the tiny pair did not load in 60 s"
         yield server
     finally:
-        for job in list(server.worker.recent):
-            job.cancel()
         server.close(wait_s=10)
 
 
@@ -273,6 +271,15 @@ def test_one_connection_keeps_working_across_errors_streams_and_replies(server):
         else:
             response.read()
         assert response.status == status, (method, path)
+    conn.close()
+
+
+def test_a_chunked_request_body_gets_411(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
+    conn.request("POST", "/v1/completions", body=iter([b'{"prompt": "x"}']), encode_chunked=True,
+                 headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+    response = conn.getresponse()
+    assert response.status == 411 and json.loads(response.read())["error"]["code"] == "length_required"
     conn.close()
 
 

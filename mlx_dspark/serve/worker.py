@@ -120,7 +120,10 @@ class ModelWorker:
         # A loader can fail in many ways (a bad path, the hub, a malformed checkpoint): whatever it
         # is, the server reports it on /health and to every request instead of hanging in "loading".
         except Exception as err:  # noqa: BLE001
-            log.exception("loading the model failed")
+            if isinstance(err, (ValueError, OSError)):
+                log.error("loading the model failed: %s", err)  # a path or checkpoint the user can fix
+            else:
+                log.exception("loading the model failed")
             self.load_error = f"{type(err).__name__}: {err}"
             self.state = FAILED
             self.loaded.set()
