@@ -172,6 +172,8 @@ class Handler(BaseHTTPRequestHandler):
         # client, not a dropped socket, and never reach the other requests or the server.
         except Exception as err:  # noqa: BLE001
             log.exception("unexpected error on %s %s", method, path)
+            if self._stream_started:
+                self.close_connection = True  # a half-written stream cannot be resumed
             self._send_error(APIError(500, f"internal error: {type(err).__name__}: {err}", type="server_error"))
 
     def _check_key(self) -> None:

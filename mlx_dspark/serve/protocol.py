@@ -17,6 +17,8 @@ from typing import Any
 from mlx_dspark.api import StepResponse
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# apply_chat_template arguments the server sets itself, or that change what it returns
+RESERVED_TEMPLATE_KWARGS = ("conversation", "add_generation_prompt", "tokenize", "return_dict", "return_tensors")
 MAX_STOP_SEQUENCES = 16
 
 
@@ -146,6 +148,9 @@ def _options(body: dict, defaults: Defaults) -> dict:
     template_kwargs = body.get("chat_template_kwargs")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise _bad("chat_template_kwargs", "an object", template_kwargs)
+    reserved = sorted(set(template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise _bad("chat_template_kwargs", "free of the keys the server sets", reserved)
     return dict(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", defaults.temperature, low=0.0, high=math.inf, open_high=True),
