@@ -321,8 +321,9 @@ def tiny_target_config(
 
 
 def _linear(rng: np.random.Generator, out_dim: int, in_dim: int) -> np.ndarray:
-    # 0.5 / sqrt(fan_in): layers change the residual stream visibly without blowing it up
-    return (rng.standard_normal((out_dim, in_dim)) * (0.5 / np.sqrt(in_dim))).astype(np.float32)
+    # 1 / sqrt(fan_in) with a small embedding: the layers, not the input token, dominate the residual
+    # stream, so a tied head does not just repeat the last token (varied continuations = stronger tests)
+    return (rng.standard_normal((out_dim, in_dim)) * (1.0 / np.sqrt(in_dim))).astype(np.float32)
 
 
 def _norm(rng: np.random.Generator, dim: int) -> np.ndarray:
@@ -358,7 +359,7 @@ def tiny_target_weights(config: dict[str, Any], *, seed: int) -> dict[str, np.nd
     rng = np.random.default_rng(seed)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     embed_name = "model.embedding.weight" if family == "spark2_5" else "model.embed_tokens.weight"
-    weights = {embed_name: (0.1 * rng.standard_normal((vocab, hidden))).astype(np.float32)}
+    weights = {embed_name: (0.02 * rng.standard_normal((vocab, hidden))).astype(np.float32)}
     for i in range(config["num_hidden_layers"]):
         weights.update(_decoder_layer(rng, config, family=family, prefix=f"model.layers.{i}."))
     weights["model.norm.weight"] = _norm(rng, hidden)
