@@ -5,9 +5,11 @@ measured with `ControlledProposer`: it runs the real draft forward every round (
 the proposed tokens depend on the draft's output in the graph) but proposes the target's own greedy
 continuation, corrupted at one position per round so the acceptance lengths follow a deterministic
 schedule with the chosen mean. Engine efficiency = measured speedup / ideal speedup, where the ideal
-is `tau * t_decode / (t_draft + t_verify(block + 1))` from the cost curve measured in the same process;
-with `t_decode` taken from the same interleaved plain runs, efficiency equals
-ideal round time / measured round time, so it carries over to other hardware.
+is `tau * t_decode / (t_draft + t_verify(block + 1))`. All three times are measured interleaved with the
+runs (a `CostProbe` at the runs' mean context times a draft block and a verify forward between them;
+`t_decode` is the interleaved plain runs' time per token), so load drifts on a shared machine hit
+both sides; efficiency then equals ideal round time / measured round time and carries over to
+other hardware.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mlx_dspark.api import generate
 from mlx_dspark.decode import plain_steps
 from mlx_dspark.propose import DraftProposer, Proposal
 from mlx_dspark.sample import Sampler
+from mlx_dspark.bench.cost import CostProbe
 from mlx_dspark.bench.profile import format_profile, profile_rounds
 from mlx_dspark.bench.stats import loadavg, mean, median
 
@@ -96,7 +99,7 @@ def run_controlled(
     acceptance_lengths: Sequence[float],
     max_tokens: int,
     repeats: int,
-    cost_curve: dict,
+    probe_samples: int = 3,
 ) -> dict:
     """Interleaved plain and controlled-acceptance runs (greedy, stop tokens ignored by the caller's model).
 
@@ -105,8 +108,9 @@ def run_controlled(
     """
     target, draft = model.target, model.draft
     block = int(draft.args.block_size)
-    verify_ms = cost_curve["verify_ms"][str(block + 1)]
-    draft_ms = cost_curve["draft_block_ms"]
+    probe = CostProbe(model, context=len(prompts[0]) + max_tokens // 2)
+    probe.draft_block(), probe.verify(block + 1)  # warm-up
+    probe_ms: dict[str, list[float]] = {"draft": [], "verify": [], "draft_build": [], "verify_build": []}
     references = [greedy_reference(target, ids, max_tokens + block + 1) for ids in prompts]
     plain_tps: list[float] = []
     by_tau: dict[float, dict[str, list]] = {tau: {"tps": [], "lengths": [], "match": []} for tau in acceptance_lengths}
@@ -131,6 +135,13 @@ def run_controlled(
                 by_tau[tau]["tps"].append(result.generation_tps)
                 by_tau[tau]["lengths"].extend(result.acceptance_lengths)
                 by_tau[tau]["match"].append(result.tokens == reference[: len(result.tokens)])
+            for _ in range(probe_samples):
+                for name, (build, total) in (("draft", probe.draft_block()), ("verify", probe.verify(block + 1))):
+                    probe_ms[name].append(1000 * total)
+                    probe_ms[f"{name}_build"].append(1000 * build)
+
+    draft_ms, verify_ms = median(probe_ms["draft"]), median(probe_ms["verify"])
+    compute_ms = draft_ms + verify_ms - median(probe_ms["draft_build"]) - median(probe_ms["verify_build"])
 
     plain = median(plain_tps)
     decode_ms = 1000 / plain if plain > 0 else math.inf
@@ -164,7 +175,7 @@ def run_controlled(
         acceptance_length=profile_tau,
     )
     rounds = max(2, min(20, int(max_tokens / profile_tau) - 2))
-    profile = profile_rounds(target, profile_proposer, prompts[0], rounds=rounds, cost_curve=cost_curve)
+    profile = profile_rounds(target, profile_proposer, prompts[0], rounds=rounds, compute_ms=compute_ms)
     profile["target_acceptance_length"] = profile_tau
     return {
         "label": "engine measurement (controlled acceptance), not model acceptance",
@@ -174,8 +185,11 @@ def run_controlled(
         "plain_tokens_per_second": plain,
         "plain_tokens_per_second_runs": plain_tps,
         "decode_ms": decode_ms,
+        "probe_context": probe.context,
         "draft_ms": draft_ms,
         "verify_ms": verify_ms,
+        "draft_ms_samples": probe_ms["draft"],
+        "verify_ms_samples": probe_ms["verify"],
         "rows": rows,
         "profile": profile,
         "loadavg_before": load_before,
@@ -187,7 +201,8 @@ def format_controlled(result: dict) -> str:
     lines = [
         "ENGINE MEASUREMENT at controlled acceptance (the draft's tokens are replaced; not model acceptance)",
         f"  plain decoding {result['plain_tokens_per_second']:.1f} tok/s ({result['decode_ms']:.1f} ms/token); "
-        f"draft block {result['draft_ms']:.1f} ms, verify of block + 1 tokens {result['verify_ms']:.1f} ms (cost curve)",
+        f"draft block {result['draft_ms']:.1f} ms, verify of block + 1 tokens {result['verify_ms']:.1f} ms "
+        f"(interleaved, context {result['probe_context']})",
         f"  {'tau target':>10} {'tau meas.':>9} {'tok/s':>8} {'speedup':>8} {'ideal':>7} {'efficiency':>10} {'round ms':>9} {'ideal ms':>9}",
     ]
     for row in result["rows"]:

@@ -54,41 +54,77 @@ def plain_loop_ms(target: Any, prompt: list[int], *, tokens: int) -> float:
     return 1000 * (stamps[-1] - stamps[1]) / (len(stamps) - 2)
 
 
-def measure_cost_curve(loaded: Any, *, context: int, repeats: int = 10, max_width: int = 8, seed: int = 0) -> dict:
-    """Median milliseconds of each piece of a round at `context` committed positions (JSON-ready)."""
-    target, draft = loaded.target, loaded.draft
-    if draft is None:
-        raise ValueError("the cost curve needs a draft: pass --draft")
-    if context < 1:
-        raise ValueError(f"the cost-curve context must be >= 1 token, got {context}")
-    block = int(draft.args.block_size)
-    if max_width > block + 1:
-        raise ValueError(f"verify widths go up to block_size + 1 = {block + 1}, got {max_width}")
-    vocab = target.args.vocab_size
-    prompt = random_prompt(vocab, context, seed=seed)
-    proposer = DraftProposer(draft, target, greedy=True, temperature=1.0)
-    cache = target.make_cache()
-    logits = prefill(target, cache, prompt, tap_ids=proposer.tap_ids, proposer=proposer)
-    anchor = mx.argmax(logits).astype(mx.int32).reshape(1)
-    mx.eval(anchor)
-    _eval_caches(cache, proposer.context)
-    taps = proposer.tap_ids
-    candidates = mx.array(random_prompt(vocab, max_width, seed=seed + 1), dtype=mx.int32)[None]  # (1, W)
+class CostProbe:
+    """A target cache and a draft context prefilled to `context` positions, timing one piece at a time.
 
-    def verify(width: int):
+    Every method returns (graph-building seconds, total seconds) and rolls the target cache back, so
+    pieces can be timed in any order, interleaved with other runs, at a constant context.
+    """
+
+    def __init__(self, loaded: Any, *, context: int, seed: int = 0) -> None:
+        target, draft = loaded.target, loaded.draft
+        if draft is None:
+            raise ValueError("the cost curve needs a draft: pass --draft")
+        if context < 1:
+            raise ValueError(f"the cost-curve context must be >= 1 token, got {context}")
+        self.target, self.draft, self.context = target, draft, context
+        self.block_size = int(draft.args.block_size)
+        vocab = target.args.vocab_size
+        self.prompt = random_prompt(vocab, context, seed=seed)
+        self.proposer = DraftProposer(draft, target, greedy=True, temperature=1.0)
+        self.cache = target.make_cache()
+        logits = prefill(target, self.cache, self.prompt, tap_ids=self.proposer.tap_ids, proposer=self.proposer)
+        self.anchor = mx.argmax(logits).astype(mx.int32).reshape(1)
+        mx.eval(self.anchor)
+        _eval_caches(self.cache, self.proposer.context)
+        self.candidates = mx.array(random_prompt(vocab, self.block_size + 1, seed=seed + 1), dtype=mx.int32)[None]
+
+    def verify(self, width: int) -> tuple[float, float]:
+        """A target forward of `width` tokens with the draft's taps, and greedy acceptance."""
+        if not 1 <= width <= self.block_size + 1:
+            raise ValueError(f"verify widths go from 1 to block_size + 1 = {self.block_size + 1}, got {width}")
+
         def build():
-            out, _ = target(candidates[:, :width], cache=cache, tap_ids=taps)
-            return accept_greedy(draft_tokens=candidates[0, 1:width], target_logits=out[0])
+            out, _ = self.target(self.candidates[:, :width], cache=self.cache, tap_ids=self.proposer.tap_ids)
+            return accept_greedy(draft_tokens=self.candidates[0, 1:width], target_logits=out[0])
 
-        return _timed(build, outputs=lambda a: [a.accepted, a.tokens])
+        timing = _timed(build, outputs=lambda a: [a.accepted, a.tokens])
+        trim_caches(self.cache, width)
+        return timing
 
-    def decode():
+    def decode(self) -> tuple[float, float]:
+        """One plain decode step (no taps), unpipelined."""
+
         def build():
-            out, _ = target(candidates[:, :1], cache=cache)
+            out, _ = self.target(self.candidates[:, :1], cache=self.cache)
             return mx.argmax(out[0, -1])
 
-        return _timed(build, outputs=lambda t: [t])
+        timing = _timed(build, outputs=lambda t: [t])
+        trim_caches(self.cache, 1)
+        return timing
 
+    def draft_block(self) -> tuple[float, float]:
+        """One draft proposal of block_size tokens (layers, LM head, Markov steps)."""
+        return _timed(
+            lambda: self.proposer.propose(self.anchor, position=self.context, num_tokens=self.block_size),
+            outputs=lambda p: [p.tokens],
+        )
+
+    def draft_layers(self, *, with_lm_head: bool) -> tuple[float, float]:
+        """The draft's block forward alone, or with the LM head and an argmax (no Markov steps)."""
+
+        def build():
+            hidden = self.draft.block_hidden(self.anchor, self.proposer.context, target=self.target)
+            return mx.argmax(self.target.lm_head_logits(hidden), axis=-1) if with_lm_head else hidden
+
+        return _timed(build, outputs=lambda out: [out])
+
+
+def measure_cost_curve(loaded: Any, *, context: int, repeats: int = 10, max_width: int = 8, seed: int = 0) -> dict:
+    """Median milliseconds of each piece of a round at `context` committed positions (JSON-ready)."""
+    probe = CostProbe(loaded, context=context, seed=seed)
+    if max_width > probe.block_size + 1:
+        raise ValueError(f"verify widths go up to block_size + 1 = {probe.block_size + 1}, got {max_width}")
     samples: dict[str, list[float]] = {}
     build_samples: dict[str, list[float]] = {}
 
@@ -96,44 +132,31 @@ def measure_cost_curve(loaded: Any, *, context: int, repeats: int = 10, max_widt
         build_samples.setdefault(name, []).append(1000 * timing[0])
         samples.setdefault(name, []).append(1000 * timing[1])
 
-    # one untimed pass of everything, then interleaved timed passes
+    # one untimed pass of everything, then interleaved timed passes (widths in rotating order)
+    widths = list(range(1, max_width + 1))
     for repeat in range(repeats + 1):
-        widths = list(range(1, max_width + 1))
         rotation = repeat % len(widths)
-        for width in widths[rotation:] + widths[:rotation]:
-            timing = verify(width)
-            trim_caches(cache, width)
-            if repeat:
-                record(f"verify_{width}", timing)
-        timing = decode()
-        trim_caches(cache, 1)
+        timings = [(f"verify_{w}", probe.verify(w)) for w in widths[rotation:] + widths[:rotation]]
+        timings.append(("decode_step", probe.decode()))
+        timings.append(("draft_block", probe.draft_block()))
+        timings.append(("draft_layers", probe.draft_layers(with_lm_head=False)))
+        timings.append(("draft_layers_and_lm_head", probe.draft_layers(with_lm_head=True)))
         if repeat:
-            record("decode_step", timing)
-        timing = _timed(lambda: proposer.propose(anchor, position=context, num_tokens=block), outputs=lambda p: [p.tokens])
-        if repeat:
-            record("draft_block", timing)
-        timing = _timed(lambda: draft.block_hidden(anchor, proposer.context, target=target), outputs=lambda h: [h])
-        if repeat:
-            record("draft_layers", timing)
-        timing = _timed(
-            lambda: mx.argmax(target.lm_head_logits(draft.block_hidden(anchor, proposer.context, target=target)), axis=-1),
-            outputs=lambda t: [t],
-        )
-        if repeat:
-            record("draft_layers_and_lm_head", timing)
+            for name, timing in timings:
+                record(name, timing)
 
     curve = {
         "context": context,
         "repeats": repeats,
-        "block_size": block,
-        "verify_ms": {str(w): median(samples[f"verify_{w}"]) for w in range(1, max_width + 1)},
-        "verify_build_ms": {str(w): median(build_samples[f"verify_{w}"]) for w in range(1, max_width + 1)},
+        "block_size": probe.block_size,
+        "verify_ms": {str(w): median(samples[f"verify_{w}"]) for w in widths},
+        "verify_build_ms": {str(w): median(build_samples[f"verify_{w}"]) for w in widths},
         "decode_step_ms": median(samples["decode_step"]),
         "draft_block_ms": median(samples["draft_block"]),
         "draft_block_build_ms": median(build_samples["draft_block"]),
         "draft_layers_ms": median(samples["draft_layers"]),
         "draft_layers_and_lm_head_ms": median(samples["draft_layers_and_lm_head"]),
-        "plain_loop_ms": plain_loop_ms(target, prompt, tokens=max(8, 2 * repeats)),
+        "plain_loop_ms": plain_loop_ms(loaded.target, probe.prompt, tokens=max(8, 2 * repeats)),
         "loadavg": loadavg(),
     }
     curve["verify_ratio"] = {w: curve["verify_ms"][w] / curve["verify_ms"]["1"] for w in curve["verify_ms"]}

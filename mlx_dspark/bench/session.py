@@ -135,7 +135,6 @@ def run(options: Options, *, meta: dict) -> dict:
                 acceptance_lengths=options.controlled_acceptance,
                 max_tokens=options.controlled_tokens,
                 repeats=options.repeats,
-                cost_curve=curve,
             )
             sections.append(controlled.format_controlled(results["controlled"]))
             print(sections[-1])
