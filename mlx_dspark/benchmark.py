@@ -10,6 +10,7 @@ bench/controlled.py). The pieces live in `mlx_dspark.bench`; this module only pa
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 import platform
 import sys
@@ -27,25 +28,39 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
-def preload_openblas() -> None:
-    """Route MLX's float32 sgemm to OpenBLAS (one thread): Linux only, before mlx is first imported."""
+OPENBLAS_ENV = {"LD_PRELOAD": "libopenblas.so.0", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def openblas_loaded() -> bool:
+    maps = Path("/proc/self/maps")
+    return maps.is_file() and "libopenblas" in maps.read_text()
+
+
+def reexec_with_openblas() -> None:
+    """Restart this command with MLX's float32 sgemm routed to OpenBLAS (one thread), Linux only.
+
+    Importing the package already loads mlx, and a preload only works before that, so the flag
+    re-executes `python -m mlx_dspark.benchmark` with LD_PRELOAD set (BENCHMARKING.md).
+    """
     if sys.platform != "linux":
         fail("--openblas is for Linux CPU runs only (never on macOS, where MLX uses Metal/Accelerate)")
-    if "mlx.core" in sys.modules:
-        fail("--openblas must take effect before mlx is imported; use LD_PRELOAD=libopenblas.so.0 instead")
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    try:
-        ctypes.CDLL("libopenblas.so.0", mode=ctypes.RTLD_GLOBAL)
-    except OSError:
+    if openblas_loaded():
+        return
+    if ctypes.util.find_library("openblas") is None:
         fail("libopenblas.so.0 not found: apt-get install -y libopenblas0-pthread")
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if main_spec is None or main_spec.name != "mlx_dspark.benchmark" or os.environ.get("MLX_DSPARK_OPENBLAS_REEXEC"):
+        fail("--openblas needs OpenBLAS preloaded before mlx is imported: run `python -m mlx_dspark.benchmark --openblas ...` "
+             "or set LD_PRELOAD=libopenblas.so.0 OPENBLAS_NUM_THREADS=1 yourself")
+    env = {**os.environ, **OPENBLAS_ENV, "MLX_DSPARK_OPENBLAS_REEXEC": "1"}
+    os.execvpe(sys.executable, [sys.executable, "-m", "mlx_dspark.benchmark", *sys.argv[1:]], env)
 
 
 def blas_setting() -> str:
     """Which BLAS this process routes float32 matmuls to, read from its memory map (Linux)."""
     if sys.platform == "darwin":
         return "macOS (Metal / Accelerate)"
-    maps = Path("/proc/self/maps")
-    if maps.is_file() and "libopenblas" in maps.read_text():
+    if openblas_loaded():
         return f"OpenBLAS (OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')})"
     return "MLX's bundled reference BLAS"
 
@@ -106,11 +121,11 @@ def main(
     controlled_context: int = typer.Option(512, "--controlled-context", help="Prompt length of the controlled runs."),
     controlled_prompts: int = typer.Option(2, "--controlled-prompts"),
     controlled_tokens: Optional[int] = typer.Option(None, "--controlled-tokens", help="Tokens per controlled run (default --max-tokens)."),
-    openblas: bool = typer.Option(False, "--openblas", help="Linux CPU: preload OpenBLAS (1 thread) before mlx loads."),
+    openblas: bool = typer.Option(False, "--openblas", help="Linux CPU: rerun with OpenBLAS (1 thread) preloaded for float32 matmuls."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
 ) -> None:
     if openblas:
-        preload_openblas()
+        reexec_with_openblas()
     from mlx_dspark.bench import session
 
     taus = parse_floats(controlled_acceptance, option="--controlled-acceptance") if controlled_acceptance else []
