@@ -1,7 +1,8 @@
 """Benchmark pieces behind `python -m mlx_dspark.benchmark`.
 
-`prompts` (built-in and jsonl prompt sets), `runner` (interleaved baseline / DSpark / mlx-lm runs),
-`stats` (acceptance statistics), `lossless` (greedy token identity), `report` (tables, JSON,
-Markdown), `plots`, `cost` (the target/draft cost curve) and `controlled` (the controlled-acceptance
-proposer for engine-efficiency measurements). Nothing here holds model math.
+`prompts` / `builtin_prompts` (prompt sets), `runner` (interleaved baseline / DSpark / mlx-lm runs per
+prompt), `mlx_lm_baseline`, `stats` (acceptance statistics), `lossless` (greedy token identity),
+`report` (tables, JSON, Markdown), `plots`, `cost` (the cost curve and `CostProbe`), `controlled`
+(controlled-acceptance engine efficiency), `profile` (where a round's time goes) and `session` (one
+benchmark invocation end to end). Nothing here holds model math.
 """
