@@ -108,6 +108,9 @@ def speculative_steps(
         if max_tokens is not None:
             num_tokens = max(0, min(num_tokens, max_tokens - emitted - 1))
         proposal = proposer.propose(anchor, position=position, num_tokens=num_tokens) if num_tokens else None
+        if proposal is not None:
+            # Start the draft on the device while the host builds the verify graph.
+            mx.async_eval(proposal.tokens)
         draft_tokens, draft_probs = _admitted(proposal, num_tokens, p_min=p_min, threshold=confidence_threshold)
         num_draft = draft_tokens.shape[0]
 
