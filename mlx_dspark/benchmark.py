@@ -121,6 +121,7 @@ def main(
     controlled_context: int = typer.Option(512, "--controlled-context", help="Prompt length of the controlled runs."),
     controlled_prompts: int = typer.Option(2, "--controlled-prompts"),
     controlled_tokens: Optional[int] = typer.Option(None, "--controlled-tokens", help="Tokens per controlled run (default --max-tokens)."),
+    parity_repeats: int = typer.Option(0, "--parity-repeats", help="Also time our plain decoding against mlx-lm's N times each, interleaved, on the first prompt."),
     openblas: bool = typer.Option(False, "--openblas", help="Linux CPU: rerun with OpenBLAS (1 thread) preloaded for float32 matmuls."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
 ) -> None:
@@ -159,6 +160,7 @@ def main(
                 controlled_context=controlled_context,
                 controlled_prompts=controlled_prompts,
                 controlled_tokens=controlled_tokens or max_tokens,
+                parity_repeats=parity_repeats,
                 progress=progress,
             ),
             meta=run_meta(dtype=dtype, quantize=quantize),

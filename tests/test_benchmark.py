@@ -171,7 +171,7 @@ def test_benchmark_runs_end_to_end_and_its_json_has_every_field(request, tmp_pat
     jsonl = _write_jsonl(tmp_path / "extra.jsonl", [json.dumps({"question": "What is 2 + 2?"})])
     out = tmp_path / "out"
     args = ["--model", str(target), "--draft", str(draft), "--datasets", "gsm8k", "--dataset", f"Extra={jsonl}"]
-    args += ["--prompts-per-dataset", "1", "--max-tokens", "5", "--ignore-eos", "--out", str(out), "--no-progress"]
+    args += ["--prompts-per-dataset", "1", "--max-tokens", "5", "--ignore-eos", "--out", str(out), "--no-progress", "--parity-repeats", "2"]
     args += ["--cost-curve", "--cost-repeats", "1", "--controlled-acceptance", "4.55", "--controlled-context", "12", "--controlled-prompts", "1", "--controlled-tokens", "10"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -193,6 +193,9 @@ def test_benchmark_runs_end_to_end_and_its_json_has_every_field(request, tmp_pat
         assert sum(record["dspark"]["acceptance_histogram"]) == record["dspark"]["rounds"]
         assert len(record["dspark"]["position_acceptance"]) == 7
         assert record["lossless"] == {"identical": True, "first_difference": None, "top2_margin": None}
+    parity = results["baseline_parity"]
+    assert len(parity["our_tps_runs"]) == len(parity["mlx_lm_tps_runs"]) == 2 and parity["mlx_lm_kind"] == mlx_lm_kind
+    assert set(parity) >= {"our_tps", "mlx_lm_tps", "ours_over_mlx_lm"}
     meta = results["meta"]
     assert meta["mlx_lm_baseline"] == mlx_lm_kind
     assert {"command", "machine", "mlx", "mlx_lm", "blas", "loadavg_start", "loadavg_end", "settings"} <= set(meta)

@@ -171,6 +171,40 @@ def run_prompt(model: Any, prompt: BenchPrompt, settings: RunSettings, baseline:
     return record
 
 
+def baseline_parity(model: Any, baseline: MlxLmBaseline, prompt: BenchPrompt, settings: RunSettings, *, repeats: int) -> dict:
+    """Our plain decoding against mlx-lm's, `repeats` times each, alternating which goes first.
+
+    The per-prompt runs time mlx-lm once; this is the check that our baseline is no strawman.
+    """
+    ids = prompt_ids(model, prompt)
+    ours: list[float] = []
+    theirs: list[float] = []
+    for repeat in range(repeats):
+        for mode in ("ours", "mlx_lm") if repeat % 2 == 0 else ("mlx_lm", "ours"):
+            if mode == "ours":
+                ours.append(_run(model, ids, settings, speculative=False, seed=settings.seed).generation_tps)
+            else:
+                theirs.append(_mlx_lm(model, baseline, ids, settings, max_tokens=settings.max_tokens).generation_tps)
+    ratio = median(ours) / median(theirs) if median(theirs) > 0 else 0.0
+    return {
+        "prompt": f"{prompt.category} #{prompt.index}",
+        "mlx_lm_kind": baseline.kind,
+        "our_tps_runs": ours,
+        "mlx_lm_tps_runs": theirs,
+        "our_tps": median(ours),
+        "mlx_lm_tps": median(theirs),
+        "ours_over_mlx_lm": ratio,
+    }
+
+
+def format_parity(parity: dict) -> str:
+    return (
+        f"baseline parity on {parity['prompt']} ({len(parity['our_tps_runs'])} interleaved runs each): ours "
+        f"{parity['our_tps']:.2f} tok/s, mlx-lm ({parity['mlx_lm_kind']}) {parity['mlx_lm_tps']:.2f} tok/s, "
+        f"ratio {parity['ours_over_mlx_lm']:.3f}"
+    )
+
+
 def run_prompts(
     model: Any, prompts: Sequence[BenchPrompt], settings: RunSettings, baseline: MlxLmBaseline | None
 ) -> Iterator[dict]:

@@ -45,6 +45,7 @@ class Options:
     controlled_context: int = 512
     controlled_prompts: int = 2
     controlled_tokens: int = 128
+    parity_repeats: int = 0
     progress: bool = True
 
     def settings(self) -> runner.RunSettings:
@@ -106,15 +107,21 @@ def run(options: Options, *, meta: dict) -> dict:
     prompts = select_prompts(datasets=options.datasets, files=options.dataset_files, limit=options.prompts_per_dataset)
 
     records: list[dict] = []
+    baseline = None
     if options.run_datasets:
         baseline = make_mlx_lm_baseline(loaded, dtype=options.dtype, quantize=options.quantize) if options.mlx_lm_baseline else None
         meta["mlx_lm_baseline"] = baseline.kind if baseline else None
         records = _progress_records(model, prompts, settings, baseline, show=options.progress)
     results = report.build_results(records, meta=meta)
     sections: list[str] = []
+    if options.parity_repeats and baseline is not None:
+        results["baseline_parity"] = runner.baseline_parity(model, baseline, prompts[0], settings, repeats=options.parity_repeats)
+        sections.append(runner.format_parity(results["baseline_parity"]))
     if records:
         print("\n".join(report.table_lines([*results["rows"], results["average"]], markdown=False)))
         print("\n".join(report.lossless_lines(records)))
+    for section in sections:
+        print(section)
 
     if options.cost_curve or options.controlled_acceptance:
         no_stop = runner.prepare_model(loaded, runner.RunSettings(ignore_eos=True))
