@@ -108,6 +108,9 @@ def test_attention_mask_follows_the_position_rule(q_start, L, K, window):
     )
     if mask is None:
         assert want.all()
+    elif isinstance(mask, str):
+        assert mask == "causal"  # bottom-right aligned: query i sees keys up to K - L + i
+        np.testing.assert_array_equal(np.tril(np.ones((L, K), bool), K - L), want)
     else:
         np.testing.assert_array_equal(np.array(mask), want)
 
@@ -116,6 +119,9 @@ def test_attention_mask_is_none_when_nothing_is_masked():
     assert base.attention_mask(7, 1, 8, window=None) is None
     assert base.attention_mask(7, 1, 4, window=4) is None
     assert base.attention_mask(7, 1, 5, window=4) is not None
+    assert base.attention_mask(7, 3, 10, window=None) == "causal"
+    assert base.attention_mask(7, 3, 4, window=4) == "causal"
+    assert isinstance(base.attention_mask(7, 3, 6, window=4), mx.array)
 
 
 # --- the model against the NumPy reference ---

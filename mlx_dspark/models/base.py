@@ -21,8 +21,12 @@ LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 gelu = nn.gelu
 
 
-def attention_mask(q_start: int, num_queries: int, num_keys: int, *, window: Optional[int] = None) -> Optional[mx.array]:
-    """Boolean (L, K) mask for `mx.fast.scaled_dot_product_attention`, or None when nothing is masked.
+def attention_mask(
+    q_start: int, num_queries: int, num_keys: int, *, window: Optional[int] = None
+) -> Optional[mx.array | str]:
+    """Mask for `mx.fast.scaled_dot_product_attention`: None when nothing is masked, "causal" when only
+    causality masks (sdpa aligns it to the last key, and can skip building a boolean array), else a
+    boolean (L, K) array.
 
     Key `j` sits at position `q_start + L - K + j`. Query `q` sees key `k` iff `k <= q` and, with a
     window, `q - window < k` (the window counts the query itself).
@@ -30,10 +34,11 @@ def attention_mask(q_start: int, num_queries: int, num_keys: int, *, window: Opt
     L, K = num_queries, num_keys
     if K < L:
         raise ValueError(f"attention_mask: {K} keys cannot cover {L} queries (keys end with the queries' positions)")
-    # Nothing is masked iff the first query sees the last key (L == 1) and the last query sees the
-    # first key (K <= window).
-    if L == 1 and (window is None or K <= window):
-        return None
+    # The window cuts nothing iff the last query sees the first key (K <= window); then only
+    # causality masks: nothing for one query, sdpa's "causal" for several.
+    window_cuts = window is not None and K > window
+    if not window_cuts:
+        return None if L == 1 else "causal"
     q_pos = mx.arange(q_start, q_start + L)[:, None]
     k_pos = mx.arange(q_start + L - K, q_start + L)[None]
     mask = k_pos <= q_pos
