@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import sys
 import select
 import socket
 import threading
@@ -51,6 +52,14 @@ class DSparkHTTPServer(ThreadingHTTPServer):
         self.created = int(time.time())
         self._serving: threading.Thread | None = None
         super().__init__(address, Handler)
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away mid-request is routine (logged at debug); anything else is logged."""
+        err = sys.exc_info()[1]
+        if isinstance(err, ConnectionError):
+            log.debug("client %s went away: %s", client_address, err)
+        else:
+            log.exception("error while serving %s", client_address)
 
     @property
     def url(self) -> str:
