@@ -124,7 +124,10 @@ def main(
     parity_repeats: int = typer.Option(0, "--parity-repeats", help="Also time our plain decoding against mlx-lm's N times each, interleaved, on the first prompt."),
     openblas: bool = typer.Option(False, "--openblas", help="Linux CPU: rerun with OpenBLAS (1 thread) preloaded for float32 matmuls."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
+    force: bool = typer.Option(False, "--force", help="Overwrite results already in --out."),
 ) -> None:
+    if (out / "results.json").exists() and not force:
+        fail(f"{out} already holds results (results.json); choose another --out or pass --force to overwrite them")
     if openblas:
         reexec_with_openblas()
     from mlx_dspark.bench import session

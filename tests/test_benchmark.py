@@ -229,3 +229,18 @@ def test_openblas_flag_refuses_to_run_in_process_without_the_preload(tiny_spark_
     assert result.exit_code == 2
     expected = ("before mlx is imported", "libopenblas.so.0 not found") if sys.platform == "linux" else ("Linux CPU runs only",)
     assert any(text in result.output for text in expected)
+
+
+def test_existing_results_are_not_overwritten_without_force(tiny_spark_pair, tmp_path):
+    target, draft = tiny_spark_pair
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text('{"mine": true}')
+    args = ["--model", str(target), "--draft", str(draft), "--datasets", "gsm8k", "--prompts-per-dataset", "1"]
+    args += ["--max-tokens", "3", "--no-mlx-lm-baseline", "--no-progress", "--out", str(out)]
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code != 0 and "--force" in refused.stderr
+    assert json.loads((out / "results.json").read_text()) == {"mine": True}
+    forced = CliRunner().invoke(app, args + ["--force"])
+    assert forced.exit_code == 0, forced.output
+    assert "rows" in json.loads((out / "results.json").read_text())
