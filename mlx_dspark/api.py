@@ -242,35 +242,49 @@ def stream_generate(
             return
 
 
+class ResultCollector:
+    """Joins the StepResponses of one stream into a GenerationResult (for `generate` and the CLI)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first_time: float | None = None
+        self.text: list[str] = []
+        self.tokens: list[int] = []
+        self.acceptance_lengths: list[int] = []
+        self.proposal_lengths: list[int] = []
+        self.last: StepResponse | None = None
+
+    def add(self, step: StepResponse) -> None:
+        if self.first_time is None:
+            self.first_time = time.perf_counter() - self.start
+        self.text.append(step.text)
+        self.tokens.extend(step.tokens)
+        if step.verified:
+            self.acceptance_lengths.append(step.accepted + 1)
+            self.proposal_lengths.append(step.proposed)
+        self.last = step
+
+    def result(self) -> GenerationResult:
+        last = self.last
+        assert last is not None and last.finish_reason is not None
+        return GenerationResult(
+            text="".join(self.text),
+            tokens=self.tokens,
+            finish_reason=last.finish_reason,
+            prompt_tokens=last.prompt_tokens,
+            prompt_tps=last.prompt_tps,
+            generation_tps=last.generation_tps,
+            peak_memory_gb=last.peak_memory_gb,
+            acceptance_lengths=self.acceptance_lengths,
+            proposal_lengths=self.proposal_lengths,
+            time_to_first_token=self.first_time or 0.0,
+            total_time=time.perf_counter() - self.start,
+        )
+
+
 def generate(model: Any, prompt: str | Sequence[int] | Sequence[dict], **options: Any) -> GenerationResult:
     """Generate a whole completion; takes the same options as `stream_generate`."""
-    start = time.perf_counter()
-    text: list[str] = []
-    tokens: list[int] = []
-    acceptance_lengths: list[int] = []
-    proposal_lengths: list[int] = []
-    last = None
-    first_time = None
+    collector = ResultCollector()
     for step in stream_generate(model, prompt, **options):
-        if first_time is None:
-            first_time = time.perf_counter() - start
-        text.append(step.text)
-        tokens.extend(step.tokens)
-        if step.verified:
-            acceptance_lengths.append(step.accepted + 1)
-            proposal_lengths.append(step.proposed)
-        last = step
-    assert last is not None and last.finish_reason is not None
-    return GenerationResult(
-        text="".join(text),
-        tokens=tokens,
-        finish_reason=last.finish_reason,
-        prompt_tokens=last.prompt_tokens,
-        prompt_tps=last.prompt_tps,
-        generation_tps=last.generation_tps,
-        peak_memory_gb=last.peak_memory_gb,
-        acceptance_lengths=acceptance_lengths,
-        proposal_lengths=proposal_lengths,
-        time_to_first_token=first_time or 0.0,
-        total_time=time.perf_counter() - start,
-    )
+        collector.add(step)
+    return collector.result()

@@ -60,7 +60,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the result instead of streaming."),
 ) -> None:
     """Stream a completion to stdout; a summary goes to stderr."""
-    from mlx_dspark.api import stream_generate
+    from mlx_dspark.api import ResultCollector, stream_generate
     from mlx_dspark.load import load
 
     template_kwargs = None
@@ -103,36 +103,30 @@ def generate(
         p_min=p_min,
         chat_template_kwargs=template_kwargs,
     )
-    pieces, tokens, acceptance = [], [], []
-    last = None
+    collector = ResultCollector()
     try:
         for step in stream_generate(pair, request, **options):
             if not as_json:
                 sys.stdout.write(step.text)
                 sys.stdout.flush()
-            pieces.append(step.text)
-            tokens.extend(step.tokens)
-            if step.verified:
-                acceptance.append(step.accepted + 1)
-            last = step
+            collector.add(step)
     except ValueError as err:
         fail(str(err))
-    assert last is not None
-    mean_acceptance = sum(acceptance) / len(acceptance) if acceptance else 0.0
+    result = collector.result()
     if as_json:
         print(
             json.dumps(
                 {
-                    "text": "".join(pieces),
-                    "tokens": tokens,
-                    "finish_reason": last.finish_reason,
-                    "prompt_tokens": last.prompt_tokens,
-                    "generation_tokens": last.generation_tokens,
-                    "prompt_tps": last.prompt_tps,
-                    "generation_tps": last.generation_tps,
-                    "peak_memory_gb": last.peak_memory_gb,
-                    "acceptance_lengths": acceptance,
-                    "mean_acceptance_length": mean_acceptance,
+                    "text": result.text,
+                    "tokens": result.tokens,
+                    "finish_reason": result.finish_reason,
+                    "prompt_tokens": result.prompt_tokens,
+                    "generation_tokens": len(result.tokens),
+                    "prompt_tps": result.prompt_tps,
+                    "generation_tps": result.generation_tps,
+                    "peak_memory_gb": result.peak_memory_gb,
+                    "acceptance_lengths": result.acceptance_lengths,
+                    "mean_acceptance_length": result.mean_acceptance_length,
                     "speculative": pair.draft is not None and not no_draft,
                 }
             )
@@ -140,12 +134,12 @@ def generate(
     else:
         print()
     summary = (
-        f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
-        f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s"
+        f"prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.1f} tok/s | "
+        f"generation: {len(result.tokens)} tokens, {result.generation_tps:.1f} tok/s"
     )
-    if acceptance:
-        summary += f" | mean acceptance length {mean_acceptance:.2f} over {len(acceptance)} rounds"
-    summary += f" | peak memory {last.peak_memory_gb:.3f} GB"
+    if result.acceptance_lengths:
+        summary += f" | mean acceptance length {result.mean_acceptance_length:.2f} over {result.rounds} rounds"
+    summary += f" | peak memory {result.peak_memory_gb:.3f} GB"
     typer.echo(summary, err=True)
 
 
