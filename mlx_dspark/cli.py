@@ -20,7 +20,7 @@ DEMO_DIR = Path.home() / ".cache" / "mlx_dspark" / "tiny-spark-pair"
 
 def demo_pair() -> tuple[Path, Path]:
     """The tiny random spark2_5 pair used when no model is given, written once."""
-    from mlx_dspark.tiny import write_tiny_pair
+    from mlx_dspark.testing.tiny import write_tiny_pair
 
     target, draft = DEMO_DIR / "target", DEMO_DIR / "draft"
     if not (target / "config.json").exists() or not (draft / "config.json").exists():

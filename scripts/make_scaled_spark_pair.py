@@ -31,7 +31,7 @@ import typer
 # run from a checkout without installing the package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_dspark.tiny import (  # noqa: E402
+from mlx_dspark.testing.tiny import (  # noqa: E402
     FAMILIES,
     save_hf_weights,
     tiny_target_config,

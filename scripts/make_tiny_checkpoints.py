@@ -13,7 +13,7 @@ import typer
 # run from a checkout without installing the package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_dspark.tiny import FAMILIES, write_tiny_draft, write_tiny_target
+from mlx_dspark.testing.tiny import FAMILIES, write_tiny_draft, write_tiny_target
 
 app = typer.Typer(add_completion=False)
 

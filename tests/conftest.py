@@ -1,6 +1,6 @@
 """Shared pytest fixtures: tiny random checkpoints written once per session.
 
-Everything is float32 and seeded (seed 0), written by `mlx_dspark.tiny`; treat the directories as
+Everything is float32 and seeded (seed 0), written by `mlx_dspark.testing.tiny`; treat the directories as
 read-only (they are shared by every test of the session; write your own with the writer to modify).
 
 - `tiny_spark_target`: Path of a spark2_5 target (tied, 4 layers: 3 sliding + 1 full, window 16,
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_dspark.tiny import write_tiny_draft, write_tiny_target
+from mlx_dspark.testing.tiny import write_tiny_draft, write_tiny_target
 
 SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"
 

@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 
 from mlx_dspark import load as package_load
 from mlx_dspark.load import LoadedModel, load
-from mlx_dspark.tiny import write_tiny_target
+from mlx_dspark.testing.tiny import write_tiny_target
 
 PROMPT = mx.array([[5, 17, 42, 99, 300, 7, 11, 200, 3, 64, 128, 250, 31, 8, 90, 101, 77, 12, 140, 19, 23]])
 
@@ -109,7 +109,7 @@ def test_pair_loads_with_shared_tensors_dropped_from_the_draft(family, tiny_spar
 
 
 def test_pair_loads_from_a_draft_without_shared_copies(tiny_qwen3_target, tmp_path):
-    from mlx_dspark.tiny import write_tiny_draft
+    from mlx_dspark.testing.tiny import write_tiny_draft
 
     draft = write_tiny_draft(tmp_path / "draft", target_path=tiny_qwen3_target, include_shared=False)
     assert load(tiny_qwen3_target, draft).draft is not None

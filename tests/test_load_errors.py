@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from mlx_dspark.convert import convert
 from mlx_dspark.load import load
-from mlx_dspark.tiny import write_tiny_draft, write_tiny_target
+from mlx_dspark.testing.tiny import write_tiny_draft, write_tiny_target
 
 
 def _copy(src: Path, dst: Path) -> Path:

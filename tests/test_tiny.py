@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from mlx_dspark.tiny import write_tiny_draft, write_tiny_target
-from mlx_dspark.tiny_tokenizer import VOCAB_SIZE, build_tokenizer
+from mlx_dspark.testing.tiny import write_tiny_draft, write_tiny_target
+from mlx_dspark.testing.tiny_tokenizer import VOCAB_SIZE, build_tokenizer
 
 
 def _shapes(path: Path) -> dict[str, tuple[int, ...]]:

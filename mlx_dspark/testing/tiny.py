@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 # FAMILIES and write_tokenizer are re-exported for scripts/ and tests.
-from mlx_dspark.tiny_tokenizer import FAMILIES, VOCAB_SIZE, _check_family, _write_json, write_tokenizer  # noqa: F401
+from mlx_dspark.testing.tiny_tokenizer import FAMILIES, VOCAB_SIZE, _check_family, _write_json, write_tokenizer  # noqa: F401
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 _DTYPES = ("float32", "bfloat16", "float16")
