@@ -20,16 +20,8 @@ import typer
 from mlx.utils import tree_flatten
 
 from mlx_dspark.checkpoint import INDEX_FILE, ShardWriter, load_file, read_config, resolve_path, weight_files
-from mlx_dspark.load import (
-    DTYPES,
-    Q_BITS,
-    Q_GROUP_SIZES,
-    check_quantize_options,
-    check_tensors,
-    is_draft_config,
-    parse_dtype,
-    quantizable,
-)
+from mlx_dspark.precision import DTYPES, Q_BITS, Q_GROUP_SIZES, check_quantize_options, parse_dtype, quantizable
+from mlx_dspark.load import check_tensors, is_draft_config
 from mlx_dspark.models import target_module
 
 # Non-weight files carried over (tokenizer, generation defaults); never checkpoint code (*.py).

@@ -17,11 +17,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_dspark.checkpoint import load_weights, read_config, read_json, resolve_path
+from mlx_dspark.precision import check_quantize_options, parse_dtype, quantizable
 from mlx_dspark.models import DRAFT_ARCHITECTURES, DSPARK_MARKER_FIELDS, TARGET_ARCHITECTURES, target_module
 
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-Q_BITS = (4, 8)
-Q_GROUP_SIZES = (32, 64, 128)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -48,26 +46,6 @@ def is_draft_config(config: dict) -> bool:
 
 def target_family(config: dict) -> str:
     return TARGET_ARCHITECTURES[config["architectures"][0]]
-
-
-def parse_dtype(dtype: str | mx.Dtype | None) -> Optional[mx.Dtype]:
-    if dtype is None or isinstance(dtype, mx.Dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def check_quantize_options(*, bits: Optional[int], group_size: int) -> None:
-    if bits is not None and bits not in Q_BITS:
-        raise ValueError(f"quantize bits {bits!r} are not supported; expected one of {Q_BITS}")
-    if group_size not in Q_GROUP_SIZES:
-        raise ValueError(f"quantization group size {group_size!r} is not supported; expected one of {Q_GROUP_SIZES}")
-
-
-def quantizable(path: str, module: nn.Module, *, group_size: int) -> bool:
-    """Linear / Embedding layers whose input dim splits into groups (norms have no to_quantized)."""
-    return hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0
 
 
 # -- weights into a module -------------------------------------------------------------------------

@@ -1,0 +1,33 @@
+"""Precision options, validated in one place: floating dtypes, MLX quantization bits and group sizes,
+and which layers quantize."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+Q_BITS = (4, 8)
+Q_GROUP_SIZES = (32, 64, 128)
+
+
+def parse_dtype(dtype: str | mx.Dtype | None) -> Optional[mx.Dtype]:
+    if dtype is None or isinstance(dtype, mx.Dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def check_quantize_options(*, bits: Optional[int], group_size: int) -> None:
+    if bits is not None and bits not in Q_BITS:
+        raise ValueError(f"quantize bits {bits!r} are not supported; expected one of {Q_BITS}")
+    if group_size not in Q_GROUP_SIZES:
+        raise ValueError(f"quantization group size {group_size!r} is not supported; expected one of {Q_GROUP_SIZES}")
+
+
+def quantizable(path: str, module: nn.Module, *, group_size: int) -> bool:
+    """Linear / Embedding layers whose input dim splits into groups (norms have no to_quantized)."""
+    return hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0
