@@ -10,6 +10,18 @@ from __future__ import annotations
 
 from mlx_dspark.api import GenerationResult, StepResponse, generate, stream_generate
 from mlx_dspark.load import LoadedModel, load
+from mlx_dspark.options import GenerationOptions, OptionError, SamplingOptions, SpeculationOptions
 
 __version__ = "0.1.0"
-__all__ = ["GenerationResult", "LoadedModel", "StepResponse", "generate", "load", "stream_generate"]
+__all__ = [
+    "GenerationOptions",
+    "GenerationResult",
+    "LoadedModel",
+    "OptionError",
+    "SamplingOptions",
+    "SpeculationOptions",
+    "StepResponse",
+    "generate",
+    "load",
+    "stream_generate",
+]

@@ -14,10 +14,8 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from mlx_dspark.decode import Round, plain_steps, speculative_steps
+from mlx_dspark.options import DEFAULT_OPTIONS, GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.propose import DraftProposer, Proposer
-from mlx_dspark.sample import Sampler
-
-DRAFT_SAMPLING_MODES = ("greedy", "sample")
 
 
 @dataclass
@@ -89,51 +87,26 @@ def encode_prompt(
     raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
 
 
-def _steps(
-    model: Any,
-    prompt_ids: list[int],
-    *,
-    sampler: Sampler,
-    speculative: bool,
-    draft_sampling: str,
-    p_min: float,
-    confidence_threshold: float,
-    max_tokens: int,
-    proposer: Proposer | None,
-) -> Iterator[Round]:
+def _steps(model: Any, prompt_ids: list[int], options: GenerationOptions, proposer: Proposer | None) -> Iterator[Round]:
     vocab = model.target.args.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-    if speculative and proposer is None and model.draft is not None:
+    sampling, speculation = options.sampling, options.speculation
+    if not speculation.speculative:
+        return plain_steps(model.target, prompt_ids, sampler=sampling)
+    if proposer is None and model.draft is not None:
         proposer = DraftProposer(
             model.draft,
             model.target,
-            greedy=draft_sampling == "greedy" or sampler.greedy,
-            temperature=max(sampler.temperature, 1e-6),
+            greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
+            temperature=max(sampling.temperature, 1e-6),
         )
-    if speculative and proposer is not None:
-        return speculative_steps(
-            model.target,
-            proposer,
-            prompt_ids,
-            sampler=sampler,
-            p_min=p_min,
-            confidence_threshold=confidence_threshold,
-            max_tokens=max_tokens,
-        )
-    return plain_steps(model.target, prompt_ids, sampler=sampler)
-
-
-def _check_options(*, max_tokens: int, draft_sampling: str, p_min: float, confidence_threshold: float) -> None:
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    if draft_sampling not in DRAFT_SAMPLING_MODES:
-        raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING_MODES}, got {draft_sampling!r}")
-    if not 0.0 <= p_min <= 1.0:
-        raise ValueError(f"p_min must be in [0, 1], got {p_min!r}")
-    if not 0.0 <= confidence_threshold <= 1.0:
-        raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold!r}")
+    if proposer is None:
+        return plain_steps(model.target, prompt_ids, sampler=sampling)
+    return speculative_steps(
+        model.target, proposer, prompt_ids, sampler=sampling, speculation=speculation, max_tokens=options.max_tokens
+    )
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -147,40 +120,68 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
     return hold
 
 
+_SAMPLING, _SPECULATION = DEFAULT_OPTIONS.sampling, DEFAULT_OPTIONS.speculation
+
+
 def stream_generate(
     model: Any,
     prompt: str | Sequence[int] | Sequence[dict],
     *,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    seed: int | None = None,
-    draft_sampling: str = "greedy",
-    speculative: bool = True,
-    confidence_threshold: float = 0.0,
-    p_min: float = 0.0,
+    options: GenerationOptions | None = None,
+    proposer: Proposer | None = None,
+    max_tokens: int = DEFAULT_OPTIONS.max_tokens,
+    temperature: float = _SAMPLING.temperature,
+    top_p: float = _SAMPLING.top_p,
+    top_k: int = _SAMPLING.top_k,
+    min_p: float = _SAMPLING.min_p,
+    seed: int | None = _SAMPLING.seed,
+    draft_sampling: str = _SPECULATION.draft_sampling,
+    speculative: bool = _SPECULATION.speculative,
+    confidence_threshold: float = _SPECULATION.confidence_threshold,
+    p_min: float = _SPECULATION.p_min,
+    max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
-    proposer: Proposer | None = None,
 ) -> Iterator[StepResponse]:
     """Yield a StepResponse per target forward; the last one carries the finish reason.
 
-    `proposer` replaces the loaded draft (tests and benchmarks plug in controlled proposers).
+    The options come either whole as `options` (what the CLIs, the server and the benchmark pass) or
+    as the keywords, the documented front that builds the same object here, once; giving both is an
+    error. `proposer` replaces the loaded draft (tests and benchmarks plug in controlled proposers).
     """
-    sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-    _check_options(
-        max_tokens=max_tokens, draft_sampling=draft_sampling, p_min=p_min, confidence_threshold=confidence_threshold
+    built = GenerationOptions(
+        max_tokens=max_tokens,
+        stop=stop or (),
+        stop_token_ids=stop_token_ids or (),
+        chat_template_kwargs=chat_template_kwargs,
+        sampling=SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed),
+        speculation=SpeculationOptions(
+            speculative=speculative,
+            draft_sampling=draft_sampling,
+            p_min=p_min,
+            confidence_threshold=confidence_threshold,
+            max_draft_tokens=max_draft_tokens,
+        ),
     )
-    stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-    tokenizer = model.tokenizer
-    stop_ids = set(tokenizer.eos_token_ids) | set(stop_token_ids or [])
-    prompt_ids = encode_prompt(tokenizer, prompt, chat_template_kwargs=chat_template_kwargs)
+    if options is None:
+        options = built
+    elif built != DEFAULT_OPTIONS:
+        raise ValueError("give the generation options either as `options=` or as keywords, not both")
+    return _stream(model, prompt, options, proposer)
 
-    if seed is not None:
-        mx.random.seed(seed)
+
+def _stream(
+    model: Any, prompt: str | Sequence[int] | Sequence[dict], options: GenerationOptions, proposer: Proposer | None
+) -> Iterator[StepResponse]:
+    tokenizer = model.tokenizer
+    stops = options.stop
+    stop_ids = set(tokenizer.eos_token_ids) | set(options.stop_token_ids)
+    max_tokens = options.max_tokens
+    prompt_ids = encode_prompt(tokenizer, prompt, chat_template_kwargs=options.chat_template_kwargs)
+
+    if options.sampling.seed is not None:
+        mx.random.seed(options.sampling.seed)
     mx.reset_peak_memory()
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -188,18 +189,7 @@ def stream_generate(
     generated = 0
     start = time.perf_counter()
     first_token_time = None
-    steps = _steps(
-        model,
-        prompt_ids,
-        sampler=sampler,
-        speculative=speculative,
-        draft_sampling=draft_sampling,
-        p_min=p_min,
-        confidence_threshold=confidence_threshold,
-        max_tokens=max_tokens,
-        proposer=proposer,
-    )
-    for step in steps:
+    for step in _steps(model, prompt_ids, options, proposer):
         now = time.perf_counter()
         if first_token_time is None:
             first_token_time = now
@@ -243,7 +233,10 @@ def stream_generate(
 
 
 class ResultCollector:
-    """Joins the StepResponses of one stream into a GenerationResult (for `generate` and the CLI)."""
+    """Joins the StepResponses of one stream: the one place that sums step statistics.
+
+    `generate` and the CLI turn it into a GenerationResult; the server's usage and `dspark` fields read it.
+    """
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
@@ -264,6 +257,19 @@ class ResultCollector:
             self.proposal_lengths.append(step.proposed)
         self.last = step
 
+    @property
+    def rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Draft tokens accepted over all verify rounds (each round's length counts its bonus token too)."""
+        return sum(self.acceptance_lengths) - self.rounds
+
+    @property
+    def proposed_tokens(self) -> int:
+        return sum(self.proposal_lengths)
+
     def result(self) -> GenerationResult:
         last = self.last
         assert last is not None and last.finish_reason is not None
@@ -282,9 +288,53 @@ class ResultCollector:
         )
 
 
-def generate(model: Any, prompt: str | Sequence[int] | Sequence[dict], **options: Any) -> GenerationResult:
-    """Generate a whole completion; takes the same options as `stream_generate`."""
+def generate(
+    model: Any,
+    prompt: str | Sequence[int] | Sequence[dict],
+    *,
+    options: GenerationOptions | None = None,
+    proposer: Proposer | None = None,
+    max_tokens: int = DEFAULT_OPTIONS.max_tokens,
+    temperature: float = _SAMPLING.temperature,
+    top_p: float = _SAMPLING.top_p,
+    top_k: int = _SAMPLING.top_k,
+    min_p: float = _SAMPLING.min_p,
+    seed: int | None = _SAMPLING.seed,
+    draft_sampling: str = _SPECULATION.draft_sampling,
+    speculative: bool = _SPECULATION.speculative,
+    confidence_threshold: float = _SPECULATION.confidence_threshold,
+    p_min: float = _SPECULATION.p_min,
+    max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> GenerationResult:
+    """Generate a whole completion: `stream_generate` with the same parameters, joined.
+
+    The signature is stream_generate's, spelled out so that both stay documented, typed functions
+    without a `**kwargs` pass-through (tests/test_package_api.py keeps the two in step).
+    """
+    steps = stream_generate(
+        model,
+        prompt,
+        options=options,
+        proposer=proposer,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        draft_sampling=draft_sampling,
+        speculative=speculative,
+        confidence_threshold=confidence_threshold,
+        p_min=p_min,
+        max_draft_tokens=max_draft_tokens,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        chat_template_kwargs=chat_template_kwargs,
+    )
     collector = ResultCollector()
-    for step in stream_generate(model, prompt, **options):
+    for step in steps:
         collector.add(step)
     return collector.result()

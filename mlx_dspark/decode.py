@@ -18,8 +18,11 @@ import mlx.core as mx
 
 from mlx_dspark.accept import accept_greedy, accept_sampled
 from mlx_dspark.cache import trim_caches
+from mlx_dspark.options import SpeculationOptions
 from mlx_dspark.propose import Proposal, Proposer
 from mlx_dspark.sample import Sampler
+
+PREFILL_STEP_SIZE = 512  # prompt tokens per prefill forward: bounds the memory of long prompts
 
 
 @dataclass
@@ -37,7 +40,7 @@ def prefill(
     *,
     tap_ids: Sequence[int] = (),
     proposer: Proposer | None = None,
-    step_size: int = 512,
+    step_size: int = PREFILL_STEP_SIZE,
 ) -> mx.array:
     """Run the prompt through the target in chunks; returns the logits (V,) at the last position.
 
@@ -63,7 +66,7 @@ def plain_steps(
     prompt: Sequence[int],
     *,
     sampler: Sampler,
-    prefill_step_size: int = 512,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
 ) -> Iterator[Round]:
     """Plain autoregressive decoding with the target alone: the baseline, one token per Round."""
     cache = target.make_cache()
@@ -85,15 +88,17 @@ def speculative_steps(
     prompt: Sequence[int],
     *,
     sampler: Sampler,
-    p_min: float = 0.0,
-    confidence_threshold: float = 0.0,
+    speculation: SpeculationOptions = SpeculationOptions(),
     max_tokens: int | None = None,
-    prefill_step_size: int = 512,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
 ) -> Iterator[Round]:
     """Lossless speculative decoding: yields the prefill's token, then one Round per verify forward.
 
-    `max_tokens`, when given, shortens the last proposals so no verify work is spent past it.
+    A round proposes at most `speculation.max_draft_tokens` (default: the block size), cut further by
+    `p_min` and the confidence threshold. `max_tokens`, when given, shortens the last proposals so no
+    verify work is spent past it.
     """
+    draft_length = speculation.draft_length(proposer.block_size)
     cache = target.make_cache()
     tap_ids = tuple(proposer.tap_ids)
     logits = prefill(target, cache, prompt, tap_ids=tap_ids, proposer=proposer, step_size=prefill_step_size)
@@ -104,14 +109,16 @@ def speculative_steps(
     yield Round(tokens=[int(anchor.item())])
 
     while True:
-        num_tokens = proposer.block_size
+        num_tokens = draft_length
         if max_tokens is not None:
             num_tokens = max(0, min(num_tokens, max_tokens - emitted - 1))
         proposal = proposer.propose(anchor, position=position, num_tokens=num_tokens) if num_tokens else None
         if proposal is not None:
             # Start the draft on the device while the host builds the verify graph.
             mx.async_eval(proposal.tokens)
-        draft_tokens, draft_probs = _admitted(proposal, num_tokens, p_min=p_min, threshold=confidence_threshold)
+        draft_tokens, draft_probs = _admitted(
+            proposal, num_tokens, p_min=speculation.p_min, threshold=speculation.confidence_threshold
+        )
         num_draft = draft_tokens.shape[0]
 
         verify_input = mx.concatenate([anchor, draft_tokens]).reshape(1, num_draft + 1)

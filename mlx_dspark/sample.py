@@ -7,7 +7,6 @@ min-p (as DSPARK.md section 4 lists them), all on normalised log-probabilities.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -16,22 +15,15 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 @dataclass(frozen=True)
 class Sampler:
-    """The knobs of the target distribution; `temperature == 0` means greedy (argmax)."""
+    """The knobs of the target distribution; `temperature == 0` means greedy (argmax).
+
+    Users' values are checked by its subclass `options.SamplingOptions`, the form every entry point builds.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not (0.0 <= self.min_p < 1.0):
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,128 @@
+"""Generation options: one frozen object, validated once when it is built.
+
+The Python API, the generate CLI, the server and the benchmark all build a `GenerationOptions` and
+pass it whole to `api.stream_generate`; nothing downstream re-checks a value. A bad value is an
+`OptionError` (a `ValueError`) that names the field, the value and what is expected; its `field`
+lets the CLIs name the flag and the server the request field.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from mlx_dspark.sample import Sampler
+
+DRAFT_SAMPLING_MODES = ("greedy", "sample")
+SEED_MAX = 2**64 - 1  # MLX seeds its generator with an unsigned 64-bit integer
+
+
+class OptionError(ValueError):
+    """A generation option with a value we cannot use."""
+
+    def __init__(self, field: str, value: Any, expected: str) -> None:
+        super().__init__(f"{field} must be {expected}, got {value!r}")
+        self.field = field
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_fraction(field: str, value: Any) -> None:
+    if not (_is_number(value) and 0.0 <= value <= 1.0):
+        raise OptionError(field, value, "a number in [0, 1]")
+
+
+@dataclass(frozen=True)
+class SamplingOptions(Sampler):
+    """The target distribution's knobs (this is the `Sampler` the loops use) and the seed of MLX's generator.
+
+    `temperature == 0` is greedy decoding; `seed=None` leaves the generator as it is.
+    """
+
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (_is_number(self.temperature) and self.temperature >= 0):
+            raise OptionError("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
+        if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise OptionError("top_p", self.top_p, "a number in (0, 1] (1 disables it)")
+        if not (_is_int(self.top_k) and self.top_k >= 0):
+            raise OptionError("top_k", self.top_k, "an integer >= 0 (0 disables it)")
+        if not (_is_number(self.min_p) and 0.0 <= self.min_p < 1.0):
+            raise OptionError("min_p", self.min_p, "a number in [0, 1) (0 disables it)")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed <= SEED_MAX):
+            raise OptionError("seed", self.seed, "an integer in [0, 2**64 - 1], or none for an unseeded run")
+
+
+@dataclass(frozen=True)
+class SpeculationOptions:
+    """How the draft proposes and how much of a proposal the round verifies."""
+
+    speculative: bool = True  # False: plain decoding with the target alone (the baseline)
+    draft_sampling: str = "greedy"  # how the draft proposes when the target samples
+    p_min: float = 0.0  # stop a proposal before the first draft token with probability below it
+    confidence_threshold: float = 0.0  # stop before the first token whose confidence is below it
+    max_draft_tokens: int | None = None  # the most draft tokens one round verifies; None = the block size
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.speculative, bool):
+            raise OptionError("speculative", self.speculative, "true or false")
+        if self.draft_sampling not in DRAFT_SAMPLING_MODES:
+            raise OptionError("draft_sampling", self.draft_sampling, f"one of {', '.join(DRAFT_SAMPLING_MODES)}")
+        _check_fraction("p_min", self.p_min)
+        _check_fraction("confidence_threshold", self.confidence_threshold)
+        if self.max_draft_tokens is not None and not (_is_int(self.max_draft_tokens) and self.max_draft_tokens >= 1):
+            raise OptionError("max_draft_tokens", self.max_draft_tokens, "an integer >= 1, or none for the draft's block size")
+
+    def draft_length(self, block_size: int) -> int:
+        """Draft tokens one round proposes at most, for a draft of `block_size` tokens per block."""
+        if self.max_draft_tokens is None:
+            return block_size
+        if self.max_draft_tokens > block_size:
+            raise OptionError("max_draft_tokens", self.max_draft_tokens, f"at most the draft's block size {block_size}")
+        return self.max_draft_tokens
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Everything one generation request sets, beside the prompt and the model."""
+
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()  # stop strings; a single string is accepted too
+    stop_token_ids: tuple[int, ...] = ()  # stop tokens beside the tokenizer's end-of-sequence ids
+    chat_template_kwargs: Mapping[str, Any] | None = None  # switches for the chat template
+    sampling: SamplingOptions = SamplingOptions()
+    speculation: SpeculationOptions = SpeculationOptions()
+
+    def __post_init__(self) -> None:
+        if not (_is_int(self.max_tokens) and self.max_tokens >= 1):
+            raise OptionError("max_tokens", self.max_tokens, "an integer >= 1")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
+            raise OptionError("stop", self.stop, "a string or a list of strings")
+        ids = self.stop_token_ids
+        # Integral, not int: token ids often come out of numpy or mlx arrays.
+        if not (isinstance(ids, (list, tuple)) and all(isinstance(t, numbers.Integral) and t >= 0 for t in ids)):
+            raise OptionError("stop_token_ids", ids, "a list of token ids (integers >= 0)")
+        kwargs = self.chat_template_kwargs
+        if kwargs is not None and not (isinstance(kwargs, Mapping) and all(isinstance(k, str) for k in kwargs)):
+            raise OptionError("chat_template_kwargs", kwargs, "a mapping of names to values")
+        if not isinstance(self.sampling, SamplingOptions):
+            raise OptionError("sampling", self.sampling, "a SamplingOptions")
+        if not isinstance(self.speculation, SpeculationOptions):
+            raise OptionError("speculation", self.speculation, "a SpeculationOptions")
+        # Stored as tuples (empty stop strings dropped) and a copied dict, so the object cannot change later.
+        object.__setattr__(self, "stop", tuple(s for s in stop if s))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        object.__setattr__(self, "chat_template_kwargs", None if kwargs is None else dict(kwargs))
+
+
+DEFAULT_OPTIONS = GenerationOptions()
