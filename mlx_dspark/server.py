@@ -8,55 +8,19 @@ live in `mlx_dspark.serve`; see docs/SERVER.md. With no `--model` it serves the 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from typing import Optional
 
 import typer
 
+from mlx_dspark import cli_common as flags
+from mlx_dspark.cli_common import fail, flag_errors
+from mlx_dspark.serve.protocol import SERVER_DEFAULTS
+
 app = typer.Typer(add_completion=False, help="Serve a target and its DSpark draft over an OpenAI-compatible API.")
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEMO_MODEL_ID = "tiny-spark-demo"
-
-
-def fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=2)
-
-
-def check_defaults(
-    *, max_tokens: int, temp: float, top_p: float, top_k: int, min_p: float, draft_sampling: str, p_min: float,
-    confidence_threshold: float, quantize: Optional[int], max_body_bytes: int,
-) -> None:
-    """The same checks a request gets, at startup, so a bad flag is one line instead of a 400 per request."""
-    from mlx_dspark.api import DRAFT_SAMPLING_MODES
-    from mlx_dspark.sample import Sampler
-
-    Sampler(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    if max_tokens < 1:
-        raise ValueError(f"--max-tokens-default must be >= 1, got {max_tokens}")
-    if draft_sampling not in DRAFT_SAMPLING_MODES:
-        raise ValueError(f"--draft-sampling must be one of {DRAFT_SAMPLING_MODES}, got {draft_sampling!r}")
-    for name, value in (("--p-min", p_min), ("--confidence-threshold", confidence_threshold)):
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {value}")
-    if quantize not in (None, 4, 8):
-        raise ValueError(f"--quantize must be 4 or 8, got {quantize}")
-    if max_body_bytes < 1:
-        raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
-
-
-def parse_template_args(text: Optional[str]) -> Optional[dict]:
-    if not text:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--chat-template-args is not valid JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(value, dict):
-        raise ValueError("--chat-template-args must be a JSON object, e.g. '{\"enable_thinking\": false}'")
-    return value
 
 
 @app.command()
@@ -69,50 +33,52 @@ def serve(
                                           help="Require 'Authorization: Bearer KEY' on /v1 routes."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="Model id clients use (default: the --model value)."),
-    max_tokens_default: int = typer.Option(512, "--max-tokens-default", help="max_tokens when a request gives none."),
+    max_tokens_default: int = typer.Option(SERVER_DEFAULTS.max_tokens, "--max-tokens-default", help="max_tokens when a request gives none."),
     max_body_bytes: int = typer.Option(8 * 1024 * 1024, "--max-body-bytes", help="Larger request bodies get a 413."),
-    temp: float = typer.Option(0.0, "--temp", help="Default sampling temperature (0 = greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
-    min_p: float = typer.Option(0.0, "--min-p"),
-    draft_sampling: str = typer.Option("greedy", "--draft-sampling", help="greedy or sample."),
-    no_draft: bool = typer.Option(False, "--no-draft", help="Plain target decoding (the baseline)."),
-    confidence_threshold: float = typer.Option(0.0, "--confidence-threshold"),
-    p_min: float = typer.Option(0.0, "--p-min"),
-    chat_template_args: Optional[str] = typer.Option(None, "--chat-template-args",
-                                                     help="JSON object for the chat template, e.g. '{\"enable_thinking\": false}'."),
-    quantize: Optional[int] = typer.Option(None, "--quantize", help="Quantize the target at load time: 4 or 8 bits."),
+    temp: flags.Temp = flags.SAMPLING.temperature,
+    top_p: flags.TopP = flags.SAMPLING.top_p,
+    top_k: flags.TopK = flags.SAMPLING.top_k,
+    min_p: flags.MinP = flags.SAMPLING.min_p,
+    draft_sampling: flags.DraftSampling = flags.SPECULATION.draft_sampling,
+    no_draft: flags.NoDraft = False,
+    confidence_threshold: flags.ConfidenceThreshold = flags.SPECULATION.confidence_threshold,
+    p_min: flags.PMin = flags.SPECULATION.p_min,
+    max_draft_tokens: flags.MaxDraftTokens = flags.SPECULATION.max_draft_tokens,
+    chat_template_args: flags.ChatTemplateArgs = None,
+    quantize: flags.Quantize = None,
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Bind, load the pair in the background, and serve until interrupted."""
-    from mlx_dspark.cli import demo_pair
     from mlx_dspark.load import load
+    from mlx_dspark.options import GenerationOptions, SamplingOptions, SpeculationOptions
     from mlx_dspark.serve.app import make_server
-    from mlx_dspark.serve.protocol import Defaults
     from mlx_dspark.serve.worker import FAILED
 
     if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        check_defaults(
-            max_tokens=max_tokens_default, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-            draft_sampling=draft_sampling, p_min=p_min, confidence_threshold=confidence_threshold,
-            quantize=quantize, max_body_bytes=max_body_bytes,
+    # The same checks a request gets, at startup, so a bad flag is one line instead of a 400 per request.
+    with flag_errors({**flags.FLAGS, "max_tokens": "--max-tokens-default"}):
+        flags.check_quantize(quantize)
+        if max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
+        defaults = GenerationOptions(
+            max_tokens=max_tokens_default,
+            chat_template_kwargs=flags.parse_template_args(chat_template_args),
+            sampling=SamplingOptions(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p),
+            speculation=SpeculationOptions(
+                speculative=not no_draft,
+                draft_sampling=draft_sampling,
+                p_min=p_min,
+                confidence_threshold=confidence_threshold,
+                max_draft_tokens=max_draft_tokens,
+            ),
         )
-        template_kwargs = parse_template_args(chat_template_args)
-    except ValueError as err:
-        fail(str(err))
 
     model_id = served_model_name or model or DEMO_MODEL_ID
     if model is None:
-        model, default_draft = (str(p) for p in demo_pair())
+        model, default_draft = (str(p) for p in flags.demo_pair())
         draft = draft or default_draft
-    defaults = Defaults(
-        max_tokens=max_tokens_default, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-        draft_sampling=draft_sampling, p_min=p_min, confidence_threshold=confidence_threshold,
-        chat_template_kwargs=template_kwargs,
-    )
     loader = functools.partial(load, model, draft=None if no_draft else draft, quantize=quantize)
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
@@ -129,6 +95,12 @@ def serve(
         if server.worker.state == FAILED:
             server.close(wait_s=0)
             fail(f"could not load the model: {server.worker.load_error}")
+        if server.worker.speculative:
+            try:
+                defaults.speculation.draft_length(server.worker.model.draft.args.block_size)
+            except ValueError as err:
+                server.close(wait_s=0)
+                fail(f"--max-draft-tokens: {err}")
         mode = "speculative" if server.worker.speculative else "plain (no draft)"
         typer.echo(f"[mlx_dspark] ready ({mode} decoding) at {server.url}/v1", err=True)
         server.wait()

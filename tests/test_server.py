@@ -22,7 +22,7 @@ import pytest
 from mlx_dspark.api import encode_prompt, generate
 from mlx_dspark.load import load
 from mlx_dspark.serve.app import DSparkHTTPServer, make_server
-from mlx_dspark.serve.protocol import Defaults
+from mlx_dspark.options import GenerationOptions
 
 MODEL_ID = "tiny-spark"
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -96,7 +96,7 @@ def wait_for(predicate: Callable[[], bool], *, timeout: float = 20.0) -> bool:
 
 @pytest.fixture(scope="module")
 def server(tiny_spark_pair) -> Iterator[DSparkHTTPServer]:
-    with running_server(pair_loader(tiny_spark_pair), defaults=Defaults(max_tokens=8), max_body_bytes=MAX_BODY) as srv:
+    with running_server(pair_loader(tiny_spark_pair), defaults=GenerationOptions(max_tokens=8), max_body_bytes=MAX_BODY) as srv:
         yield srv
 
 
@@ -144,7 +144,7 @@ def test_chat_completion_equals_the_engine_greedy_output_with_usage_and_stats(se
 
 def test_request_without_max_tokens_uses_the_server_default(server):
     status, _, body = call(server, "POST", "/v1/chat/completions", {"messages": MESSAGES})
-    assert status == 200 and body["usage"]["completion_tokens"] == 8  # Defaults(max_tokens=8)
+    assert status == 200 and body["usage"]["completion_tokens"] == 8  # GenerationOptions(max_tokens=8)
 
 
 def test_max_completion_tokens_takes_precedence_over_max_tokens(server):

@@ -18,7 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from mlx_dspark.serve.protocol import APIError, Defaults, Envelope, GenerationRequest, Tally, parse_request
+from mlx_dspark.options import GenerationOptions
+from mlx_dspark.serve.protocol import SERVER_DEFAULTS, APIError, Envelope, GenerationRequest, Tally, parse_request
 from mlx_dspark.serve.worker import READY, Job, ModelWorker
 
 log = logging.getLogger("mlx_dspark.server")
@@ -38,7 +39,7 @@ class DSparkHTTPServer(ThreadingHTTPServer):
         *,
         worker: ModelWorker,
         model_id: str,
-        defaults: Defaults,
+        defaults: GenerationOptions,
         api_key: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         request_timeout_s: float = 600.0,
@@ -94,7 +95,7 @@ def make_server(
     model_id: str,
     host: str = "127.0.0.1",
     port: int = 8080,
-    defaults: Defaults = Defaults(),
+    defaults: GenerationOptions = SERVER_DEFAULTS,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> DSparkHTTPServer:

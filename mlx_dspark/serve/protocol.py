@@ -8,18 +8,22 @@ OpenAI-compatible servers do; a field whose value we cannot honour (`n` > 1, `lo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from mlx_dspark.api import StepResponse
+from mlx_dspark.api import ResultCollector
+from mlx_dspark.options import GenerationOptions, OptionError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # apply_chat_template arguments the server sets itself, or that change what it returns
 RESERVED_TEMPLATE_KWARGS = ("conversation", "add_generation_prompt", "tokenize", "return_dict", "return_tensors")
 MAX_STOP_SEQUENCES = 16
+# What a request gets for the fields it leaves out, unless the command line says otherwise.
+SERVER_DEFAULTS = GenerationOptions(max_tokens=512)
 
 
 class APIError(Exception):
@@ -47,26 +51,11 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-@dataclass(frozen=True)
-class Defaults:
-    """Server-wide generation settings (the CLI flags); a request overrides the sampling knobs."""
-
-    max_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    draft_sampling: str = "greedy"
-    p_min: float = 0.0
-    confidence_threshold: float = 0.0
-    chat_template_kwargs: dict | None = None
-
-
 @dataclass
 class GenerationRequest:
     kind: str  # "chat" or "text"
     prompt: str | list[int] | list[dict]  # what api.stream_generate takes
-    options: dict  # keyword arguments of api.stream_generate
+    options: GenerationOptions  # the server's defaults (the CLI flags) with the request's fields over them
     stream: bool = False
     include_usage: bool = False
 
@@ -78,27 +67,25 @@ def _bad(name: str, expected: str, value: Any) -> APIError:
     return APIError(400, f"'{name}' must be {expected}, got {value!r}", param=name, code="invalid_value")
 
 
-def _number(body: dict, name: str, default: float, *, low: float, high: float, open_low: bool = False,
-            open_high: bool = False) -> float:
+def _number(body: dict, name: str, default: float) -> float:
+    """A JSON number (its range is the options' to check)."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise _bad(name, "a number", value)
-    if value < low or (open_low and value == low) or value > high or (open_high and value == high):
-        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
-        raise _bad(name, f"in {interval}", value)
     return float(value)
 
 
-def _integer(body: dict, name: str, default: int | None, *, low: int, high: int = 2**63 - 1) -> int | None:
+def _integer(body: dict, name: str, default: int | None) -> int | None:
+    """A JSON integer (its range is the options' to check)."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, float) and value.is_integer():
         value = int(value)  # JavaScript clients send 64.0
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise _bad(name, f"an integer in [{low}, {high}]", value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, "an integer", value)
     return value
 
 
@@ -125,10 +112,10 @@ def _stop(body: dict) -> list[str]:
 
 def _reject_unsupported(body: dict) -> None:
     """Options whose value would change the answer in a way we cannot give: a 400 naming them."""
-    n = _integer(body, "n", 1, low=1)
+    n = _integer(body, "n", 1)
     if n != 1:
         raise APIError(400, f"only n=1 is supported, got n={n}", param="n", code="unsupported_value")
-    best_of = _integer(body, "best_of", 1, low=1)
+    best_of = _integer(body, "best_of", 1)
     if best_of != 1:
         raise APIError(400, f"only best_of=1 is supported, got {best_of}", param="best_of", code="unsupported_value")
     for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
@@ -140,30 +127,35 @@ def _reject_unsupported(body: dict) -> None:
                        param="response_format", code="unsupported_value")
 
 
-def _options(body: dict, defaults: Defaults) -> dict:
-    """The keyword arguments of api.stream_generate: the request's knobs over the server defaults."""
-    max_tokens = _integer(body, "max_completion_tokens", None, low=1)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", defaults.max_tokens, low=1)
+def _options(body: dict, defaults: GenerationOptions) -> GenerationOptions:
+    """The request's knobs over the server defaults, validated by the options object (a 400 naming the field)."""
+    max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     template_kwargs = body.get("chat_template_kwargs")
     if template_kwargs is not None and not isinstance(template_kwargs, dict):
         raise _bad("chat_template_kwargs", "an object", template_kwargs)
     reserved = sorted(set(template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
     if reserved:
         raise _bad("chat_template_kwargs", "free of the keys the server sets", reserved)
-    return dict(
-        max_tokens=max_tokens,
-        temperature=_number(body, "temperature", defaults.temperature, low=0.0, high=math.inf, open_high=True),
-        top_p=_number(body, "top_p", defaults.top_p, low=0.0, high=1.0, open_low=True),
-        top_k=_integer(body, "top_k", defaults.top_k, low=0),
-        min_p=_number(body, "min_p", defaults.min_p, low=0.0, high=1.0, open_high=True),
-        seed=_integer(body, "seed", None, low=0, high=2**64 - 1),
-        stop=_stop(body),
-        draft_sampling=defaults.draft_sampling,
-        p_min=defaults.p_min,
-        confidence_threshold=defaults.confidence_threshold,
-        chat_template_kwargs={**(defaults.chat_template_kwargs or {}), **(template_kwargs or {})} or None,
-    )
+    sampling = defaults.sampling
+    try:
+        return dataclasses.replace(
+            defaults,
+            max_tokens=_integer(body, max_tokens_field, defaults.max_tokens),
+            stop=_stop(body),
+            chat_template_kwargs={**(defaults.chat_template_kwargs or {}), **(template_kwargs or {})} or None,
+            sampling=dataclasses.replace(
+                sampling,
+                temperature=_number(body, "temperature", sampling.temperature),
+                top_p=_number(body, "top_p", sampling.top_p),
+                top_k=_integer(body, "top_k", sampling.top_k),
+                min_p=_number(body, "min_p", sampling.min_p),
+                seed=_integer(body, "seed", sampling.seed),
+            ),
+        )
+    except OptionError as err:
+        param = max_tokens_field if err.field == "max_tokens" else err.field
+        message = str(err) if param == err.field else f"'{param}': {err}"
+        raise APIError(400, message, param=param, code="invalid_value") from None
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -225,7 +217,7 @@ def _completion_prompt(body: dict) -> str | list[int]:
     raise _bad("prompt", "a non-empty string or list of token ids (one prompt per request)", prompt)
 
 
-def parse_request(kind: str, body: Any, *, defaults: Defaults) -> GenerationRequest:
+def parse_request(kind: str, body: Any, *, defaults: GenerationOptions) -> GenerationRequest:
     """Validate a /v1/chat/completions (kind "chat") or /v1/completions ("text") body."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
@@ -239,32 +231,20 @@ def parse_request(kind: str, body: Any, *, defaults: Defaults) -> GenerationRequ
 # -- writing responses -----------------------------------------------------------------------------
 
 
-@dataclass
-class Tally:
-    """Usage and speculative statistics accumulated over the steps of one request."""
+class Tally(ResultCollector):
+    """Usage and speculative statistics of one request, read off the steps the collector joined."""
 
-    speculative: bool
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    rounds: int = 0
-    accepted: int = 0
-    proposed: int = 0
-    generation_tps: float = 0.0
-    prompt_tps: float = 0.0
-    started: float = field(default_factory=time.perf_counter)
-    time_to_first_token: float | None = None
+    def __init__(self, *, speculative: bool) -> None:
+        super().__init__()
+        self.speculative = speculative
 
-    def add(self, step: StepResponse) -> None:
-        if self.time_to_first_token is None:
-            self.time_to_first_token = time.perf_counter() - self.started
-        self.prompt_tokens = step.prompt_tokens
-        self.completion_tokens = step.generation_tokens
-        self.generation_tps = step.generation_tps
-        self.prompt_tps = step.prompt_tps
-        if step.verified:
-            self.rounds += 1
-            self.accepted += step.accepted
-            self.proposed += step.proposed
+    @property
+    def prompt_tokens(self) -> int:
+        return self.last.prompt_tokens if self.last else 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.last.generation_tokens if self.last else 0
 
     def usage(self) -> dict:
         return {
@@ -275,15 +255,16 @@ class Tally:
 
     def stats(self) -> dict:
         """The extra `dspark` field: acceptance length counts the bonus token (accepted + 1 per round)."""
+        last = self.last
         return {
             "speculative": self.speculative,
             "rounds": self.rounds,
-            "mean_acceptance_length": (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0,
-            "accepted_tokens": self.accepted,
-            "proposed_tokens": self.proposed,
-            "generation_tps": round(self.generation_tps, 3),
-            "prompt_tps": round(self.prompt_tps, 3),
-            "time_to_first_token_s": round(self.time_to_first_token or 0.0, 4),
+            "mean_acceptance_length": sum(self.acceptance_lengths) / self.rounds if self.rounds else 0.0,
+            "accepted_tokens": self.accepted_tokens,
+            "proposed_tokens": self.proposed_tokens,
+            "generation_tps": round(last.generation_tps if last else 0.0, 3),
+            "prompt_tps": round(last.prompt_tps if last else 0.0, 3),
+            "time_to_first_token_s": round(self.first_time or 0.0, 4),
         }
 
 

@@ -144,7 +144,7 @@ class ModelWorker:
 
     def _serve(self, job: Job) -> None:
         request = job.request
-        steps = stream_generate(self.model, request.prompt, **request.options)
+        steps = stream_generate(self.model, request.prompt, options=request.options)
         try:
             for step in steps:
                 job.steps += 1

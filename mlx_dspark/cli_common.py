@@ -1,0 +1,118 @@
+"""What the command lines share: the generation flags, their errors as one line, the demo pair.
+
+`generate`, `server` and `benchmark` declare the flags below (names, aliases and help written once
+here) and build one `GenerationOptions` from them inside `flag_errors()`, which turns a bad value
+into `error: --flag: ...` and exit status 2. llama-server's names for the model card's recipe
+(`--spec-draft-n-max`, `--spec-draft-p-min`, `--spec-draft-sampling`) are aliases.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Iterator, Mapping, NoReturn, Optional
+
+import typer
+
+from mlx_dspark.options import DEFAULT_OPTIONS, DRAFT_SAMPLING_MODES, OptionError
+from mlx_dspark.precision import Q_BITS
+
+# The flags' defaults are the options' own.
+SAMPLING, SPECULATION = DEFAULT_OPTIONS.sampling, DEFAULT_OPTIONS.speculation
+
+DEMO_DIR = Path.home() / ".cache" / "mlx_dspark" / "tiny-spark-pair"
+
+# The flag that sets each option field, for error lines (a command may name max_tokens differently).
+FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temp",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "seed": "--seed",
+    "draft_sampling": "--draft-sampling",
+    "p_min": "--p-min",
+    "confidence_threshold": "--confidence-threshold",
+    "max_draft_tokens": "--max-draft-tokens",
+    "chat_template_kwargs": "--chat-template-args",
+}
+
+Temp = Annotated[float, typer.Option("--temp", "--temperature", help="Sampling temperature (0 = greedy).")]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1] (1 = off).")]
+TopK = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
+MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p times the top probability (0 = off).")]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Seed of MLX's generator, in [0, 2**64 - 1].")]
+DraftSampling = Annotated[
+    str,
+    typer.Option(
+        "--draft-sampling", "--spec-draft-sampling", help=f"How the draft proposes: {' or '.join(DRAFT_SAMPLING_MODES)}."
+    ),
+]
+PMin = Annotated[
+    float,
+    typer.Option("--p-min", "--spec-draft-p-min", help="Stop a proposal before the first draft token below this probability."),
+]
+ConfidenceThreshold = Annotated[
+    float, typer.Option("--confidence-threshold", help="Stop a proposal before the first token below this confidence.")
+]
+MaxDraftTokens = Annotated[
+    Optional[int],
+    typer.Option(
+        "--max-draft-tokens", "--spec-draft-n-max", help="The most draft tokens verified per round (default: the block size)."
+    ),
+]
+NoDraft = Annotated[bool, typer.Option("--no-draft", help="Plain target decoding (the baseline).")]
+ChatTemplateArgs = Annotated[
+    Optional[str],
+    typer.Option("--chat-template-args", help="JSON object for the chat template, e.g. '{\"enable_thinking\": false}'."),
+]
+Quantize = Annotated[Optional[int], typer.Option("--quantize", help="Quantize the target at load time: 4 or 8 bits.")]
+
+
+def fail(message: str) -> NoReturn:
+    """One `error:` line on stderr and exit status 2."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+@contextmanager
+def flag_errors(flags: Mapping[str, str] = FLAGS) -> Iterator[None]:
+    """A ValueError inside becomes one error line; an OptionError names the flag that set the field."""
+    try:
+        yield
+    except OptionError as err:
+        flag = flags.get(err.field)
+        fail(f"{flag}: {err}" if flag else str(err))
+    except ValueError as err:
+        fail(str(err))
+
+
+def parse_template_args(text: Optional[str]) -> Optional[dict]:
+    """`--chat-template-args`: a JSON object, or None when the flag is absent."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--chat-template-args is not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(value, dict):
+        raise ValueError("--chat-template-args must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
+def check_quantize(bits: Optional[int]) -> None:
+    """`--quantize`, checked before the (slow) load with the loader's own list of bit widths."""
+    if bits is not None and bits not in Q_BITS:
+        raise ValueError(f"--quantize must be one of {', '.join(map(str, Q_BITS))}, got {bits}")
+
+
+def demo_pair() -> tuple[Path, Path]:
+    """The tiny random spark2_5 pair used when no model is given, written once."""
+    from mlx_dspark.testing.tiny import write_tiny_pair
+
+    target, draft = DEMO_DIR / "target", DEMO_DIR / "draft"
+    if not (target / "config.json").exists() or not (draft / "config.json").exists():
+        typer.echo(f"[mlx_dspark] no --model given: writing a tiny random spark2_5 pair to {DEMO_DIR}", err=True)
+        write_tiny_pair(DEMO_DIR, family="spark2_5", seed=0)
+    return target, draft
