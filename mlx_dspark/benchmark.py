@@ -20,12 +20,10 @@ from typing import Optional
 
 import typer
 
+from mlx_dspark import cli_common as flags
+from mlx_dspark.cli_common import fail, flag_errors
+
 app = typer.Typer(add_completion=False, help="Benchmark DSpark against plain decoding (ours and mlx-lm's).")
-
-
-def fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=2)
 
 
 OPENBLAS_ENV = {"LD_PRELOAD": "libopenblas.so.0", "OPENBLAS_NUM_THREADS": "1"}
@@ -101,16 +99,19 @@ def main(
     dataset_files: Optional[list[str]] = typer.Option(None, "--dataset", help="NAME=FILE.jsonl (repeatable)."),
     prompts_per_dataset: Optional[int] = typer.Option(None, "--prompts-per-dataset", help="Use at most N prompts of each set."),
     max_tokens: int = typer.Option(128, "--max-tokens"),
-    temperature: float = typer.Option(0.0, "--temperature"),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
-    min_p: float = typer.Option(0.0, "--min-p"),
-    draft_sampling: str = typer.Option("greedy", "--draft-sampling", help="greedy or sample."),
+    temp: flags.Temp = flags.SAMPLING.temperature,
+    top_p: flags.TopP = flags.SAMPLING.top_p,
+    top_k: flags.TopK = flags.SAMPLING.top_k,
+    min_p: flags.MinP = flags.SAMPLING.min_p,
+    draft_sampling: flags.DraftSampling = flags.SPECULATION.draft_sampling,
+    p_min: flags.PMin = flags.SPECULATION.p_min,
+    confidence_threshold: flags.ConfidenceThreshold = flags.SPECULATION.confidence_threshold,
+    max_draft_tokens: flags.MaxDraftTokens = flags.SPECULATION.max_draft_tokens,
     repeats: int = typer.Option(1, "--repeats", help="Timed repeats per prompt and mode (medians)."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: flags.Seed = 0,
     out: Path = typer.Option(Path("benchmark-results"), "--out", help="Directory for results.json, results.md, plots."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights: float32, bfloat16, float16."),
-    quantize: Optional[int] = typer.Option(None, "--quantize", help="Quantize at load time: 4 or 8 bits."),
+    quantize: flags.Quantize = None,
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-tokens (random-weight pairs)."),
     no_mlx_lm_baseline: bool = typer.Option(False, "--no-mlx-lm-baseline", help="Skip mlx-lm's plain generation."),
     skip_datasets: bool = typer.Option(False, "--skip-datasets", help="Only the engine measurements."),
@@ -131,46 +132,51 @@ def main(
     if openblas:
         reexec_with_openblas()
     from mlx_dspark.bench import session
+    from mlx_dspark.bench.runner import RunSettings
+    from mlx_dspark.options import GenerationOptions, SamplingOptions, SpeculationOptions
 
     taus = parse_floats(controlled_acceptance, option="--controlled-acceptance") if controlled_acceptance else []
     names = [part.strip() for item in (datasets or []) for part in item.split(",") if part.strip()]
-    try:
-        session.run(
-            session.Options(
-                model=model,
-                draft=draft,
-                datasets=names,
-                dataset_files=list(dataset_files or []),
-                prompts_per_dataset=prompts_per_dataset,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                min_p=min_p,
+    with flag_errors():
+        flags.check_quantize(quantize)
+        generation = GenerationOptions(
+            max_tokens=max_tokens,
+            sampling=SamplingOptions(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed),
+            speculation=SpeculationOptions(
                 draft_sampling=draft_sampling,
-                repeats=repeats,
-                seed=seed,
-                out=out,
-                dtype=dtype,
-                quantize=quantize,
-                ignore_eos=ignore_eos,
-                mlx_lm_baseline=not no_mlx_lm_baseline,
-                run_datasets=not skip_datasets,
-                cost_curve=cost_curve,
-                cost_context=cost_context,
-                cost_repeats=cost_repeats,
-                controlled_acceptance=taus,
-                controlled_context=controlled_context,
-                controlled_prompts=controlled_prompts,
-                controlled_tokens=controlled_tokens or max_tokens,
-                parity_repeats=parity_repeats,
-                progress=progress,
+                p_min=p_min,
+                confidence_threshold=confidence_threshold,
+                max_draft_tokens=max_draft_tokens,
             ),
-            meta=run_meta(dtype=dtype, quantize=quantize),
         )
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
-
+        settings = RunSettings(generation=generation, repeats=repeats, ignore_eos=ignore_eos)
+    options = session.Options(
+        model=model,
+        draft=draft,
+        out=out,
+        settings=settings,
+        datasets=names,
+        dataset_files=list(dataset_files or []),
+        prompts_per_dataset=prompts_per_dataset,
+        dtype=dtype,
+        quantize=quantize,
+        mlx_lm_baseline=not no_mlx_lm_baseline,
+        run_datasets=not skip_datasets,
+        cost_curve=cost_curve,
+        cost_context=cost_context,
+        cost_repeats=cost_repeats,
+        controlled_acceptance=taus,
+        controlled_context=controlled_context,
+        controlled_prompts=controlled_prompts,
+        controlled_tokens=controlled_tokens or max_tokens,
+        parity_repeats=parity_repeats,
+        progress=progress,
+    )
+    try:
+        with flag_errors():  # a dataset line, a model path, or a --max-draft-tokens the loaded draft cannot take
+            session.run(options, meta=run_meta(dtype=dtype, quantize=quantize))
+    except FileNotFoundError as err:
+        fail(str(err))
 
 if __name__ == "__main__":
     app()

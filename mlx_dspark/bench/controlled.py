@@ -21,9 +21,10 @@ import mlx.core as mx
 
 from mlx_dspark.api import generate
 from mlx_dspark.decode import plain_steps
+from mlx_dspark.options import GenerationOptions, SpeculationOptions
 from mlx_dspark.propose import DraftProposer, Proposal
 from mlx_dspark.sample import Sampler
-from mlx_dspark.bench.cost import CostProbe
+from mlx_dspark.bench.cost import CostProbe, ideal_speedup
 from mlx_dspark.bench.profile import format_profile, profile_rounds
 from mlx_dspark.bench.stats import loadavg, mean, median
 
@@ -114,6 +115,8 @@ def run_controlled(
     references = [greedy_reference(target, ids, max_tokens + block + 1) for ids in prompts]
     plain_tps: list[float] = []
     by_tau: dict[float, dict[str, list]] = {tau: {"tps": [], "lengths": [], "match": []} for tau in acceptance_lengths}
+    plain_options = GenerationOptions(max_tokens=max_tokens, speculation=SpeculationOptions(speculative=False))
+    controlled_options = GenerationOptions(max_tokens=max_tokens)
     load_before = loadavg()
     for repeat in range(repeats):
         for ids, reference in zip(prompts, references):
@@ -121,7 +124,7 @@ def run_controlled(
             rotation = repeat % len(modes)
             for tau in modes[rotation:] + modes[:rotation]:
                 if tau is None:
-                    result = generate(model, list(ids), speculative=False, max_tokens=max_tokens)
+                    result = generate(model, list(ids), options=plain_options)
                     plain_tps.append(result.generation_tps)
                     continue
                 proposer = ControlledProposer(
@@ -131,7 +134,7 @@ def run_controlled(
                     vocab_size=target.args.vocab_size,
                     acceptance_length=tau,
                 )
-                result = generate(model, list(ids), max_tokens=max_tokens, proposer=proposer)
+                result = generate(model, list(ids), options=controlled_options, proposer=proposer)
                 by_tau[tau]["tps"].append(result.generation_tps)
                 by_tau[tau]["lengths"].extend(result.acceptance_lengths)
                 by_tau[tau]["match"].append(result.tokens == reference[: len(result.tokens)])
@@ -149,7 +152,7 @@ def run_controlled(
     for tau, runs in by_tau.items():
         tps = median(runs["tps"])
         measured_tau = mean(runs["lengths"])
-        ideal = measured_tau * decode_ms / (draft_ms + verify_ms)
+        ideal = ideal_speedup(measured_tau, decode_ms=decode_ms, draft_ms=draft_ms, verify_ms=verify_ms)
         speedup = tps / plain if plain > 0 else 0.0
         rows.append(
             {

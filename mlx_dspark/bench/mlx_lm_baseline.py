@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
+from mlx_dspark.options import SamplingOptions
+
 
 class LogitsOnly:
     """Our target as mlx-lm's `generate_step` calls a model: `model(tokens, cache=...)` -> logits."""
@@ -63,17 +65,14 @@ def run_mlx_lm(
     prompt_ids: Sequence[int],
     *,
     max_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    min_p: float,
+    sampling: SamplingOptions,
     stop_ids: set[int],
 ) -> MlxLmRun:
     """Plain generation with mlx-lm's `generate_step`, timed like our API (tok/s after the first token)."""
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    sampler = make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+    sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k)
     mx.reset_peak_memory()
     tokens: list[int] = []
     start = time.perf_counter()

@@ -13,12 +13,9 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from mlx_dspark.decode import speculative_steps
+from mlx_dspark.decode import PREFILL_STEP_SIZE, speculative_steps
 from mlx_dspark.sample import Sampler
 from mlx_dspark.bench.stats import median
-
-PREFILL_STEP = 512  # speculative_steps' default prefill chunk
-
 
 class _TimedTarget:
     def __init__(self, target: Any) -> None:
@@ -62,7 +59,7 @@ def profile_rounds(target: Any, proposer: Any, prompt: Sequence[int], *, rounds:
     timed_proposer = _TimedProposer(proposer)
     stamps: list[float] = []
     accepted: list[int] = []
-    for step in speculative_steps(timed_target, timed_proposer, prompt, sampler=Sampler(), prefill_step_size=PREFILL_STEP):
+    for step in speculative_steps(timed_target, timed_proposer, prompt, sampler=Sampler()):
         stamps.append(time.perf_counter())
         if step.verified:
             accepted.append(step.accepted)
@@ -71,7 +68,7 @@ def profile_rounds(target: Any, proposer: Any, prompt: Sequence[int], *, rounds:
     # Round r runs between yields r-1 and r (yield 0 is the prefill's token); round 1 is skipped.
     # Target calls: the prefill's chunks, then one verify per round.
     round_ms = [1000 * (b - a) for a, b in zip(stamps[1:], stamps[2:])]
-    prefill_calls = -(-len(prompt) // PREFILL_STEP)
+    prefill_calls = -(-len(prompt) // PREFILL_STEP_SIZE)
     verify_build = [1000 * t for t in timed_target.build[prefill_calls + 1 : prefill_calls + 1 + len(round_ms)]]
     propose_build = [1000 * t for t in timed_proposer.propose_build[1 : 1 + len(round_ms)]]
     # extend calls: [prefill chunk(s)..., round 1, round 2, ...]: the last len(round_ms) belong to timed rounds

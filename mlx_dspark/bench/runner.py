@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from mlx_dspark.api import GenerationResult, encode_prompt, generate
+from mlx_dspark.options import GenerationOptions
 from mlx_dspark.bench.lossless import compare_greedy
 from mlx_dspark.bench.mlx_lm_baseline import MlxLmBaseline, run_mlx_lm
 from mlx_dspark.bench.prompts import BenchPrompt
@@ -20,36 +21,41 @@ from mlx_dspark.bench.stats import acceptance_histogram, mean, median, position_
 
 @dataclass(frozen=True)
 class RunSettings:
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    draft_sampling: str = "greedy"
+    """How every timed run generates; repeat r of a prompt uses seed `generation.sampling.seed + r`."""
+
+    generation: GenerationOptions = GenerationOptions(max_tokens=128)
     repeats: int = 1
-    seed: int = 0
     ignore_eos: bool = False  # random-weight pairs: always generate max_tokens
     warmup_tokens: int = 16
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 2:
-            raise ValueError(f"max_tokens must be >= 2 (tok/s is measured after the first token), got {self.max_tokens}")
+        max_tokens = self.generation.max_tokens
+        if max_tokens < 2:
+            raise ValueError(f"max_tokens must be >= 2 (tok/s is measured after the first token), got {max_tokens}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+    def max_tokens(self) -> int:
+        return self.generation.max_tokens
 
-    def generate_options(self) -> dict:
-        return {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "draft_sampling": self.draft_sampling,
-        }
+    @property
+    def seed(self) -> int:
+        return self.generation.sampling.seed or 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.generation.sampling.greedy
+
+    def options(self, *, speculative: bool, seed: int, max_tokens: int | None = None) -> GenerationOptions:
+        """The run's options: one mode, one seed, and `max_tokens` for the short warm-up runs."""
+        generation = self.generation
+        return dataclasses.replace(
+            generation,
+            max_tokens=max_tokens or generation.max_tokens,
+            sampling=dataclasses.replace(generation.sampling, seed=seed),
+            speculation=dataclasses.replace(generation.speculation, speculative=speculative),
+        )
 
 
 class _NoStopTokenizer:
@@ -80,24 +86,12 @@ def prompt_ids(loaded: Any, prompt: BenchPrompt) -> list[int]:
 
 
 def _run(model: Any, ids: list[int], settings: RunSettings, *, speculative: bool, seed: int, max_tokens: int | None = None) -> GenerationResult:
-    options = settings.generate_options()
-    if max_tokens is not None:
-        options["max_tokens"] = max_tokens
-    return generate(model, ids, speculative=speculative, seed=seed, **options)
+    return generate(model, ids, options=settings.options(speculative=speculative, seed=seed, max_tokens=max_tokens))
 
 
 def _mlx_lm(model: Any, baseline: MlxLmBaseline, ids: list[int], settings: RunSettings, *, max_tokens: int):
     stop_ids = set(model.tokenizer.eos_token_ids)
-    return run_mlx_lm(
-        baseline,
-        ids,
-        max_tokens=max_tokens,
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        top_k=settings.top_k,
-        min_p=settings.min_p,
-        stop_ids=stop_ids,
-    )
+    return run_mlx_lm(baseline, ids, max_tokens=max_tokens, sampling=settings.generation.sampling, stop_ids=stop_ids)
 
 
 def warm_up(model: Any, ids: list[int], settings: RunSettings, baseline: MlxLmBaseline | None) -> None:

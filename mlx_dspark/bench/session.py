@@ -5,6 +5,7 @@ Text goes to stdout (tables) and stderr (progress, notes); files go to `Options.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
@@ -22,20 +23,12 @@ class Options:
     model: str
     draft: str
     out: Path
+    settings: runner.RunSettings = runner.RunSettings()  # how every timed run generates
     datasets: list[str] = field(default_factory=list)
     dataset_files: list[str] = field(default_factory=list)
     prompts_per_dataset: Optional[int] = None
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    draft_sampling: str = "greedy"
-    repeats: int = 1
-    seed: int = 0
     dtype: Optional[str] = None
     quantize: Optional[int] = None
-    ignore_eos: bool = False
     mlx_lm_baseline: bool = True
     run_datasets: bool = True
     cost_curve: bool = False
@@ -47,19 +40,6 @@ class Options:
     controlled_tokens: int = 128
     parity_repeats: int = 0
     progress: bool = True
-
-    def settings(self) -> runner.RunSettings:
-        return runner.RunSettings(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            draft_sampling=self.draft_sampling,
-            repeats=self.repeats,
-            seed=self.seed,
-            ignore_eos=self.ignore_eos,
-        )
 
 
 def _note(message: str) -> None:
@@ -96,14 +76,15 @@ def run(options: Options, *, meta: dict) -> dict:
     """Everything the flags ask for; returns the results dict also written to results.json."""
     import mlx_dspark
 
-    settings = options.settings()
-    if options.controlled_acceptance and not options.ignore_eos:
+    settings = options.settings
+    if options.controlled_acceptance and not settings.ignore_eos:
         _note("note: controlled-acceptance runs always ignore stop tokens (they follow a fixed greedy reference)")
     loaded = mlx_dspark.load(options.model, draft=options.draft, dtype=options.dtype, quantize=options.quantize)
     if loaded.draft is None:
         raise ValueError("the benchmark needs a draft: pass --draft")
+    settings.generation.speculation.draft_length(int(loaded.draft.args.block_size))  # before any long run
     model = runner.prepare_model(loaded, settings)
-    meta = {**meta, "target": str(loaded.target_path), "draft": str(loaded.draft_path), "settings": vars(settings).copy()}
+    meta = {**meta, "target": str(loaded.target_path), "draft": str(loaded.draft_path), "settings": dataclasses.asdict(settings)}
     prompts = select_prompts(datasets=options.datasets, files=options.dataset_files, limit=options.prompts_per_dataset)
 
     records: list[dict] = []
@@ -129,7 +110,7 @@ def run(options: Options, *, meta: dict) -> dict:
         context = options.cost_context
         if context is None:
             context = options.controlled_context + options.controlled_tokens // 2 if controlled_ids else 512
-        curve = cost.measure_cost_curve(loaded, context=context, repeats=options.cost_repeats, seed=options.seed)
+        curve = cost.measure_cost_curve(loaded, context=context, repeats=options.cost_repeats, seed=settings.seed)
         results["cost_curve"] = curve
         sections.append(cost.format_cost_curve(curve))
         print(sections[-1])
@@ -141,7 +122,7 @@ def run(options: Options, *, meta: dict) -> dict:
                 controlled_ids,
                 acceptance_lengths=options.controlled_acceptance,
                 max_tokens=options.controlled_tokens,
-                repeats=options.repeats,
+                repeats=settings.repeats,
             )
             sections.append(controlled.format_controlled(results["controlled"]))
             print(sections[-1])
