@@ -93,6 +93,7 @@ def parse_floats(text: str, *, option: str) -> list[float]:
 
 @app.command()
 def main(
+    ctx: typer.Context,
     model: str = typer.Option(..., "--model", help="Target directory or Hugging Face repo id."),
     draft: str = typer.Option(..., "--draft", help="DSpark draft directory or repo id."),
     datasets: Optional[list[str]] = typer.Option(None, "--datasets", help="Built-in sets (comma-separated or repeated); default all."),
@@ -133,22 +134,12 @@ def main(
         reexec_with_openblas()
     from mlx_dspark.bench import session
     from mlx_dspark.bench.runner import RunSettings
-    from mlx_dspark.options import GenerationOptions, SamplingOptions, SpeculationOptions
 
     taus = parse_floats(controlled_acceptance, option="--controlled-acceptance") if controlled_acceptance else []
     names = [part.strip() for item in (datasets or []) for part in item.split(",") if part.strip()]
     with flag_errors():
         flags.check_quantize(quantize)
-        generation = GenerationOptions(
-            max_tokens=max_tokens,
-            sampling=SamplingOptions(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed),
-            speculation=SpeculationOptions(
-                draft_sampling=draft_sampling,
-                p_min=p_min,
-                confidence_threshold=confidence_threshold,
-                max_draft_tokens=max_draft_tokens,
-            ),
-        )
+        generation = flags.generation_options(ctx.params, max_tokens=max_tokens)  # the shared flags, by name
         settings = RunSettings(generation=generation, repeats=repeats, ignore_eos=ignore_eos)
     options = session.Options(
         model=model,

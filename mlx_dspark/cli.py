@@ -24,6 +24,7 @@ def read_prompt(prompt: str) -> str:
 
 @app.command()
 def generate(
+    ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", help="Target: local directory or Hugging Face repo id."),
     draft: Optional[str] = typer.Option(None, "--draft", help="DSpark draft: local directory or repo id."),
     prompt: str = typer.Option("Write a short poem about the sea.", "--prompt", "-p", help="Prompt text, or - for stdin."),
@@ -47,22 +48,10 @@ def generate(
     """Stream a completion to stdout; a summary goes to stderr."""
     from mlx_dspark.api import ResultCollector, stream_generate
     from mlx_dspark.load import load
-    from mlx_dspark.options import GenerationOptions, SamplingOptions, SpeculationOptions
 
     with flag_errors():
         flags.check_quantize(quantize)
-        options = GenerationOptions(
-            max_tokens=max_tokens,
-            chat_template_kwargs=flags.parse_template_args(chat_template_args),
-            sampling=SamplingOptions(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed),
-            speculation=SpeculationOptions(
-                speculative=not no_draft,
-                draft_sampling=draft_sampling,
-                p_min=p_min,
-                confidence_threshold=confidence_threshold,
-                max_draft_tokens=max_draft_tokens,
-            ),
-        )
+        options = flags.generation_options(ctx.params, max_tokens=max_tokens)  # the shared flags, read by name
 
     if model is None:
         model, default_draft = (str(p) for p in flags.demo_pair())

@@ -1,9 +1,10 @@
 """What the command lines share: the generation flags, their errors as one line, the demo pair.
 
 `generate`, `server` and `benchmark` declare the flags below (names, aliases and help written once
-here) and build one `GenerationOptions` from them inside `flag_errors()`, which turns a bad value
-into `error: --flag: ...` and exit status 2. llama-server's names for the model card's recipe
-(`--spec-draft-n-max`, `--spec-draft-p-min`, `--spec-draft-sampling`) are aliases.
+here) under the same parameter names, and `generation_options(ctx.params, ...)` builds their one
+`GenerationOptions`; inside `flag_errors()` a bad value is `error: --flag: ...` and exit status 2.
+llama-server's names for the model card's recipe (`--spec-draft-n-max`, `--spec-draft-p-min`,
+`--spec-draft-sampling`) are aliases.
 """
 
 from __future__ import annotations
@@ -11,11 +12,18 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Iterator, Mapping, NoReturn, Optional
+from typing import Annotated, Any, Iterator, Mapping, NoReturn, Optional
 
 import typer
 
-from mlx_dspark.options import DEFAULT_OPTIONS, DRAFT_SAMPLING_MODES, OptionError
+from mlx_dspark.options import (
+    DEFAULT_OPTIONS,
+    DRAFT_SAMPLING_MODES,
+    GenerationOptions,
+    OptionError,
+    SamplingOptions,
+    SpeculationOptions,
+)
 from mlx_dspark.precision import Q_BITS
 
 # The flags' defaults are the options' own.
@@ -86,6 +94,31 @@ def flag_errors(flags: Mapping[str, str] = FLAGS) -> Iterator[None]:
         fail(f"{flag}: {err}" if flag else str(err))
     except ValueError as err:
         fail(str(err))
+
+
+def generation_options(flags: Mapping[str, Any], *, max_tokens: int) -> GenerationOptions:
+    """The options a command's parsed flags (its `ctx.params`) set, by the parameter names above.
+
+    `seed`, `no_draft` and `chat_template_args` are optional: a command without them gets the defaults.
+    """
+    return GenerationOptions(
+        max_tokens=max_tokens,
+        chat_template_kwargs=parse_template_args(flags.get("chat_template_args")),
+        sampling=SamplingOptions(
+            temperature=flags["temp"],
+            top_p=flags["top_p"],
+            top_k=flags["top_k"],
+            min_p=flags["min_p"],
+            seed=flags.get("seed", SAMPLING.seed),
+        ),
+        speculation=SpeculationOptions(
+            speculative=not flags.get("no_draft", False),
+            draft_sampling=flags["draft_sampling"],
+            p_min=flags["p_min"],
+            confidence_threshold=flags["confidence_threshold"],
+            max_draft_tokens=flags["max_draft_tokens"],
+        ),
+    )
 
 
 def parse_template_args(text: Optional[str]) -> Optional[dict]:

@@ -25,6 +25,7 @@ DEMO_MODEL_ID = "tiny-spark-demo"
 
 @app.command()
 def serve(
+    ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", help="Target: local directory or Hugging Face repo id."),
     draft: Optional[str] = typer.Option(None, "--draft", help="DSpark draft: local directory or repo id."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 exposes the server to the network."),
@@ -50,7 +51,6 @@ def serve(
 ) -> None:
     """Bind, load the pair in the background, and serve until interrupted."""
     from mlx_dspark.load import load
-    from mlx_dspark.options import GenerationOptions, SamplingOptions, SpeculationOptions
     from mlx_dspark.serve.app import make_server
     from mlx_dspark.serve.worker import FAILED
 
@@ -62,18 +62,7 @@ def serve(
         flags.check_quantize(quantize)
         if max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
-        defaults = GenerationOptions(
-            max_tokens=max_tokens_default,
-            chat_template_kwargs=flags.parse_template_args(chat_template_args),
-            sampling=SamplingOptions(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p),
-            speculation=SpeculationOptions(
-                speculative=not no_draft,
-                draft_sampling=draft_sampling,
-                p_min=p_min,
-                confidence_threshold=confidence_threshold,
-                max_draft_tokens=max_draft_tokens,
-            ),
-        )
+        defaults = flags.generation_options(ctx.params, max_tokens=max_tokens_default)  # the shared flags, by name
 
     model_id = served_model_name or model or DEMO_MODEL_ID
     if model is None:

@@ -244,3 +244,36 @@ def test_existing_results_are_not_overwritten_without_force(tiny_spark_pair, tmp
     forced = CliRunner().invoke(app, args + ["--force"])
     assert forced.exit_code == 0, forced.output
     assert "rows" in json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--seed", "-1"], "--seed: seed must be an integer in [0, 2**64 - 1]"),
+        (["--temperature", "-1"], "--temp: temperature must be a finite number >= 0"),
+        (["--max-tokens", "1"], "max_tokens must be >= 2"),
+        (["--spec-draft-n-max", "8"], "--max-draft-tokens: max_draft_tokens must be at most the draft's block size 7, got 8"),
+    ],
+)
+def test_benchmark_cli_refuses_bad_generation_flags_with_one_line(tiny_spark_pair, tmp_path, extra, message):
+    target, draft = tiny_spark_pair
+    args = ["--model", str(target), "--draft", str(draft), "--datasets", "gsm8k", "--prompts-per-dataset", "1"]
+    args += ["--no-mlx-lm-baseline", "--no-progress", "--out", str(tmp_path / "out"), *extra]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_run_settings_give_each_run_its_mode_and_seed_over_the_shared_options():
+    from mlx_dspark.options import GenerationOptions, SamplingOptions, SpeculationOptions
+
+    generation = GenerationOptions(
+        max_tokens=32, sampling=SamplingOptions(temperature=0.7, seed=3), speculation=SpeculationOptions(max_draft_tokens=4)
+    )
+    settings = RunSettings(generation=generation, repeats=2)
+    run = settings.options(speculative=False, seed=settings.seed + 1, max_tokens=5)
+    assert run.max_tokens == 5 and run.sampling.seed == 4 and run.sampling.temperature == 0.7
+    assert run.speculation == SpeculationOptions(speculative=False, max_draft_tokens=4)
+    assert settings.options(speculative=True, seed=3).max_tokens == 32

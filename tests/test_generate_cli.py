@@ -67,6 +67,12 @@ def test_sampling_options_and_template_switches_are_accepted(tiny_qwen3_pair):
         (["--chat-template-args", "[1, 2]"], "JSON object"),
         (["--quantize", "3"], "--quantize"),
         (["--max-tokens", "0"], "max_tokens"),
+        (["--seed", "-1"], "--seed: seed must be an integer in [0, 2**64 - 1]"),
+        (["--seed", str(2**64)], "--seed: seed must be an integer in [0, 2**64 - 1]"),
+        (["--max-draft-tokens", "0"], "--max-draft-tokens: max_draft_tokens must be an integer >= 1"),
+        (["--spec-draft-n-max", "8"], "--max-draft-tokens: max_draft_tokens must be at most the draft's block size 7"),
+        (["--spec-draft-p-min", "2"], "--p-min: p_min must be a number in [0, 1]"),
+        (["--spec-draft-sampling", "beam"], "--draft-sampling"),
     ],
 )
 def test_bad_inputs_give_one_clear_line_and_a_nonzero_exit(tiny_spark_pair, extra, message):
@@ -76,6 +82,33 @@ def test_bad_inputs_give_one_clear_line_and_a_nonzero_exit(tiny_spark_pair, extr
     assert result.exit_code != 0
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("module", ["mlx_dspark.cli", "mlx_dspark.server", "mlx_dspark.benchmark"])
+def test_every_command_takes_the_shared_generation_flags_and_llama_server_aliases(module):
+    import importlib
+
+    import typer
+
+    command = typer.main.get_command(importlib.import_module(module).app)
+    opts = {param.name: set(param.opts) for param in command.params}
+    assert opts["max_draft_tokens"] == {"--max-draft-tokens", "--spec-draft-n-max"}
+    assert opts["p_min"] == {"--p-min", "--spec-draft-p-min"}
+    assert opts["draft_sampling"] == {"--draft-sampling", "--spec-draft-sampling"}
+    assert opts["temp"] == {"--temp", "--temperature"}
+    assert {"top_p", "top_k", "min_p", "confidence_threshold"} <= set(opts)
+
+
+def test_the_aliases_set_the_same_options_as_the_flags(tiny_spark_pair):
+    target, draft = tiny_spark_pair
+    common = ["--model", str(target), "--draft", str(draft), "--prompt", "Hello there", "--max-tokens", "16", "--json"]
+    by_alias = run_cli(*common, "--spec-draft-n-max", "1", "--spec-draft-p-min", "0", "--spec-draft-sampling", "greedy")
+    by_flag = run_cli(*common, "--max-draft-tokens", "1", "--p-min", "0", "--draft-sampling", "greedy")
+    assert by_alias.exit_code == 0 and by_flag.exit_code == 0, by_alias.output + by_flag.output
+    alias_result, flag_result = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (by_alias, by_flag))
+    assert alias_result["tokens"] == flag_result["tokens"]
+    # one draft token per round: each round commits at most 2 tokens
+    assert alias_result["acceptance_lengths"] and max(alias_result["acceptance_lengths"]) <= 2
 
 
 def test_a_draft_from_the_other_family_is_refused(tiny_spark_pair, tiny_qwen3_pair):

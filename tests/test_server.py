@@ -22,7 +22,7 @@ import pytest
 from mlx_dspark.api import encode_prompt, generate
 from mlx_dspark.load import load
 from mlx_dspark.serve.app import DSparkHTTPServer, make_server
-from mlx_dspark.options import GenerationOptions
+from mlx_dspark.options import GenerationOptions, SpeculationOptions
 
 MODEL_ID = "tiny-spark"
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -224,6 +224,11 @@ ERROR_CASES = [
     ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "top_p": 0}).encode(), 400, "top_p"),
     ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "max_tokens": 0}).encode(), 400, "max_tokens"),
     ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "max_tokens": "8"}).encode(), 400, "max_tokens"),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "max_completion_tokens": 0}).encode(), 400, "max_completion_tokens"),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "seed": -1}).encode(), 400, "seed"),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "seed": 2**64}).encode(), 400, "seed"),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "top_k": -3}).encode(), 400, "top_k"),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "min_p": 1}).encode(), 400, "min_p"),
     ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "n": 2}).encode(), 400, "n"),
     ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "stop": 5}).encode(), 400, "stop"),
     ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "stream": "yes"}).encode(), 400, "stream"),
@@ -393,6 +398,18 @@ def test_requests_get_503_while_the_model_loads_then_are_served(tiny_spark_pair)
         assert call(srv, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})[0] == 200
 
 
+def test_the_operator_s_max_draft_tokens_caps_every_round(tiny_spark_pair):
+    defaults = GenerationOptions(max_tokens=8, speculation=SpeculationOptions(max_draft_tokens=2))
+    with running_server(pair_loader(tiny_spark_pair), defaults=defaults) as srv:
+        status, _, body = call(srv, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 20})
+    assert status == 200
+    stats = body["dspark"]
+    assert stats["rounds"] > 0 and stats["proposed_tokens"] <= 2 * stats["rounds"]
+    want = generate(srv.worker.model, MESSAGES, max_tokens=20, max_draft_tokens=2)
+    assert body["choices"][0]["message"]["content"] == want.text
+    assert stats["proposed_tokens"] == sum(want.proposal_lengths)
+
+
 def test_a_failed_load_is_reported_on_health_and_to_requests(tmp_path):
     with running_server(lambda: load(tmp_path / "missing"), wait=True) as srv:
         status, _, body = call(srv, "GET", "/health")
@@ -437,3 +454,19 @@ def test_the_command_line_rejects_bad_flags_and_unloadable_models_with_one_line(
     assert result.exit_code == 2 and "--draft-sampling" in result.output
     result = runner.invoke(app, ["--port", "0", "--model", str(tmp_path / "missing"), "--log-level", "error"])
     assert result.exit_code == 2 and "could not load the model" in result.output
+    result = runner.invoke(app, ["--port", "0", "--spec-draft-p-min", "2"])
+    assert result.exit_code == 2 and "--p-min: p_min must be a number in [0, 1]" in result.output
+    result = runner.invoke(app, ["--port", "0", "--max-tokens-default", "0"])
+    assert result.exit_code == 2 and "--max-tokens-default: max_tokens must be an integer >= 1" in result.output
+
+
+def test_the_command_line_refuses_more_draft_tokens_than_the_loaded_block_holds(tiny_spark_pair):
+    from typer.testing import CliRunner
+
+    from mlx_dspark.server import app
+
+    target, draft = tiny_spark_pair
+    args = ["--port", "0", "--model", str(target), "--draft", str(draft), "--spec-draft-n-max", "8", "--log-level", "error"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "--max-draft-tokens: max_draft_tokens must be at most the draft's block size 7, got 8" in result.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlx_dspark.decode import speculative_steps
+from mlx_dspark.options import OptionError, SpeculationOptions
 from mlx_dspark.sample import Sampler
 from tests.engine_helpers import OracleProposer, greedy_reference, make_target
 
@@ -68,3 +69,35 @@ def test_max_tokens_shortens_the_last_proposal(target):
     assert tokens == reference[:11]
     # 1 (prefill) + 8 + 2: the second round may only propose one draft token
     assert [r.proposed for r in rounds] == [7, 1]
+
+
+class _RecordingOracle(OracleProposer):
+    """The oracle, recording how many draft tokens each round asked for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: list[int] = []
+
+    def propose(self, anchor, *, position, num_tokens):
+        self.asked.append(num_tokens)
+        return super().propose(anchor, position=position, num_tokens=num_tokens)
+
+
+@pytest.mark.parametrize("max_draft_tokens", [1, 3, 7])
+def test_max_draft_tokens_caps_every_round_and_stays_identical(target, max_draft_tokens):
+    prompt = list(range(3, 23))
+    reference = greedy_reference(target, prompt, 68)
+    proposer = _RecordingOracle(reference, len(prompt), target.args.vocab_size, errors=lambda r: ())
+    speculation = SpeculationOptions(max_draft_tokens=max_draft_tokens)
+    tokens, rounds = run_rounds(target, proposer, prompt, 60, speculation=speculation)
+    assert tokens == reference[:60]
+    assert max(proposer.asked) == max_draft_tokens  # the draft is asked for no more than the cap
+    assert all(r.proposed == max_draft_tokens for r in rounds)  # accept-all: every round proposes the cap
+    assert all(len(r.tokens) == max_draft_tokens + 1 for r in rounds)
+
+
+def test_max_draft_tokens_above_the_block_size_is_refused_by_name(target):
+    prompt = [1, 2, 3]
+    proposer = OracleProposer(greedy_reference(target, prompt, 8), len(prompt), target.args.vocab_size, errors=lambda r: ())
+    with pytest.raises(OptionError, match="max_draft_tokens must be at most the draft's block size 7, got 8"):
+        run_rounds(target, proposer, prompt, 4, speculation=SpeculationOptions(max_draft_tokens=8))
