@@ -524,8 +524,9 @@ def _read_weights(
         if keep_float and tensor.scales is not None:
             tensor = _Tensor(tensor.dequantized(), ggml_type=tensor.ggml_type)
         if "#" in ours:
-            base, index = ours.split("#")
-            fused.setdefault(base, [None] * len(_SEPARATE_QKV))[int(index)] = tensor  # type: ignore[list-item]
+            stem, rest = ours.split("#")  # "<q_k_v_proj>#<part>.weight"
+            index, suffix = rest.split(".", 1)
+            fused.setdefault(f"{stem}.{suffix}", [None] * len(_SEPARATE_QKV))[int(index)] = tensor  # type: ignore[list-item]
             continue
         _put(weights, types, ours, tensor)
     for name, parts in fused.items():
@@ -592,8 +593,11 @@ def _read_tensor(meta: Metadata, t: Any, *, kquant: str) -> _Tensor:
         if kquant == "requantize":
             if cols % GROUP_SIZE:
                 raise ValueError(f"{meta.path}: tensor {t.name!r} ({kind.name}) has {cols} columns, not a multiple of {GROUP_SIZE}")
-            w, s, b = mx.quantize(values, group_size=GROUP_SIZE, bits=bits)
-            part: Any = (w, s.astype(mx.float16), b.astype(mx.float16))
+            if kind in (T.Q4_K, T.Q5_K):
+                part = _kquant_affine(np.asarray(data[start : start + _DEQUANT_ROWS]), values, bits=bits)
+            else:
+                w, s, b = mx.quantize(values, group_size=GROUP_SIZE, bits=bits)
+                part = (w, s.astype(mx.float16), b.astype(mx.float16))
         else:
             part = (values.astype(mx.bfloat16) if kquant == "bfloat16" else values,)
         mx.eval(part)  # frees the float32 chunk before the next one
@@ -604,14 +608,41 @@ def _read_tensor(meta: Metadata, t: Any, *, kquant: str) -> _Tensor:
     return _Tensor(arrays[0], ggml_type=kind.name)
 
 
+def _kquant_affine(raw: np.ndarray, values: mx.array, *, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Q4_K / Q5_K rows as MLX affine quantization on their own grid: each 32-weight sub-block is
+    `d*sc*q - dmin*m` (q < 16 / 32), so scale `d*sc` and bias `-dmin*m` reproduce it (up to the float16
+    rounding of scale and bias), where re-quantizing the values would move them to another grid."""
+    from gguf.quants import Q4_K
+
+    rows, cols = values.shape
+    blocks = raw.reshape(rows, cols // 256, -1)  # both start with d, dmin (float16) and 12 scale bytes
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).astype(np.float32)  # (rows, n, 1)
+    dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+    scale = (d * sc.reshape(rows, -1, 8).astype(np.float32)).reshape(rows, -1)  # (rows, cols / 32)
+    bias = -(dmin * m.reshape(rows, -1, 8).astype(np.float32)).reshape(rows, -1)
+    grouped = np.array(values).reshape(rows, -1, GROUP_SIZE)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.rint((grouped - bias[..., None]) / scale[..., None])
+    q = np.where(scale[..., None] == 0, 0, q).clip(0, (1 << bits) - 1).astype(np.uint8)
+    packed = _pack(q.reshape(rows, -1), bits)
+    return mx.array(packed), mx.array(scale.astype(np.float16)), mx.array(bias.astype(np.float16))
+
+
+def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned 4/8-bit values (rows, cols) in MLX's packing: uint32 words, first value in the low bits."""
+    if bits == 4:
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+    return np.ascontiguousarray(q).view(np.uint32)
+
+
 def _affine_blocks(blocks: np.ndarray, kind: str) -> _Tensor:
     """ggml blocks of 32 (rows, n_blocks, bytes) as MLX affine quantization with identical values."""
     rows, n_blocks, _ = blocks.shape
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]  # (rows, n_blocks)
     if kind == "Q8_0":
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)  # (rows, n_blocks, 32)
-        unsigned = (q.astype(np.int16) + 128).astype(np.uint8)
-        packed = unsigned.reshape(rows, -1).view(np.uint32)  # 4 weights a word, first in the low byte
+        packed = _pack((q.astype(np.int16) + 128).astype(np.uint8).reshape(rows, -1), 8)
         bias = -128.0 * d.astype(np.float32)
         bits = 8
     else:
@@ -622,8 +653,7 @@ def _affine_blocks(blocks: np.ndarray, kind: str) -> _Tensor:
             qs, bias, bits = blocks[..., 4:], m.astype(np.float32), 4
         # ggml: byte j holds weight j (low nibble) and weight j + 16 (high nibble)
         weights = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # (rows, n_blocks, 32) in weight order
-        pairs = weights[..., 0::2] | (weights[..., 1::2] << 4)  # MLX: weight 2i low, 2i + 1 high
-        packed = np.ascontiguousarray(pairs).reshape(rows, -1).view(np.uint32)
+        packed = _pack(weights.reshape(rows, -1), 4)
     scales = d.astype(np.float32)
     dtype = np.float16 if np.all(np.abs(bias) <= np.finfo(np.float16).max) else np.float32  # -128*d may overflow
     return _Tensor(
