@@ -14,13 +14,15 @@ Tensor types:
   values: Q8_0 `w = d*q` becomes `d*(q+128) - 128*d`, Q4_0 `w = d*(q-8)` becomes `d*q - 8*d`, Q4_1
   `w = d*q + m` is already affine. Scales and biases are float16, the precision of the blocks' own `d`.
 - Every other type `gguf.quants` dequantizes (the K-quants Q2_K..Q6_K, Q5_0/Q5_1, IQ*, ...) is
-  dequantized by it (llama.cpp's own code) and then, by default (`kquant="requantize"`), re-quantized
-  to MLX affine with group size 32: 4 bits for sources of at most 4.5 bits per weight (Q4_K, IQ4,
-  Q3_K, Q2_K), 8 bits for the wider ones (Q5_K, Q6_K, Q5_0/1). The user chose a quantized file for its
-  memory and speed; a bfloat16 copy would take 3.5x the memory of a Q4_K_M file and run at bfloat16
-  speed. A source grid is never replaced by a coarser MLX grid, and group 32 matches the 32-weight
-  sub-blocks of Q4_K/Q5_K, so the extra rounding stays within half an MLX step (measured in the
-  tests). `kquant="bfloat16"` / `"float32"` keep the dequantized values instead (float32 is exact).
+  dequantized by it (llama.cpp's own code) and then, by default (`kquant="requantize"`), stored as
+  MLX affine quantization with group size 32: 4 bits for sources of at most 4.5 bits per weight
+  (Q4_K, IQ4, Q3_K, Q2_K), 8 bits for the wider ones (Q5_K, Q6_K, Q5_0/1). Why by default: the user
+  chose a quantized file for its memory and speed; a bfloat16 copy would take 3.5x the memory of a
+  Q4_K_M file and run at bfloat16 speed, and no source grid is replaced by a coarser one. Q4_K and
+  Q5_K are affine per 32-weight sub-block (`d*sc*q - dmin*m`), so they keep their own grid (exact up
+  to the float16 rounding of scale and bias); the others (16-weight sub-blocks, non-linear grids) are
+  re-quantized with `mx.quantize` (within one MLX step). `kquant="bfloat16"` / `"float32"` keep the
+  dequantized values instead (float32: exactly `gguf.quants.dequantize`).
 
 Tensors are read one at a time from the reader's memory map (one copy into MLX memory each; K-quants
 are dequantized in row chunks), so the file is never held twice. Every problem is one `ValueError`
