@@ -78,6 +78,20 @@ def _single_gguf(directory: Path, *, role: str) -> Path | None:
     return ggufs[0]
 
 
+def _download(repo_id: str, *, role: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
+        raise FileNotFoundError(
+            f"{role} {repo_id!r} is not a local directory and could not be downloaded from the Hugging Face Hub "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Check the repo id, your network "
+            "and HF_HUB_OFFLINE / HF_TOKEN, or download it first and pass the local directory."
+        ) from e
+
+
 def _download_file(repo_id: str, filename: str, *, role: str) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
