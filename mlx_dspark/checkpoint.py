@@ -20,6 +20,9 @@ INDEX_FILE = "model.safetensors.index.json"
 # Files fetched from the Hub: weights, configs, tokenizer; never checkpoint code (*.py).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model", "*.tiktoken"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# one file of a Hub repo: "owner/name:path/in/repo/FILE.gguf"
+_REPO_FILE = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+):([^:]+\.gguf)$", re.IGNORECASE)
+_SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 MAX_SHARD_BYTES = 5 << 30  # as mlx-lm: ~5 GB per output file
 
 _SAFETENSORS_DTYPE_BYTES = {
@@ -31,19 +34,48 @@ _SAFETENSORS_DTYPE_BYTES = {
 
 
 def resolve_path(path_or_repo: str | Path, *, role: str = "model") -> Path:
-    """A local directory, or a Hugging Face repo id downloaded with `snapshot_download`.
+    """A checkpoint directory, or a GGUF file, local or from the Hugging Face Hub.
 
-    FileNotFoundError naming the path (or the repo and how to fix the download) otherwise.
+    Accepted: a local directory (returned as is); a local `.gguf` file; a directory holding exactly one
+    `.gguf` and no config.json (the GGUF file is returned); a repo id (`owner/name`, downloaded with
+    `snapshot_download`); a single GGUF file of a repo as `owner/name:FILE.gguf` (only that file is
+    downloaded, with `hf_hub_download`). FileNotFoundError naming the path and the fix otherwise.
     """
     path = Path(path_or_repo).expanduser()
     if path.exists():
-        if not path.is_dir():
-            raise FileNotFoundError(f"{role} path {path} is a file; expected a checkpoint directory")
-        return path
+        if path.is_dir():
+            return _single_gguf(path, role=role) or path
+        if path.suffix.lower() == ".gguf":
+            return path
+        raise FileNotFoundError(f"{role} path {path} is a file; expected a checkpoint directory or a .gguf file")
     name = str(path_or_repo)
+    single = _REPO_FILE.match(name)
+    if single:
+        return _download_file(single.group(1), single.group(2), role=role)
     if not _REPO_ID.match(name):
         raise FileNotFoundError(f"{role} directory {path} does not exist")
     return _download(name, role=role)
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def _single_gguf(directory: Path, *, role: str) -> Path | None:
+    """The GGUF file of a directory without config.json that holds GGUF files (None otherwise)."""
+    if (directory / "config.json").is_file():
+        return None
+    ggufs = sorted(directory.glob("*.gguf"))
+    if not ggufs:
+        return None
+    if len(ggufs) > 1:
+        raise FileNotFoundError(
+            f"{role} directory {directory} holds several GGUF files ({[g.name for g in ggufs]}) and no config.json; "
+            "pass the one to load as the path"
+        )
+    if _SPLIT_GGUF.search(ggufs[0].name):
+        raise FileNotFoundError(f"{ggufs[0]}: a split GGUF (one part of several) is not supported; merge it first (llama-gguf-split --merge)")
+    return ggufs[0]
 
 
 def _download(repo_id: str, *, role: str) -> Path:
@@ -57,6 +89,21 @@ def _download(repo_id: str, *, role: str) -> Path:
             f"{role} {repo_id!r} is not a local directory and could not be downloaded from the Hugging Face Hub "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Check the repo id, your network "
             "and HF_HUB_OFFLINE / HF_TOKEN, or download it first and pass the local directory."
+        ) from e
+
+
+def _download_file(repo_id: str, filename: str, *, role: str) -> Path:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo_id, filename))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
+        raise FileNotFoundError(
+            f"{role} {repo_id}:{filename}: the file {filename!r} of the Hugging Face repo {repo_id!r} is not in the "
+            f"local cache and could not be downloaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+            "Check the repo id and file name, your network and HF_HUB_OFFLINE / HF_TOKEN, or download the file "
+            "first and pass its local path."
         ) from e
 
 
