@@ -1,8 +1,9 @@
 """Hugging Face -> MLX converter: `python -m mlx_dspark.convert --hf-path SRC --mlx-path DST [-q]`.
 
-Converts a target of either family or a DSpark draft (DeepSpec or Spark layout) shard by shard: each
+Converts a target of either family or a DSpark draft (either layer family, any packaging the loader
+reads; written back under DeepSpec's tensor names) shard by shard: each
 source file is read lazily, renamed by the model's `sanitize`, checked against the model built from
-config.json, cast / quantized and written into MLX shards (`ShardWriter`), so at most one source shard
+config.json, cast / quantized (the layers mlx-lm quantizes) and written into MLX shards (`ShardWriter`), so at most one source shard
 and one output shard are in memory. A draft loses its frozen copies of the target's embedding and LM
 head (shared at load time) unless --keep-shared.
 """

@@ -50,19 +50,6 @@ def build_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) ->
     )  # fmt: skip
 
 
-def draft_args(checkpoint: Checkpoint, *, tap_ids: Optional[Sequence[int]] = None) -> DraftArgs:
-    """The draft's args, read once: DSpark fields from any packaging, the layer family from its tensors."""
-    config, source = checkpoint.config, checkpoint.config_source
-    if not is_draft_config(config):
-        raise ValueError(
-            f"{source}: not a DSpark draft: no target_layer_ids (top level or under dflash_config); "
-            "pass a draft checkpoint as draft="
-        )
-    names, _ = canonical_names(checkpoint.weights, checkpoint.origin, source=str(checkpoint.path))
-    family = layer_family(list(names), source=str(checkpoint.path))
-    return DraftArgs.from_dict(config, family=family, source=source, tap_ids=None if tap_ids is None else list(tap_ids))
-
-
 def build_draft(
     checkpoint: Checkpoint,
     *,
@@ -75,12 +62,19 @@ def build_draft(
 
     With `target`, the pair is validated before any weight is checked; `tap_ids` replaces the config's
     `target_layer_ids` (then validated against the target under the name `draft_tap_ids`)."""
-    args = draft_args(checkpoint, tap_ids=tap_ids)
-    source = str(checkpoint.path)
+    config, config_source, source = checkpoint.config, checkpoint.config_source, str(checkpoint.path)
+    if not is_draft_config(config):
+        raise ValueError(
+            f"{config_source}: not a DSpark draft: no target_layer_ids (top level or under dflash_config); "
+            "pass a draft checkpoint as draft="
+        )
+    # Read once: DeepSpec tensor names from any packaging, the layer family from them, then the args.
+    weights, origin = canonical_names(checkpoint.weights, checkpoint.origin, source=source)
+    family = layer_family(list(weights), source=source)
+    args = DraftArgs.from_dict(config, family=family, source=config_source, tap_ids=None if tap_ids is None else list(tap_ids))
     taps_field = "target_layer_ids" if tap_ids is None else "draft_tap_ids"
     if target is not None:
-        validate_pair(target.args, args, target_source=target_source, draft_source=checkpoint.config_source, taps_field=taps_field)
-    weights, origin = canonical_names(checkpoint.weights, checkpoint.origin, source=source)
+        validate_pair(target.args, args, target_source=target_source, draft_source=config_source, taps_field=taps_field)
     fc = weights.get("fc.weight")
     if fc is not None and "fc.scales" not in weights and fc.shape[-1] != len(args.target_layer_ids) * args.hidden_size:
         raise ValueError(
@@ -89,8 +83,8 @@ def build_draft(
         )
     shared = {k: v for k, v in weights.items() if k.startswith(SHARED_PREFIXES)}
     model = fill_model(
-        DSparkDraft(args), checkpoint.config, weights, origin,
-        source=source, what="draft", dtype=dtype, config_name=Path(checkpoint.config_source).name,
+        DSparkDraft(args), config, weights, origin,
+        source=source, what="draft", dtype=dtype, config_name=Path(config_source).name,
     )  # fmt: skip
     return model, shared
 

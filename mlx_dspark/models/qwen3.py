@@ -184,16 +184,7 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen3Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
-        self.norm = Norm(args.hidden_size, eps=args.rms_norm_eps)
-
-
 class Model(TargetModel):
     embed_name = "embed_tokens"
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, Qwen3Model(args))
+    decoder_layer = DecoderLayer
+    norm_class = Norm

@@ -165,22 +165,13 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h, dtype)).astype(mx.float32)
 
 
-class Spark2_5Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embedding = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
-        self.norm = Norm(args.hidden_size, eps=args.rms_norm_eps)
-
-
 class Model(TargetModel):
     embed_name = "embedding"
     # As mlx-lm's spark2_5: the tiny per-head gate stays in source precision ("preserves the sigmoid
     # gate values").
     keep_in_source_precision = ("self_attn.g_proj",)
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, Spark2_5Model(args))
+    decoder_layer = DecoderLayer
+    norm_class = Norm
 
     def residual(self, x: mx.array) -> mx.array:
         return x.astype(mx.float32)

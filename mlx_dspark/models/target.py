@@ -1,8 +1,8 @@
 """The target contract both families share (ARCHITECTURE.md, "Target model contract").
 
-A family module supplies its `ModelArgs`, its layers and a backbone (`self.model`, with `layers`,
-`norm` and the input embedding under `embed_name`); `TargetModel` owns the rest: the caches, the
-embedding and LM head calls, the tapped forward loop and the checkpoint renames every family needs.
+A family module supplies its `ModelArgs`, its `DecoderLayer` and `Norm`, and the checkpoint name of
+its input embedding; `TargetModel` owns the rest: the backbone (`model.*`), the caches, the embedding
+and LM head calls, the tapped forward loop and the checkpoint renames every family needs.
 """
 
 from __future__ import annotations
@@ -16,17 +16,29 @@ from mlx_dspark.cache import make_target_cache
 from mlx_dspark.models.base import check_tap_ids, gather_taps
 
 
+class Backbone(nn.Module):
+    """`model.*`: the input embedding (under the family's checkpoint name), the layers, the final norm."""
+
+    def __init__(self, args: Any, *, embed_name: str, layer: type, norm: type):
+        super().__init__()
+        setattr(self, embed_name, nn.Embedding(args.vocab_size, args.hidden_size))
+        self.layers = [layer(args, layer_type) for layer_type in args.layer_types]
+        self.norm = norm(args.hidden_size, eps=args.rms_norm_eps)
+
+
 class TargetModel(nn.Module):
     embed_name: str  # attribute of `self.model` holding the input embedding (its checkpoint name)
+    decoder_layer: type  # the family's DecoderLayer(args, layer_type)
+    norm_class: type  # the family's RMSNorm
     # Layer paths (suffixes) that keep their source precision when quantizing, as mlx-lm's own model
     # of the family does, so a target converted by either tool is the same file.
     keep_in_source_precision: tuple[str, ...] = ()
 
-    def __init__(self, args: Any, backbone: nn.Module):
+    def __init__(self, args: Any):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = backbone
+        self.model = Backbone(args, embed_name=self.embed_name, layer=self.decoder_layer, norm=self.norm_class)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
