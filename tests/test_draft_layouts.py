@@ -14,6 +14,7 @@ import pytest
 import mlx_dspark
 from mlx_dspark.checkpoint import Checkpoint, read_checkpoint
 from mlx_dspark.load import build_draft, build_target
+from mlx_dspark.models.base import gelu
 from mlx_dspark.testing.tiny import write_tiny_draft
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 2, "1 2 3 4 5 6 7 8 9 10"]
@@ -76,7 +77,7 @@ def test_qwen3_style_draft_reads_the_copied_spark_config_as_the_qwen3_family_doe
     assert [args.layer_window(i) for i in range(2)] == [16, None]
     ropes = [(layer.self_attn.rope.base, layer.self_attn.rope.dims) for layer in loaded.layers]
     assert ropes == [(10000.0, 64), (5000000.0, 16)]
-    assert args.layers.hidden_act == "gelu"
+    assert args.layers.hidden_act == "gelu" and loaded.layers[0].mlp.act is gelu  # as transformers reads it
     _edit_config(draft, rope_parameters=None)
     with pytest.raises(ValueError, match=r"config.json: field 'rope_theta' \(or 'rope_parameters.rope_theta'\) is missing"):
         mlx_dspark.load(tiny_spark_target, draft=draft)

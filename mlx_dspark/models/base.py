@@ -8,6 +8,7 @@ always end with the queries' own positions, as mlx-lm's `KVCache` and our `Slidi
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -96,6 +97,16 @@ def gather_taps(taps: dict[int, mx.array], tap_ids: Sequence[int], dtype: mx.Dty
     if not tap_ids:
         return None
     return mx.concatenate([taps[i].astype(dtype) for i in tap_ids], axis=-1)
+
+
+def args_from_config(cls: type, config: dict, *, required: Sequence[str], source: str, family: str) -> Any:
+    """A family's `ModelArgs` from a config: its own fields only (unknown keys ignored), required ones
+    present; the dataclass's `__post_init__` validates the values."""
+    missing = [k for k in required if config.get(k) is None]
+    if missing:
+        raise ValueError(f"{source}: missing field(s) {missing} for {family}-family layers")
+    names = inspect.signature(cls).parameters
+    return cls(**{k: v for k, v in config.items() if k in names and k != "source"}, source=source)
 
 
 def check_rope_default(params: Optional[dict], *, field: str, source: str = "config.json") -> None:

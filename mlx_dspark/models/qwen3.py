@@ -7,7 +7,6 @@ caches and returns the tapped features the DSpark draft is conditioned on. Its p
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -15,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dspark.layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, check_layer_types
-from mlx_dspark.models.base import FamilyAttention, RoPE, check_rope_default, gelu, rotary_dims
+from mlx_dspark.models.base import FamilyAttention, RoPE, args_from_config, check_rope_default, gelu, rotary_dims
 from mlx_dspark.models.target import TargetModel
 
 # The tensor that marks a layer of this family (a draft's layer family is read from its tensors).
@@ -51,11 +50,7 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, config: dict, *, source: str = "config.json") -> "ModelArgs":
-        names = inspect.signature(cls).parameters
-        missing = [k for k in _REQUIRED if config.get(k) is None]
-        if missing:
-            raise ValueError(f"{source}: missing field(s) {missing} for qwen3-family layers")
-        return cls(**{k: v for k, v in config.items() if k in names and k != "source"}, source=source)
+        return args_from_config(cls, config, required=_REQUIRED, source=source, family="qwen3")
 
     def __post_init__(self):
         src = self.source

@@ -8,7 +8,6 @@ Its pieces (`ModelArgs`, `Attention`, `MLP`, `Norm`) also build spark2_5-style D
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -16,7 +15,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dspark.layer_types import SLIDING_ATTENTION, check_layer_types
-from mlx_dspark.models.base import FamilyAttention, Float32RMSNorm, RoPE, check_rope_default, gelu, rotary_dims
+from mlx_dspark.models.base import (
+    FamilyAttention,
+    Float32RMSNorm,
+    RoPE,
+    args_from_config,
+    check_rope_default,
+    gelu,
+    rotary_dims,
+)
 from mlx_dspark.models.target import TargetModel
 
 # The tensor that marks a layer of this family (a draft's layer family is read from its tensors).
@@ -61,11 +68,7 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, config: dict, *, source: str = "config.json") -> "ModelArgs":
-        missing = [k for k in _REQUIRED if k not in config]
-        if missing:
-            raise ValueError(f"{source}: missing field(s) {missing} for spark2_5-family layers")
-        names = inspect.signature(cls).parameters
-        return cls(**{k: v for k, v in config.items() if k in names and k != "source"}, source=source)
+        return args_from_config(cls, config, required=_REQUIRED, source=source, family="spark2_5")
 
     def __post_init__(self):
         src = self.source
