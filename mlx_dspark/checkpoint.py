@@ -1,5 +1,8 @@
 """Checkpoint files: locating a directory (local or Hugging Face), config.json, safetensors shards.
 
+`read_checkpoint(path)` is the one reading entry point: it returns a `Checkpoint` (config dict, lazy
+weights under the checkpoint's names, the file each came from), the form `load.build_target` /
+`load.build_draft` take, whatever the files were (a GGUF reader returns the same form).
 Reading is lazy (`mx.load` maps tensors without reading their data) and every problem with the files
 is a `ValueError` / `FileNotFoundError` naming the file. Writing goes shard by shard
 (`ShardWriter`), so a converter never holds more than one output shard in memory.
@@ -31,6 +34,30 @@ _SAFETENSORS_DTYPE_BYTES = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
+
+
+@dataclass
+class Checkpoint:
+    """What a model is built from, independent of the file format."""
+
+    config: dict[str, Any]  # the config.json layout (HF / DeepSpec; an MLX `quantization` block if quantized)
+    weights: dict[str, mx.array]  # name -> array, named as the equivalent safetensors checkpoint names them
+    origin: dict[str, str]  # name -> the file it came from (for messages)
+    path: Path  # the checkpoint directory or file (for messages)
+    config_source: str  # where the config was read from (for messages naming a field)
+
+
+def read_checkpoint(directory: Path) -> Checkpoint:
+    """A safetensors checkpoint directory (HF or MLX layout, sharded or not), read lazily."""
+    config = read_config(directory)
+    weights, origin = load_weights(directory)
+    return Checkpoint(
+        config=config,
+        weights=weights,
+        origin={name: path.name for name, path in origin.items()},
+        path=directory,
+        config_source=str(directory / "config.json"),
+    )
 
 
 def resolve_path(path_or_repo: str | Path, *, role: str = "model") -> Path:

@@ -1,8 +1,9 @@
 """Hugging Face -> MLX converter: `python -m mlx_dspark.convert --hf-path SRC --mlx-path DST [-q]`.
 
-Converts a target of either family or a DSpark draft (DeepSpec or Spark layout) shard by shard: each
+Converts a target of either family or a DSpark draft (either layer family, any packaging the loader
+reads; written back under DeepSpec's tensor names) shard by shard: each
 source file is read lazily, renamed by the model's `sanitize`, checked against the model built from
-config.json, cast / quantized and written into MLX shards (`ShardWriter`), so at most one source shard
+config.json, cast / quantized (the layers mlx-lm quantizes) and written into MLX shards (`ShardWriter`), so at most one source shard
 and one output shard are in memory. A draft loses its frozen copies of the target's embedding and LM
 head (shared at load time) unless --keep-shared.
 """
@@ -19,10 +20,12 @@ import mlx.nn as nn
 import typer
 from mlx.utils import tree_flatten
 
-from mlx_dspark.checkpoint import INDEX_FILE, ShardWriter, load_file, read_config, resolve_path, weight_files
-from mlx_dspark.precision import DTYPES, Q_BITS, Q_GROUP_SIZES, check_quantize_options, parse_dtype, quantizable
-from mlx_dspark.load import check_tensors, is_draft_config
+from mlx_dspark.checkpoint import INDEX_FILE, ShardWriter, load_file, read_config, read_header, resolve_path, weight_files
 from mlx_dspark.models import target_module
+from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
+from mlx_dspark.models.dspark_args import DraftArgs, canonical_name, canonical_names, is_draft_config, layer_family
+from mlx_dspark.precision import DTYPES, Q_BITS, Q_GROUP_SIZES, check_quantize_options, parse_dtype, quant_predicate
+from mlx_dspark.weights import check_tensors
 
 # Non-weight files carried over (tokenizer, generation defaults); never checkpoint code (*.py).
 AUX_FILES = (
@@ -43,12 +46,14 @@ def _log(message: str) -> None:
     print(f"[convert] {message}", file=sys.stderr, flush=True)
 
 
-def _skeleton(config: dict, *, source: str) -> tuple[nn.Module, str]:
-    """The model built from config.json (lazy random parameters: only names and shapes are used)."""
+def _skeleton(config: dict, files: list[Path], *, src: Path) -> tuple[nn.Module, str]:
+    """The model built from config.json (lazy random parameters: only names and shapes are used);
+    a draft's layer family comes from its tensor names (file headers only)."""
+    source = str(src / "config.json")
     if is_draft_config(config):
-        from mlx_dspark.models.dspark import DraftArgs, DSparkDraft
-
-        return DSparkDraft(DraftArgs.from_dict(config, source=source)), "draft"
+        names = [canonical_name(name) for path in files for name in read_header(path)]
+        family = layer_family(names, source=str(src))
+        return DSparkDraft(DraftArgs.from_dict(config, family=family, source=source)), "draft"
     module = target_module(config, source=source)
     return module.Model(module.ModelArgs.from_dict(config, source=source)), "target"
 
@@ -93,21 +98,19 @@ def convert(
     source = str(src / "config.json")
     if quantize and "quantization" in config:
         raise ValueError(f"{source}: the checkpoint is already quantized ({config['quantization']}); convert it without -q")
-    model, kind = _skeleton(config, source=source)
+    files = weight_files(src)
+    model, kind = _skeleton(config, files, src=src)
 
-    def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        if kind == "draft" and keep_shared:
-            from mlx_dspark.models.dspark import SHARED_PREFIXES
-
-            kept = {k: v for k, v in weights.items() if k.startswith(SHARED_PREFIXES)}
-            return {**model.sanitize(weights), **kept}
-        return model.sanitize(weights)
+    def sanitize(weights: dict[str, mx.array], file: str) -> dict[str, mx.array]:
+        if kind == "target":
+            return model.sanitize(weights)
+        weights, _ = canonical_names(weights, dict.fromkeys(weights, file), source=str(src))
+        kept = {k: v for k, v in weights.items() if k.startswith(SHARED_PREFIXES)} if keep_shared else {}
+        return {**model.sanitize(weights), **kept}
 
     expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-    quant_modules = (
-        {path for path, m in model.named_modules() if quantizable(path, m, group_size=q_group_size)} if quantize else set()
-    )
-    files = weight_files(src)
+    predicate = quant_predicate(model, group_size=q_group_size)
+    quant_modules = {path for path, m in model.named_modules() if predicate(path, m)} if quantize else set()
     _check_names(files, sanitize, expected, src=src, what=kind, keep_shared=kind == "draft" and keep_shared)
 
     dst.mkdir(parents=True, exist_ok=True)
@@ -115,7 +118,7 @@ def convert(
     writer = ShardWriter(dst, **({"max_bytes": max_shard_bytes} if max_shard_bytes else {}))
     written = 0
     for i, path in enumerate(files):
-        weights = sanitize(load_file(path))
+        weights = sanitize(load_file(path), path.name)
         log(f"shard {i + 1}/{len(files)} {path.name}: {len(weights)} tensors")
         for name in sorted(weights):
             array = weights.pop(name)  # drop our reference as soon as it is queued
@@ -141,17 +144,15 @@ def convert(
 
 def _check_names(files: list[Path], sanitize, expected: dict[str, tuple], *, src: Path, what: str, keep_shared: bool) -> None:
     """Before writing anything: every expected tensor present, nothing unexpected, shapes right."""
-    from mlx_dspark.models.dspark import SHARED_PREFIXES
-
     found: dict[str, tuple] = {}
     origin: dict[str, str] = {}
     for path in files:
-        for name, array in sanitize(load_file(path)).items():
+        for name, array in sanitize(load_file(path), path.name).items():
             if keep_shared and name.startswith(SHARED_PREFIXES):
                 continue  # kept as they are; the loader checks them against the target
             found[name] = tuple(array.shape)
             origin[name] = path.name
-    check_tensors(expected, found, origin, directory=src, what=what)
+    check_tensors(expected, found, origin, source=str(src), what=what)
 
 
 def _write_config(config: dict, dst: Path, *, quantize: bool, q_bits: int, q_group_size: int, dtype: Optional[str]) -> None:

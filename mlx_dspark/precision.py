@@ -3,7 +3,7 @@ and which layers quantize."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,3 +31,14 @@ def check_quantize_options(*, bits: Optional[int], group_size: int) -> None:
 def quantizable(path: str, module: nn.Module, *, group_size: int) -> bool:
     """Linear / Embedding layers whose input dim splits into groups (norms have no to_quantized)."""
     return hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0
+
+
+def quant_predicate(model: nn.Module, *, group_size: int) -> Callable[[str, nn.Module], bool]:
+    """mlx-lm's choice of layers to quantize: `quantizable` ones, minus those the model's family keeps
+    in source precision (its `quant_predicate`, as mlx-lm's model of the family declares it)."""
+    family = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module: nn.Module) -> bool:
+        return quantizable(path, module, group_size=group_size) and (family is None or family(path, module))
+
+    return predicate

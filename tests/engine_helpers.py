@@ -136,6 +136,6 @@ def make_draft(target, *, seed: int = 0, markov_head_type: str = "vanilla", wind
         confidence_head_with_markov=True,
     )
     mx.random.seed(seed)
-    draft = DSparkDraft(DraftArgs.from_dict(config))
+    draft = DSparkDraft(DraftArgs.from_dict(config, family=family))
     mx.eval(draft.parameters())
     return draft

@@ -7,14 +7,16 @@ draft (cached, windowed) and recomputed from all features by the reference each 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from mlx_dspark.checkpoint import Checkpoint, read_checkpoint
 from mlx_dspark.draft_cache import ContextCache
-from mlx_dspark.models import draft_family
+from mlx_dspark.load import build_draft
 from mlx_dspark.models.dspark import DraftArgs, DSparkDraft
 from tests.dspark_reference import ReferenceDraft, log_softmax
 
@@ -97,8 +99,10 @@ class StandInTarget:
 
 
 def random_draft(config: dict, seed: int) -> tuple[DSparkDraft, dict[str, np.ndarray]]:
-    """A draft with every tensor random (norm weights around 1), and the same weights as NumPy."""
-    draft = DSparkDraft(DraftArgs.from_dict(config))
+    """A draft with every tensor random (norm weights around 1), and the same weights as NumPy.
+
+    The test configs' `model_type` names the layer family (a loaded draft's comes from its tensors)."""
+    draft = DSparkDraft(DraftArgs.from_dict(config, family=config["model_type"]))
     rng = np.random.default_rng(seed)
     weights = {}
     for name, value in tree_flatten(draft.parameters()):
@@ -109,7 +113,7 @@ def random_draft(config: dict, seed: int) -> tuple[DSparkDraft, dict[str, np.nda
         else:
             array = rng.standard_normal(value.shape) / math.sqrt(value.shape[-1])
         weights[name] = array.astype(np.float32)
-    draft.load_weights_strict({k: mx.array(v) for k, v in weights.items()})
+    draft.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
     return draft, weights
 
 
@@ -140,16 +144,20 @@ def check_rounds(draft, reference, target, embedding, lm_head, features, *, chun
         anchor = rng.integers(0, vocab, size=batch)
         proposal = draft.propose(mx.array(anchor, dtype=mx.int32), ctx, target=target)
         base = target.lm_head_logits(draft.block_hidden(mx.array(anchor, dtype=mx.int32), ctx, target=target))
+        # Sampled at T = 1, each reported distribution is softmax(logits(k)) given the tokens drawn.
+        sampled = draft.propose(mx.array(anchor, dtype=mx.int32), ctx, target=target, greedy=False, temperature=1.0)
         for b in range(batch):
             ref = reference.draft(features[b, :done], int(anchor[b]), embedding=embedding, lm_head=lm_head)
             np.testing.assert_allclose(np.array(base[b]), ref["base_logits"], **TOL)
-            np.testing.assert_allclose(np.array(proposal.logits[b]), ref["logits"], **TOL)
             np.testing.assert_array_equal(np.array(proposal.tokens[b]), ref["tokens"])
             np.testing.assert_allclose(np.array(proposal.token_probs[b]), ref["token_probs"], **TOL)
             if ref["confidence"] is None:
                 assert proposal.confidence is None
             else:
                 np.testing.assert_allclose(np.array(proposal.confidence[b]), ref["confidence"], **TOL)
+            drawn = list(np.array(sampled.tokens[b]))
+            ref = reference.draft(features[b, :done], int(anchor[b]), embedding=embedding, lm_head=lm_head, tokens=drawn)
+            np.testing.assert_allclose(np.array(sampled.draft_probs[b]), np.exp(log_softmax(ref["logits"])), **TOL)
         assert proposal.draft_probs is None
 
 
@@ -205,9 +213,10 @@ def test_fewer_tokens_compute_the_same_leading_draft():
     anchor = mx.array([4, 17], dtype=mx.int32)
     full = draft.propose(anchor, ctx, target=target)
     short = draft.propose(anchor, ctx, target=target, num_tokens=3)
-    assert short.tokens.shape == (2, 3) and short.confidence.shape == (2, 3) and short.logits.shape == (2, 3, 40)
+    assert short.tokens.shape == (2, 3) and short.confidence.shape == (2, 3) and short.token_probs.shape == (2, 3)
     np.testing.assert_array_equal(np.array(short.tokens), np.array(full.tokens[:, :3]))
-    np.testing.assert_allclose(np.array(short.logits), np.array(full.logits[:, :3]), **TOL)
+    np.testing.assert_allclose(np.array(short.token_probs), np.array(full.token_probs[:, :3]), **TOL)
+    np.testing.assert_allclose(np.array(short.confidence), np.array(full.confidence[:, :3]), **TOL)
     for bad in (0, 8):
         with pytest.raises(ValueError, match="num_tokens"):
             draft.propose(anchor, ctx, target=target, num_tokens=bad)
@@ -240,7 +249,8 @@ def test_sliding_context_stays_within_window_over_a_long_run():
     anchor = 7
     proposal = draft.propose(mx.array([anchor], dtype=mx.int32), ctx, target=target)
     ref = ReferenceDraft(config, weights).draft(features[0, :done], anchor, embedding=embedding, lm_head=lm_head)
-    np.testing.assert_allclose(np.array(proposal.logits[0]), ref["logits"], **TOL)
+    np.testing.assert_array_equal(np.array(proposal.tokens[0]), ref["tokens"])
+    np.testing.assert_allclose(np.array(proposal.token_probs[0]), ref["token_probs"], **TOL)
 
 
 def test_sampled_drafts_follow_the_distributions_they_report():
@@ -289,9 +299,9 @@ def test_deepspec_fixture_loads_strictly_and_matches_reference(shared_fixtures, 
 
     root = shared_fixtures / "deepspec-tiny"
     config = json.loads((root / name / "config.json").read_text())
-    draft = DSparkDraft(DraftArgs.from_dict(config, source=str(root / name / "config.json")))
+    draft, shared = build_draft(read_checkpoint(root / name))
+    assert draft.args.family == "qwen3" and set(shared) == {"embed_tokens.weight", "lm_head.weight"}
     file = root / name / "model.safetensors"
-    draft.load_weights_strict(draft.sanitize(dict(mx.load(str(file)))), source=str(file))
     target_weights = load_file(str(root / "target" / "model.safetensors"))
     embedding, lm_head = target_weights["model.embed_tokens.weight"], target_weights["lm_head.weight"]
     weights = load_file(str(file))
@@ -302,70 +312,60 @@ def test_deepspec_fixture_loads_strictly_and_matches_reference(shared_fixtures, 
     check_rounds(draft, reference, target, embedding, lm_head, features, chunks=[2, 9, 5, 8, 4], seed=6)
 
 
+def in_memory(config: dict, weights: dict[str, mx.array]) -> Checkpoint:
+    """A checkpoint as any reader hands it to the loader: config, weights, where each came from."""
+    return Checkpoint(
+        config=config, weights=weights, origin=dict.fromkeys(weights, "model.safetensors"),
+        path=Path("draft"), config_source="draft/config.json",
+    )  # fmt: skip
+
+
 def test_spark_layout_strict_loading_names_missing_and_unexpected_tensors():
-    draft, weights = random_draft(spark_config(markov_head_type="rnn"), seed=7)
+    _, weights = random_draft(spark_config(markov_head_type="rnn"), seed=7)
     names = set(weights)
     assert {"layers.0.self_attn.q_k_v_proj.weight", "layers.0.self_attn.g_proj.weight",
             "layers.0.self_attn.out_proj.weight", "markov_head.joint_proj.bias"} <= names
     bad = {k: mx.array(v) for k, v in weights.items() if k != "layers.1.self_attn.g_proj.weight"}
     bad["layers.1.self_attn.q_norm.weight"] = mx.zeros((8,))
-    with pytest.raises(ValueError, match=r"missing \['layers.1.self_attn.g_proj.weight'\].*unexpected \['layers.1.self_attn.q_norm.weight'\]"):
-        draft.load_weights_strict(bad, source="draft/model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensor\(s\) \['layers.1.self_attn.g_proj.weight'\].*unexpected tensor\(s\) layers.1.self_attn.q_norm.weight \(in model.safetensors\)"):
+        build_draft(in_memory(spark_config(markov_head_type="rnn"), bad))
     wrong = {k: mx.array(v) for k, v in weights.items()}
-    wrong["fc.weight"] = mx.zeros((24, 40))
-    with pytest.raises(ValueError, match="fc.weight"):
-        draft.load_weights_strict(wrong, source="draft/model.safetensors")
+    wrong["markov_head.joint_proj.weight"] = mx.zeros((15, 40))
+    with pytest.raises(ValueError, match="markov_head.joint_proj.weight"):
+        build_draft(in_memory(spark_config(markov_head_type="rnn"), wrong))
     shared = {"embedding.weight": mx.zeros((40, 24)), "embed_tokens.weight": mx.zeros((40, 24)), "lm_head.weight": mx.zeros((40, 24))}
-    kept = draft.sanitize({**{k: mx.array(v) for k, v in weights.items()}, **shared})
-    assert set(kept) == names
+    draft, kept = build_draft(in_memory(spark_config(markov_head_type="rnn"), {**{k: mx.array(v) for k, v in weights.items()}, **shared}))
+    assert set(kept) == set(shared) and draft.args.family == "spark2_5"
 
 
 def test_tiny_writer_spark_draft_loads_strictly(tiny_spark_pair):
-    import json
-
     _, path = tiny_spark_pair
-    config = json.loads((path / "config.json").read_text())
-    draft = DSparkDraft(DraftArgs.from_dict(config))
-    assert draft.args.family == "spark2_5"
-    weights = {}
-    for file in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(file)))
-    draft.load_weights_strict(draft.sanitize(weights), source=str(path))
+    draft, shared = build_draft(read_checkpoint(path))
+    assert draft.args.family == "spark2_5" and set(shared) == {"embedding.weight"}
 
 
 # -- config -----------------------------------------------------------------------------------------
-
-
-def test_draft_family_from_architectures_then_model_type():
-    assert draft_family(qwen3_config()) == "qwen3"
-    assert draft_family(spark_config()) == "spark2_5"
-    assert draft_family(spark_config(architectures=["Spark2_5ForCausalLM"])) == "spark2_5"
-    with pytest.raises(ValueError, match="not a DSpark draft.*mask_token_id"):
-        config = qwen3_config()
-        del config["mask_token_id"]
-        draft_family(config, source="x/config.json")
-    with pytest.raises(ValueError, match="llama"):
-        draft_family(qwen3_config(architectures=["LlamaForCausalLM"], model_type="llama"))
 
 
 def test_draft_args_name_missing_and_bad_fields():
     config = qwen3_config()
     del config["markov_rank"]
     with pytest.raises(ValueError, match="d/config.json.*markov_rank"):
-        DraftArgs.from_dict(config, source="d/config.json")
+        DraftArgs.from_dict(config, family="qwen3", source="d/config.json")
     with pytest.raises(ValueError, match="markov_head_type.*'lstm'"):
-        DraftArgs.from_dict(qwen3_config(markov_head_type="lstm"))
+        DraftArgs.from_dict(qwen3_config(markov_head_type="lstm"), family="qwen3")
     with pytest.raises(ValueError, match="layer_types"):
-        DraftArgs.from_dict(qwen3_config(layer_types=["full_attention"]))
-    with pytest.raises(ValueError, match="rope_parameters.full_attention"):
-        DraftArgs.from_dict(spark_config(rope_parameters={"sliding_attention": {"rope_theta": 1e4}}))
+        DraftArgs.from_dict(qwen3_config(layer_types=["full_attention"]), family="qwen3")
+    with pytest.raises(ValueError, match="rope_parameters.*full_attention"):
+        DraftArgs.from_dict(spark_config(rope_parameters={"sliding_attention": {"rope_theta": 1e4}}), family="spark2_5")
     with pytest.raises(ValueError, match="confidence_head_with_markov"):
-        DraftArgs.from_dict(qwen3_config(markov_rank=0))
+        DraftArgs.from_dict(qwen3_config(markov_rank=0), family="qwen3")
     with pytest.raises(ValueError, match="gate_attn_act_mode"):
-        DraftArgs.from_dict(spark_config(gate_attn_act_mode="softmax"))
+        DraftArgs.from_dict(spark_config(gate_attn_act_mode="softmax"), family="spark2_5")
     # As transformers' Qwen3Config (which DeepSpec's draft reads): no window without use_sliding_window.
-    no_window = DraftArgs.from_dict(qwen3_config(use_sliding_window=False))
+    no_window = DraftArgs.from_dict(qwen3_config(use_sliding_window=False), family="qwen3")
     assert [no_window.layer_window(i) for i in range(3)] == [None, None, None]
-    args = DraftArgs.from_dict(spark_config())
-    assert args.rope == {"sliding_attention": (10000.0, 8), "full_attention": (5000000.0, 4)}
-    assert [args.layer_window(i) for i in range(3)] == [11, None, 11]
+    draft = DSparkDraft(DraftArgs.from_dict(spark_config(), family="spark2_5"))
+    ropes = [(layer.self_attn.rope.base, layer.self_attn.rope.dims) for layer in draft.layers]
+    assert ropes == [(10000.0, 8), (5000000.0, 4), (10000.0, 8)]
+    assert [draft.args.layer_window(i) for i in range(3)] == [11, None, 11]

@@ -101,3 +101,36 @@ def test_per_layer_quantization_overrides_in_config_are_honoured(tiny_qwen3_targ
     layer = load(out).target.model.layers[1].mlp
     assert (layer.up_proj.bits, layer.up_proj.group_size) == (8, 32)
     assert (layer.gate_proj.bits, layer.gate_proj.group_size) == (4, 64)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_spark_target_quantizes_as_mlx_lm_does_keeping_the_gate_in_source_precision(tiny_spark_target, tmp_path, bits):
+    """Our converter and load(quantize=) write / build what mlx-lm's own spark2_5 + quantize_model do."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import spark2_5 as mlx_lm_spark
+    from mlx_lm.utils import quantize_model
+
+    config = json.loads((tiny_spark_target / "config.json").read_text())
+    reference = mlx_lm_spark.Model(mlx_lm_spark.ModelArgs.from_dict(config))
+    reference.load_weights(list(reference.sanitize(dict(mx.load(str(tiny_spark_target / "model.safetensors")))).items()), strict=True)
+    reference, reference_config = quantize_model(reference, config, 64, bits)
+    theirs = dict(tree_flatten(reference.parameters()))
+    assert "model.layers.0.self_attn.g_proj.scales" not in theirs  # mlx-lm keeps the gate float
+
+    out = convert(tiny_spark_target, tmp_path / "q", quantize=True, q_bits=bits, q_group_size=64, log=_quiet)
+    written = {}
+    for file in sorted(out.glob("*.safetensors")):
+        written.update(mx.load(str(file)))
+    assert written.keys() == theirs.keys()
+    for name in theirs:
+        np.testing.assert_array_equal(np.array(written[name]), np.array(theirs[name]), err_msg=name)
+    assert json.loads((out / "config.json").read_text())["quantization"] == reference_config["quantization"]
+
+    at_load = load(tiny_spark_target, quantize=bits, q_group_size=64).target
+    gate = at_load.model.layers[0].self_attn.g_proj
+    assert type(gate) is nn.Linear and gate.weight.dtype == mx.float32
+    assert isinstance(at_load.model.layers[0].self_attn.q_k_v_proj, nn.QuantizedLinear)
+    ours = dict(tree_flatten(at_load.parameters()))
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        np.testing.assert_array_equal(np.array(ours[name]), np.array(theirs[name]), err_msg=name)

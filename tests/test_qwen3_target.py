@@ -143,7 +143,7 @@ def test_rope_theta_may_come_from_rope_parameters():
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
         ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_parameters"),
         ({"rope_theta": None}, "rope_theta"),
-        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"hidden_act": "relu"}, "hidden_act"),
         ({"use_sliding_window": True, "sliding_window": 4, "layer_types": ["sliding_attention"] * 2}, "layer_types"),
         ({"use_sliding_window": True, "sliding_window": 4, "layer_types": ["sliding_attention", "local", "full_attention"]}, "layer_types"),
     ],
@@ -155,8 +155,13 @@ def test_bad_config_is_refused_naming_the_field(overrides, field):
 
 def test_sliding_layers_only_with_use_sliding_window():
     types = ["sliding_attention", "sliding_attention", "full_attention"]
-    off = qwen3.Model(qwen3.ModelArgs.from_dict(tiny_config(layer_types=types, sliding_window=4)))
+    off = qwen3.Model(qwen3.ModelArgs.from_dict(tiny_config(layer_types=types, sliding_window=4, use_sliding_window=False)))
     assert off.layer_types == ["full_attention"] * 3
+    # Without the field (never so in a config transformers wrote; so in a spark2_5 config copied into a
+    # qwen3-style draft) an explicit layer_types decides, as DSPARK.md section 3 reads it.
+    absent = qwen3.ModelArgs.from_dict(tiny_config(layer_types=types, sliding_window=4))
+    assert absent.effective_layer_types() == types and absent.window == 4
+    assert qwen3.ModelArgs.from_dict(tiny_config(sliding_window=4)).effective_layer_types() == ["full_attention"] * 3
     on = qwen3.Model(qwen3.ModelArgs.from_dict(tiny_config(layer_types=types, sliding_window=4, use_sliding_window=True)))
     assert on.layer_types == types
     assert [type(c).__name__ for c in on.make_cache()] == ["SlidingKVCache", "SlidingKVCache", "KVCache"]

@@ -1,21 +1,24 @@
-"""Model families, chosen by a config's `architectures` (never by `model_type`)."""
+"""Model families. A target's family comes from its config's `architectures` (never `model_type`); a
+DSpark draft's layer family comes from its tensors (`models/dspark_args.py`)."""
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
 
-# architectures entry -> module under mlx_dspark.models
+# architectures entry -> family module under mlx_dspark.models
 TARGET_ARCHITECTURES = {
     "Spark2_5ForCausalLM": "spark2_5",
     "Qwen3ForCausalLM": "qwen3",
 }
-DRAFT_ARCHITECTURES = {
-    "Qwen3DSparkModel": "qwen3",
-    "Spark2_5DSparkModel": "spark2_5",
-}
-# Fields whose presence marks a config as a DSpark draft (its other fields are a copy of the target's).
-DSPARK_MARKER_FIELDS = ("block_size", "target_layer_ids", "mask_token_id")
+FAMILIES = ("qwen3", "spark2_5")
+
+
+def family_module(family: str) -> ModuleType:
+    """The module of a layer family: `ModelArgs`, `Model`, `Attention`, `MLP`, `Norm`, `ATTENTION_TENSOR`."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown layer family {family!r}; expected one of {list(FAMILIES)}")
+    return importlib.import_module(f"mlx_dspark.models.{family}")
 
 
 def target_module(config: dict, *, source: str = "config.json") -> ModuleType:
@@ -28,26 +31,4 @@ def target_module(config: dict, *, source: str = "config.json") -> ModuleType:
         raise ValueError(
             f"{source}: architectures {name!r} is not supported; expected one of {sorted(TARGET_ARCHITECTURES)}"
         )
-    return importlib.import_module(f"mlx_dspark.models.{TARGET_ARCHITECTURES[name]}")
-
-
-def draft_family(config: dict, *, source: str = "config.json") -> str:
-    """Layer family ("qwen3" / "spark2_5") of a DSpark draft config; ValueError naming the field.
-
-    A draft config copies its target's, so `architectures` names the family only when it is a DSpark
-    architecture; otherwise (e.g. a Spark draft that kept its target's entry) `model_type` does.
-    """
-    missing = [k for k in DSPARK_MARKER_FIELDS if k not in config]
-    if missing:
-        raise ValueError(f"{source}: not a DSpark draft config: missing field(s) {missing}")
-    architectures = config.get("architectures")
-    if isinstance(architectures, list) and architectures and architectures[0] in DRAFT_ARCHITECTURES:
-        return DRAFT_ARCHITECTURES[architectures[0]]
-    model_type = config.get("model_type")
-    families = sorted(set(DRAFT_ARCHITECTURES.values()))
-    if model_type not in families:
-        raise ValueError(
-            f"{source}: cannot tell the draft's layer family: architectures {architectures!r} is not one of "
-            f"{sorted(DRAFT_ARCHITECTURES)} and model_type {model_type!r} is not one of {families}"
-        )
-    return model_type
+    return family_module(TARGET_ARCHITECTURES[name])

@@ -1,4 +1,5 @@
-"""Model pieces shared by the targets and the draft: masks, partial-rotary RoPE, GELU, tap checks.
+"""Model pieces shared by the targets and the draft: masks, partial-rotary RoPE, GELU, tap checks,
+the attention call both families share.
 
 Position convention (ARCHITECTURE.md, "Caches"): an attention call has `L` queries at positions
 `q_start .. q_start + L - 1` and `K` keys at positions `q_start + L - K .. q_start + L - 1` (the keys
@@ -7,15 +8,12 @@ always end with the queries' own positions, as mlx-lm's `KVCache` and our `Slidi
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 # Exact (erf) GELU, as the reference's `ACT2FN["gelu"]`; never the tanh approximation.
 gelu = nn.gelu
@@ -101,6 +99,16 @@ def gather_taps(taps: dict[int, mx.array], tap_ids: Sequence[int], dtype: mx.Dty
     return mx.concatenate([taps[i].astype(dtype) for i in tap_ids], axis=-1)
 
 
+def args_from_config(cls: type, config: dict, *, required: Sequence[str], source: str, family: str) -> Any:
+    """A family's `ModelArgs` from a config: its own fields only (unknown keys ignored), required ones
+    present; the dataclass's `__post_init__` validates the values."""
+    missing = [k for k in required if config.get(k) is None]
+    if missing:
+        raise ValueError(f"{source}: missing field(s) {missing} for {family}-family layers")
+    names = inspect.signature(cls).parameters
+    return cls(**{k: v for k, v in config.items() if k in names and k != "source"}, source=source)
+
+
 def check_rope_default(params: Optional[dict], *, field: str, source: str = "config.json") -> None:
     """Refuse any RoPE scaling: only the default (unscaled) RoPE is implemented."""
     if not params:
@@ -108,3 +116,54 @@ def check_rope_default(params: Optional[dict], *, field: str, source: str = "con
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
         raise ValueError(f"{source}: {field} has rope_type {kind!r}; only 'default' RoPE (no scaling) is supported")
+
+
+class FamilyAttention(nn.Module):
+    """What both families' attention share: the target's cached causal call and the draft's call over
+    given context K/V. A family supplies `project` (queries, keys, values with RoPE from `offset`,
+    each (B, heads, L, head_dim)) and `output` (attention result (B, H, L, D) -> hidden)."""
+
+    def __init__(self, *, heads: int, kv_heads: int, head_dim: int, window: Optional[int], rope: RoPE):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.window = window
+        self.rope = rope
+
+    def project(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array, mx.array]:
+        raise NotImplementedError
+
+    def output(self, out: mx.array, x: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def key_values(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """Keys (RoPE from `offset`) and values of rows x (B, n, hidden) -> (B, kv_heads, n, head_dim)."""
+        _, keys, values = self.project(x, offset)
+        return keys, values
+
+    def __call__(self, x: mx.array, cache: Optional[Any] = None) -> mx.array:
+        L = x.shape[1]
+        offset = 0 if cache is None else cache.offset
+        queries, keys, values = self.project(x, offset)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)  # (B, Hkv, K, D)
+        mask = attention_mask(offset, L, keys.shape[2], window=self.window)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.output(out, x)
+
+    def attend(
+        self,
+        x: mx.array,
+        *,
+        offset: int,
+        context: Optional[tuple[mx.array, mx.array]],
+        mask: Optional[mx.array],
+    ) -> mx.array:
+        """Rows x at `offset ..` attend to the given context K/V followed by their own, under `mask`
+        (None: everything visible); no cache is touched."""
+        queries, keys, values = self.project(x, offset)
+        if context is not None:
+            keys = mx.concatenate([context[0].astype(keys.dtype), keys], axis=2)
+            values = mx.concatenate([context[1].astype(values.dtype), values], axis=2)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.output(out, x)

@@ -100,7 +100,6 @@ class Proposal:
     draft_probs: Optional[mx.array]  # (B, K, V) softmax(logits(k) / T) each was drawn from; None when greedy
     token_probs: mx.array  # (B, K) softmax(logits(k))(x(k)) at T = 1, for p_min
     confidence: Optional[mx.array]  # (B, K) c(k) in (0, 1); None without a confidence head
-    logits: Optional[mx.array] = None  # (B, K, V) float32 logits(k) = z(k) + Markov bias (lazy; for tests, filters)
 
 
 def draft_tokens(
@@ -120,7 +119,7 @@ def draft_tokens(
     Lazy: builds the graph only (no host synchronization).
     """
     prev = anchor
-    prev_embeddings, tokens, token_probs, draft_probs, all_logits = [], [], [], [], []
+    prev_embeddings, tokens, token_probs, draft_probs = [], [], [], []
     state = None
     for k in range(base.shape[1]):
         logits = base[:, k]  # (B, V) float32
@@ -140,7 +139,6 @@ def draft_tokens(
         token = token.astype(anchor.dtype)
         chosen = mx.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
         token_probs.append(mx.exp(chosen - mx.logsumexp(logits, axis=-1)))
-        all_logits.append(logits)
         tokens.append(token)
         prev = token
     confidence = None
@@ -154,5 +152,4 @@ def draft_tokens(
         draft_probs=None if greedy else mx.stack(draft_probs, axis=1),
         token_probs=mx.stack(token_probs, axis=1),
         confidence=confidence,
-        logits=mx.stack(all_logits, axis=1),
     )

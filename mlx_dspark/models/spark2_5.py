@@ -3,30 +3,32 @@
 Layers are sliding or full attention (`layer_types`), each type with its own `rope_parameters`
 (theta and a partial rotary factor). As the reference, the residual stream, the norms and the gate are
 computed in float32 and the projections in the weights' dtype (`compute dtype`, the embedding's).
+Its pieces (`ModelArgs`, `Attention`, `MLP`, `Norm`) also build spark2_5-style DSpark draft layers.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dspark.cache import make_target_cache
+from mlx_dspark.layer_types import SLIDING_ATTENTION, check_layer_types
 from mlx_dspark.models.base import (
-    LAYER_TYPES,
-    SLIDING_ATTENTION,
+    FamilyAttention,
     Float32RMSNorm,
     RoPE,
-    attention_mask,
+    args_from_config,
     check_rope_default,
-    check_tap_ids,
-    gather_taps,
     gelu,
     rotary_dims,
 )
+from mlx_dspark.models.target import TargetModel
+
+# The tensor that marks a layer of this family (a draft's layer family is read from its tensors).
+ATTENTION_TENSOR = "self_attn.q_k_v_proj.weight"
+Norm = Float32RMSNorm
 
 _REQUIRED = (
     "hidden_size",
@@ -66,21 +68,11 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, config: dict, *, source: str = "config.json") -> "ModelArgs":
-        missing = [k for k in _REQUIRED if k not in config]
-        if missing:
-            raise ValueError(f"{source}: missing field(s) {missing} for a Spark2_5ForCausalLM target")
-        names = inspect.signature(cls).parameters
-        return cls(**{k: v for k, v in config.items() if k in names and k != "source"}, source=source)
+        return args_from_config(cls, config, required=_REQUIRED, source=source, family="spark2_5")
 
     def __post_init__(self):
         src = self.source
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"{src}: layer_types has {len(self.layer_types)} entries; expected num_hidden_layers = {self.num_hidden_layers}"
-            )
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(f"{src}: layer_types has unknown entries {unknown}; expected {list(LAYER_TYPES)}")
+        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers, source=src)
         missing = sorted(set(self.layer_types) - set(self.rope_parameters or {}))
         if missing:
             raise ValueError(f"{src}: rope_parameters has no entry for layer type(s) {missing}")
@@ -105,38 +97,46 @@ class ModelArgs:
         if not self.headwise_attn_output_gate:
             raise ValueError(f"{src}: headwise_attn_output_gate is false; only the gated Spark2_5 layout is supported")
 
+    @property
+    def window(self) -> Optional[int]:
+        return self.sliding_window if SLIDING_ATTENTION in self.layer_types else None
+
+    def layer_window(self, layer_type: str) -> Optional[int]:
+        return self.sliding_window if layer_type == SLIDING_ATTENTION else None
+
+    def effective_layer_types(self) -> list[str]:
+        return list(self.layer_types)
+
     def rope(self, layer_type: str) -> RoPE:
         params = self.rope_parameters[layer_type]
         dims = rotary_dims(self.head_dim, params.get("partial_rotary_factor", 1.0))
         return RoPE(dims, base=params["rope_theta"])
 
 
-class Attention(nn.Module):
+class Attention(FamilyAttention):
     def __init__(self, args: ModelArgs, layer_type: str):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
-        self.scale = args.head_dim**-0.5
-        self.window = args.sliding_window if layer_type == SLIDING_ATTENTION else None
+        super().__init__(
+            heads=args.num_attention_heads, kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
+            window=args.layer_window(layer_type), rope=args.rope(layer_type),
+        )  # fmt: skip
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_k_v_proj = nn.Linear(args.hidden_size, q_size + 2 * kv_size, bias=args.attention_bias)
         self.g_proj = nn.Linear(args.hidden_size, self.n_heads, bias=args.attention_bias)
         self.out_proj = nn.Linear(q_size, args.hidden_size, bias=args.attention_bias)
-        self.rope = args.rope(layer_type)
 
-    def __call__(self, x: mx.array, cache: Optional[Any] = None) -> mx.array:
+    def project(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array, mx.array]:
+        # Fused rows: Q (heads x head_dim), then K, then V.
         B, L, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         queries, keys, values = mx.split(self.q_k_v_proj(x), [q_size, q_size + kv_size], axis=-1)
         queries = queries.reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
         keys = keys.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         values = values.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        offset = 0 if cache is None else cache.offset
-        queries = self.rope(queries, offset)  # (B, H, L, D)
-        keys = self.rope(keys, offset)
-        if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)  # (B, Hkv, K, D)
-        mask = attention_mask(offset, L, keys.shape[2], window=self.window)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.rope(queries, offset), self.rope(keys, offset), values
+
+    def output(self, out: mx.array, x: mx.array) -> mx.array:
+        # Head-wise sigmoid gate from the layer's (normed) input, in float32, before out_proj.
+        B, _, L, _ = out.shape
         out = out.transpose(0, 2, 1, 3)  # (B, L, H, D)
         gate = mx.sigmoid(self.g_proj(x).astype(mx.float32)).astype(out.dtype)  # (B, L, H)
         return self.out_proj((out * gate[..., None]).reshape(B, L, -1))
@@ -159,8 +159,8 @@ class DecoderLayer(nn.Module):
         self.layer_type = layer_type
         self.self_attn = Attention(args, layer_type)
         self.mlp = MLP(args)
-        self.input_layernorm = Float32RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = Float32RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = Norm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = Norm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache: Optional[Any] = None, *, dtype: mx.Dtype) -> mx.array:
         # x: float32 residual stream; the sublayers run in the compute dtype.
@@ -168,69 +168,25 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h, dtype)).astype(mx.float32)
 
 
-class Spark2_5Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embedding = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
-        self.norm = Float32RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+class Model(TargetModel):
+    embed_name = "embedding"
+    # As mlx-lm's spark2_5: the tiny per-head gate stays in source precision ("preserves the sigmoid
+    # gate values").
+    keep_in_source_precision = ("self_attn.g_proj",)
+    decoder_layer = DecoderLayer
+    norm_class = Norm
 
+    def residual(self, x: mx.array) -> mx.array:
+        return x.astype(mx.float32)
 
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Spark2_5Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+    def run_layer(self, layer: DecoderLayer, h: mx.array, cache: Optional[Any], dtype: mx.Dtype) -> mx.array:
+        return layer(h, cache, dtype=dtype)
 
-    @property
-    def layers(self) -> list[DecoderLayer]:
-        return self.model.layers
-
-    @property
-    def layer_types(self) -> list[str]:
-        return list(self.args.layer_types)
-
-    def make_cache(self, *, max_rollback: int = 8) -> list[Any]:
-        return make_target_cache(self.layer_types, window=self.args.sliding_window, max_rollback=max_rollback)
-
-    def embed(self, ids: mx.array) -> mx.array:
-        return self.model.embedding(ids)
-
-    def lm_head_logits(self, h: mx.array) -> mx.array:
-        """Logits from final-normed hidden states; works for tied, untied and quantized heads."""
-        if self.args.tie_word_embeddings:
-            return self.model.embedding.as_linear(h)
-        return self.lm_head(h)
-
-    def __call__(
-        self,
-        inputs: mx.array,
-        cache: Optional[list[Any]] = None,
-        *,
-        tap_ids: tuple[int, ...] = (),
-        last_only: bool = False,
-    ) -> tuple[mx.array, Optional[mx.array]]:
-        tap_ids = check_tap_ids(tap_ids, self.args.num_hidden_layers)
-        if cache is not None and len(cache) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} caches (one per layer), got {len(cache)}")
-        x = self.embed(inputs)  # (B, L, hidden)
-        dtype = x.dtype  # compute dtype: the (possibly quantized) embedding's
-        h = x.astype(mx.float32)
-        taps = {-1: h}
-        for i, layer in enumerate(self.layers):
-            h = layer(h, None if cache is None else cache[i], dtype=dtype)
-            if i in tap_ids:
-                taps[i] = h
-        features = gather_taps(taps, tap_ids, dtype)
-        if last_only:
-            h = h[:, -1:]
-        return self.lm_head_logits(self.model.norm(h, dtype)), features
+    def final_norm(self, h: mx.array, dtype: mx.Dtype) -> mx.array:
+        return self.model.norm(h, dtype)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
-        return weights
+        # As mlx-lm's spark2_5: some MLX conversions name the embedding model.embed_tokens.
+        if "model.embed_tokens.weight" in weights and "model.embedding.weight" not in weights:
+            weights = {(k.replace("model.embed_tokens.", "model.embedding.", 1)): v for k, v in weights.items()}
+        return super().sanitize(weights)

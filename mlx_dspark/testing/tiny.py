@@ -242,9 +242,18 @@ def _default_tap_ids(num_target_layers: int) -> list[int]:
     return sorted({0, max(0, min(num_target_layers // 2, num_target_layers - 2))})
 
 
+PACKAGINGS = ("deepspec", "dflash_config", "model_prefix")
+# DSpark fields a `dflash_config` packaging nests (SpecForge / LiquidAI exports).
+_NESTED_FIELDS = (
+    "block_size", "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type",
+    "enable_confidence_head", "confidence_head_with_markov",
+)  # fmt: skip
+
+
 def tiny_draft_config(
     target_config: dict[str, Any],
     *,
+    layer_family: str,
     mask_token_id: int,
     markov_head_type: str,
     markov_rank: int,
@@ -255,13 +264,17 @@ def tiny_draft_config(
     target_layer_ids: list[int],
     block_size: int = 7,
 ) -> dict[str, Any]:
-    """A DSpark draft config: a copy of the target's plus the DSpark fields (DeepSpec layout)."""
-    family = target_config["model_type"]
+    """A DSpark draft config: a copy of the target's plus the DSpark fields (DeepSpec layout).
+
+    A draft whose layer family is not the target's keeps the copied config (as a DSpark training run
+    on that target writes it), adding only what its own family's reading requires and the copy lacks:
+    per-layer-type `rope_parameters` and GELU for spark2_5-style layers on a qwen3 config."""
+    target_family = target_config["model_type"]
     config = copy.deepcopy(target_config)
     config.pop("auto_map", None)  # names the target's custom code, not a draft class
     config.update(
         {
-            "architectures": ["Spark2_5DSparkModel" if family == "spark2_5" else "Qwen3DSparkModel"],
+            "architectures": ["Spark2_5DSparkModel" if layer_family == "spark2_5" else "Qwen3DSparkModel"],
             "block_size": block_size,
             "confidence_head_with_markov": confidence_head_with_markov,
             "enable_confidence_head": enable_confidence_head,
@@ -275,17 +288,20 @@ def tiny_draft_config(
             "target_layer_ids": list(target_layer_ids),
         }
     )
-    if family == "qwen3":
+    if target_family == "qwen3":
         config["use_sliding_window"] = "sliding_attention" in layer_types
+    if layer_family == "spark2_5" and target_family == "qwen3":
+        theta = config["rope_theta"]
+        config["rope_parameters"] = {t: {"rope_theta": theta, "partial_rotary_factor": 1.0} for t in ("full_attention", "sliding_attention")}
+        config.update(hidden_act="gelu", gate_attn_act_mode="sigmoid", headwise_attn_output_gate=True)
     return dict(sorted(config.items()))
 
 
 def tiny_draft_weights(
-    config: dict[str, Any], *, target_weights: dict[str, np.ndarray] | None, seed: int
+    config: dict[str, Any], *, layer_family: str, target_weights: dict[str, np.ndarray] | None, seed: int
 ) -> dict[str, np.ndarray]:
     """Random draft weights (DeepSpec names); the shared embedding / lm_head are copied from
-    `target_weights` when given (`embed_tokens` for qwen3, `embedding` for spark2_5)."""
-    family = config["model_type"]
+    `target_weights` when given (as `embed_tokens` for qwen3-style layers, `embedding` for spark2_5)."""
     rng = np.random.default_rng(seed + 1000)
     hidden, vocab, rank = config["hidden_size"], config["vocab_size"], config["markov_rank"]
     num_taps = len(config["target_layer_ids"])
@@ -294,7 +310,7 @@ def tiny_draft_weights(
         "hidden_norm.weight": _norm(rng, hidden),
     }
     for i in range(config["num_hidden_layers"]):
-        w.update(_decoder_layer(rng, config, family=family, prefix=f"layers.{i}."))
+        w.update(_decoder_layer(rng, config, family=layer_family, prefix=f"layers.{i}."))
     w["norm.weight"] = _norm(rng, hidden)
     w["markov_head.markov_w1.weight"] = (0.3 * rng.standard_normal((vocab, rank))).astype(np.float32)
     w["markov_head.markov_w2.weight"] = (0.3 * rng.standard_normal((vocab, rank))).astype(np.float32)
@@ -310,13 +326,24 @@ def tiny_draft_weights(
         w["confidence_head.proj.weight"] = _linear(rng, 1, in_dim)
         w["confidence_head.proj.bias"] = (0.1 * rng.standard_normal(1)).astype(np.float32)
     if target_weights is not None:
-        if family == "spark2_5":
-            w["embedding.weight"] = target_weights["model.embedding.weight"]
-        else:
-            w["embed_tokens.weight"] = target_weights["model.embed_tokens.weight"]
+        embedding = target_weights.get("model.embedding.weight", target_weights.get("model.embed_tokens.weight"))
+        w["embedding.weight" if layer_family == "spark2_5" else "embed_tokens.weight"] = embedding
         if "lm_head.weight" in target_weights:
             w["lm_head.weight"] = target_weights["lm_head.weight"]
     return dict(sorted(w.items()))
+
+
+def package_draft(config: dict[str, Any], weights: dict[str, np.ndarray], packaging: str) -> tuple[dict, dict]:
+    """The same draft in another published packaging: DSpark fields nested under `dflash_config`, or
+    a `model.` prefix on every tensor name."""
+    if packaging not in PACKAGINGS:
+        raise ValueError(f"packaging {packaging!r} is not one of {PACKAGINGS}")
+    if packaging == "dflash_config":
+        config = dict(config)
+        config["dflash_config"] = {k: config.pop(k) for k in _NESTED_FIELDS if k in config}
+    elif packaging == "model_prefix":
+        weights = {f"model.{k}": v for k, v in weights.items()}
+    return config, weights
 
 
 def _read_hf_weights(path: Path) -> dict[str, np.ndarray]:
@@ -334,7 +361,7 @@ def write_tiny_draft(
     path: str | Path,
     *,
     target_path: str | Path,
-    family: str | None = None,
+    layer_family: str | None = None,
     markov_head_type: str = "vanilla",
     markov_rank: int = 16,
     enable_confidence_head: bool = True,
@@ -346,34 +373,24 @@ def write_tiny_draft(
     include_shared: bool = True,
     dtype: str | None = None,
     num_shards: int = 1,
+    packaging: str = "deepspec",
 ) -> Path:
     """Write a random tiny DSpark draft for the target at `target_path` into `path`; return it.
 
-    `family` defaults to the target's (a different one writes a mismatched pair, for error tests).
-    Defaults: 2 sliding layers with the target's window (16 when it has none), taps [0, L/2],
-    mask token = the tokenizer's `<|mask|>`, the shared embedding / lm_head copied from the target
-    (`include_shared=False` leaves them out, as our converter does).
+    `layer_family` (default: the target's) is the family of the draft's layers: "qwen3" writes
+    q_proj/k_proj/v_proj/o_proj + q_norm/k_norm, "spark2_5" the fused q_k_v_proj + g_proj + out_proj;
+    the config stays a copy of the target's either way. Defaults: 2 sliding layers with the target's
+    window (16 when it has none), taps [0, L/2], mask token = the tokenizer's `<|mask|>`, the shared
+    embedding / lm_head copied from the target (`include_shared=False` leaves them out, as our converter
+    does). `packaging` writes the same draft as DeepSpec does, with its DSpark fields nested under
+    `dflash_config`, or with a `model.` prefix on every tensor.
     """
     target_path = Path(target_path)
     target_config = json.loads((target_path / "config.json").read_text(encoding="utf-8"))
-    target_family = target_config["model_type"]
-    family = family or target_family
-    _check_family(family)
+    layer_family = layer_family or target_config["model_type"]
+    _check_family(layer_family)
     if markov_head_type not in MARKOV_HEAD_TYPES:
         raise ValueError(f"markov_head_type {markov_head_type!r} is not one of {MARKOV_HEAD_TYPES}")
-    if family != target_family:
-        # a draft of the other family, sized like the target: only for pair-validation tests
-        base = tiny_target_config(
-            family=family,
-            vocab_size=target_config["vocab_size"],
-            ids={"bos": target_config["bos_token_id"], "eos": target_config["eos_token_id"], "pad": target_config["pad_token_id"]},
-            tie_word_embeddings=target_config["tie_word_embeddings"],
-            dtype=target_config.get("dtype", "float32"),
-            hidden_size=target_config["hidden_size"],
-            num_hidden_layers=target_config["num_hidden_layers"],
-        )
-    else:
-        base = target_config
     if layer_types is None:
         layer_types = ["sliding_attention", "sliding_attention"]
     if sliding_window is None and "sliding_attention" in layer_types:
@@ -386,7 +403,8 @@ def write_tiny_draft(
     if not mask_ids:
         raise ValueError(f"{target_path / 'tokenizer_config.json'}: no mask token {mask_token!r} among the added tokens")
     config = tiny_draft_config(
-        base,
+        target_config,
+        layer_family=layer_family,
         mask_token_id=mask_ids[0],
         markov_head_type=markov_head_type,
         markov_rank=markov_rank,
@@ -396,9 +414,9 @@ def write_tiny_draft(
         sliding_window=sliding_window,
         target_layer_ids=target_layer_ids,
     )
-    config["num_target_layers"] = target_config["num_hidden_layers"]
-    target_weights = _read_hf_weights(target_path) if include_shared and family == target_family else None
-    weights = tiny_draft_weights(config, target_weights=target_weights, seed=seed)
+    target_weights = _read_hf_weights(target_path) if include_shared else None
+    weights = tiny_draft_weights(config, layer_family=layer_family, target_weights=target_weights, seed=seed)
+    config, weights = package_draft(config, weights, packaging)
     dtype = dtype or target_config.get("dtype", "float32")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

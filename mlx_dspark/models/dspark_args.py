@@ -1,0 +1,175 @@
+"""What a DSpark draft is, read once per load (DSPARK.md sections 3 and 6).
+
+- Whether a config is a draft's: it carries `target_layer_ids` (top level, or nested).
+- Its DSpark fields, from any published packaging: at the top level (DeepSpec) or nested under
+  `dflash_config` (SpecForge / LiquidAI / z-lab exports); a field given in both places must agree.
+- Its tensor names: DeepSpec's, after dropping a `model.` prefix (speculators / EasyDeL exports).
+- Its layer family, from its tensors (never from the target, the config name or `model_type`):
+  fused `q_k_v_proj` = spark2_5-style layers, `q_proj` = qwen3-style.
+- `DraftArgs`: the DSpark fields plus the family's own `ModelArgs`, read from the same config by the
+  family module, so one place says what a family's layers, RoPE and windows are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import mlx.core as mx
+
+from mlx_dspark.models import FAMILIES, family_module
+from mlx_dspark.models.dspark_heads import MARKOV_HEAD_TYPES
+
+DSPARK_FIELDS = (
+    "block_size",
+    "target_layer_ids",
+    "mask_token_id",
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+    "num_target_layers",
+)
+NESTED_FIELDS = "dflash_config"
+MODEL_PREFIX = "model."
+
+
+def dspark_fields(config: dict, *, source: str) -> dict[str, Any]:
+    """The DSpark fields of a draft config, from the top level and/or `dflash_config`."""
+    nested = config.get(NESTED_FIELDS) or {}
+    if not isinstance(nested, dict):
+        raise ValueError(f"{source}: field {NESTED_FIELDS!r} must be an object, got {nested!r}")
+    fields = {}
+    for name in DSPARK_FIELDS:
+        top, inner = config.get(name), nested.get(name)
+        if top is not None and inner is not None and top != inner:
+            raise ValueError(f"{source}: {name} is {top!r} but {NESTED_FIELDS}.{name} is {inner!r}; they must agree")
+        value = inner if inner is not None else top
+        if value is not None:
+            fields[name] = value
+    return fields
+
+
+def is_draft_config(config: dict) -> bool:
+    """A DSpark draft's config names the target layers it reads (one rule for the loader and converter)."""
+    nested = config.get(NESTED_FIELDS)
+    return "target_layer_ids" in config or (isinstance(nested, dict) and "target_layer_ids" in nested)
+
+
+def canonical_name(name: str) -> str:
+    return name[len(MODEL_PREFIX) :] if name.startswith(MODEL_PREFIX) else name
+
+
+def canonical_names(
+    weights: dict[str, mx.array], origin: dict[str, str], *, source: str
+) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """Draft tensors (and where each came from) under DeepSpec's names: a `model.` prefix dropped."""
+    renamed: dict[str, mx.array] = {}
+    renamed_origin: dict[str, str] = {}
+    for name, array in weights.items():
+        key = canonical_name(name)
+        if key in renamed:
+            raise ValueError(f"{source}: draft tensor {key!r} is stored both with and without the {MODEL_PREFIX!r} prefix")
+        renamed[key] = array
+        renamed_origin[key] = origin[name]
+    return renamed, renamed_origin
+
+
+def layer_family(names: list[str], *, source: str) -> str:
+    """The draft's layer family from its tensor names (DeepSpec names: `layers.N.self_attn.*`)."""
+    marks = {family: family_module(family).ATTENTION_TENSOR for family in FAMILIES}
+    found = sorted(f for f, mark in marks.items() if any(n.startswith("layers.") and n.endswith("." + mark) for n in names))
+    if len(found) == 1:
+        return found[0]
+    layer0 = sorted(n for n in names if n.startswith("layers.0."))
+    expected = ", ".join(f"layers.N.{mark} ({family}-style)" for family, mark in marks.items())
+    what = "both kinds" if found else "neither"
+    raise ValueError(
+        f"{source}: cannot tell the draft's layer family from its tensors: expected one of {expected}, found {what}; "
+        f"layer 0 holds {layer0 or 'nothing'}"
+    )
+
+
+def _int_field(name: str, value: Any, *, low: int, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{source}: field {name!r} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DraftArgs:
+    family: str  # the layer family ("qwen3" / "spark2_5"), read from the draft's tensors
+    layers: Any  # the family's ModelArgs, read by the family module from the draft's config
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    markov_rank: int
+    markov_head_type: Optional[str]
+    enable_confidence_head: bool
+    confidence_head_with_markov: bool
+    num_target_layers: Optional[int]  # the depth of the target it was trained on, when the config says
+
+    @classmethod
+    def from_dict(
+        cls, config: dict, *, family: str, source: str = "config.json", tap_ids: Optional[list[int]] = None
+    ) -> "DraftArgs":
+        """Parse a draft config once. `tap_ids` replaces the config's `target_layer_ids` (files written
+        by converters with another tap convention)."""
+        fields = dspark_fields(config, source=source)
+        if tap_ids is not None:
+            fields["target_layer_ids"] = list(tap_ids)
+        missing = [k for k in ("block_size", "target_layer_ids", "mask_token_id", "markov_rank", "enable_confidence_head") if k not in fields]
+        if missing:
+            raise ValueError(f"{source}: missing DSpark field(s) {missing} (top level or under {NESTED_FIELDS!r})")
+        layers = family_module(family).ModelArgs.from_dict(config, source=source)
+        ids = fields["target_layer_ids"]
+        if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= -1 for i in ids):
+            raise ValueError(f"{source}: field 'target_layer_ids' must be a non-empty list of layer ids >= -1, got {ids!r}")
+        markov_rank = _int_field("markov_rank", fields["markov_rank"], low=0, source=source)
+        head_type = fields.get("markov_head_type")
+        if markov_rank > 0 and head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(
+                f"{source}: field 'markov_head_type' is {head_type!r}; expected one of {list(MARKOV_HEAD_TYPES)} "
+                f"(markov_rank is {markov_rank})"
+            )
+        confidence = bool(fields["enable_confidence_head"])
+        if confidence and "confidence_head_with_markov" not in fields:
+            raise ValueError(f"{source}: field 'confidence_head_with_markov' is missing (enable_confidence_head is true)")
+        with_markov = confidence and bool(fields.get("confidence_head_with_markov", False))
+        if with_markov and markov_rank == 0:
+            raise ValueError(f"{source}: confidence_head_with_markov needs a Markov head, but markov_rank is 0")
+        num_target_layers = fields.get("num_target_layers")
+        if num_target_layers is not None:
+            num_target_layers = _int_field("num_target_layers", num_target_layers, low=1, source=source)
+        return cls(
+            family=family,
+            layers=layers,
+            block_size=_int_field("block_size", fields["block_size"], low=1, source=source),
+            target_layer_ids=tuple(ids),
+            mask_token_id=_int_field("mask_token_id", fields["mask_token_id"], low=0, source=source),
+            markov_rank=markov_rank,
+            markov_head_type=head_type if markov_rank > 0 else None,
+            enable_confidence_head=confidence,
+            confidence_head_with_markov=with_markov,
+            num_target_layers=num_target_layers,
+        )
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layers.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layers.vocab_size
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.layers.num_hidden_layers
+
+    @property
+    def layer_types(self) -> list[str]:
+        return list(self.layers.layer_types)
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The window of draft layer `layer` (None: it sees all context), as its family reads it."""
+        return self.layers.layer_window(self.layers.layer_types[layer])

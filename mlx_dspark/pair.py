@@ -1,0 +1,99 @@
+"""A draft against its target: the pair checks and the shared embedding / LM head comparison.
+
+The pair checks are the ones that matter for correctness: hidden size, vocabulary, tapped layers
+inside the target (never its last), the mask token inside the vocabulary. The draft's layer family may
+differ from the target's (DSPARK.md section 6).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_dspark.models.dspark_args import DraftArgs
+
+
+def validate_pair(
+    target_args: Any, draft: DraftArgs, *, target_source: str, draft_source: str, taps_field: str = "target_layer_ids"
+) -> None:
+    """ValueError naming the draft's field and the target's value for a pair that cannot work.
+
+    `taps_field` names where the tap ids came from (the config field, or an override option)."""
+
+    def mismatch(field_name: str, draft_value: Any, target_value: Any, why: str) -> ValueError:
+        return ValueError(
+            f"{draft_source}: {field_name} is {draft_value!r} but the target ({target_source}) has {target_value!r}: {why}"
+        )
+
+    for field_name in ("hidden_size", "vocab_size"):
+        if getattr(draft, field_name) != getattr(target_args, field_name):
+            raise mismatch(field_name, getattr(draft, field_name), getattr(target_args, field_name), "they must be equal")
+    num_layers = target_args.num_hidden_layers
+    ids = list(draft.target_layer_ids)
+    bad = [i for i in ids if not -1 <= i <= num_layers - 2]
+    if bad:
+        raise ValueError(
+            f"{draft_source}: {taps_field} {ids} has {bad} outside [-1, {num_layers - 2}] (the target has "
+            f"num_hidden_layers {num_layers}; its last layer is never tapped)"
+        )
+    if draft.num_target_layers is not None and draft.num_target_layers != num_layers:
+        raise mismatch("num_target_layers", draft.num_target_layers, num_layers, "the draft was trained on a target with another depth")
+    if not 0 <= draft.mask_token_id < target_args.vocab_size:
+        raise ValueError(
+            f"{draft_source}: mask_token_id {draft.mask_token_id} is outside the target's vocabulary "
+            f"[0, {target_args.vocab_size})"
+        )
+
+
+def check_shared_tensors(shared: dict[str, mx.array], target: Any, *, draft_source: str) -> None:
+    """The draft's copies of the embedding / LM head must be the target's (up to storage precision).
+
+    `target` is the built target model (before any load-time quantization; stored quantization is
+    compared through its dequantized values)."""
+    for name, array in shared.items():
+        kind = "head" if name.startswith("lm_head.") else "embed"
+        if not name.endswith(".weight"):
+            raise ValueError(f"{draft_source}: shared tensor {name!r} is not a plain weight (quantized copies are not supported)")
+        module = target.lm_head if kind == "head" and not target.args.tie_word_embeddings else target.embedding
+        quant = _quantization(module)
+        reference = module.weight
+        ref_shape = tuple(reference.shape) if quant is None else (reference.shape[0], quant[0].shape[1] * quant[2])
+        if tuple(array.shape) != ref_shape:
+            raise ValueError(
+                f"{draft_source}: draft tensor {name!r} has shape {tuple(array.shape)} but the target's is {ref_shape}; "
+                "the draft was trained for another target"
+            )
+        if not _same_tensor(array, reference, quant):
+            raise ValueError(
+                f"{draft_source}: draft tensor {name!r} differs from the target's {kind} weights; "
+                "the draft was trained for another target (or another revision of it)"
+            )
+
+
+def _quantization(module: nn.Module) -> Optional[tuple]:
+    """(scales, biases, group_size, bits) of a quantized embedding / linear, else None."""
+    if not hasattr(module, "scales"):
+        return None
+    return module.scales, getattr(module, "biases", None), module.group_size, module.bits
+
+
+def _same_tensor(draft: mx.array, target: mx.array, quant: Optional[tuple], *, rows: int = 8192) -> bool:
+    # Row chunks in float32, so a large vocabulary never needs a full float32 copy.
+    low_precision = draft.dtype != mx.float32 or (quant is None and target.dtype != mx.float32)
+    for start in range(0, draft.shape[0], rows):
+        d = draft[start : start + rows].astype(mx.float32)
+        if quant is None:
+            t = target[start : start + rows].astype(mx.float32)
+            tol = (1e-2 if low_precision else 1e-6) * mx.abs(t) + 1e-5
+        else:
+            scales, biases, group_size, bits = quant
+            s, b = scales[start : start + rows], None if biases is None else biases[start : start + rows]
+            t = mx.dequantize(target[start : start + rows], s, b, group_size=group_size, bits=bits).astype(mx.float32)
+            # MLX's affine quantization is off by up to one step; plus the draft's own storage rounding
+            step = mx.repeat(mx.abs(s.astype(mx.float32)), group_size, axis=-1)  # scales may be negative
+            tol = 1.01 * step + 1e-2 * mx.abs(t) + 1e-5
+        if not mx.all(mx.abs(d - t) <= tol).item():
+            return False
+    return True
