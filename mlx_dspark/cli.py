@@ -25,8 +25,9 @@ def read_prompt(prompt: str) -> str:
 @app.command()
 def generate(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", help="Target: local directory or Hugging Face repo id."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="DSpark draft: local directory or repo id."),
+    model: Optional[str] = typer.Option(None, "--model", help=flags.MODEL_HELP),
+    draft: Optional[str] = typer.Option(None, "--draft", help=flags.DRAFT_HELP),
+    draft_tap_ids: flags.DraftTapIds = None,
     prompt: str = typer.Option("Write a short poem about the sea.", "--prompt", "-p", help="Prompt text, or - for stdin."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
     max_tokens: int = typer.Option(flags.DEFAULT_OPTIONS.max_tokens, "--max-tokens", "-m"),
@@ -51,13 +52,15 @@ def generate(
 
     with flag_errors():
         flags.check_quantize(quantize)
+        tap_ids = flags.parse_tap_ids(draft_tap_ids, draft=draft, model=model)
         options = flags.generation_options(ctx.params, max_tokens=max_tokens)  # the shared flags, read by name
 
     if model is None:
         model, default_draft = (str(p) for p in flags.demo_pair())
         draft = draft or default_draft
     try:
-        pair = load(model, draft=None if no_draft else draft, quantize=quantize)
+        speculative = draft is not None and not no_draft
+        pair = load(model, draft=draft if speculative else None, quantize=quantize, draft_tap_ids=tap_ids if speculative else None)
     except (ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
 

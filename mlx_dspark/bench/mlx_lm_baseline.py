@@ -1,7 +1,8 @@
 """mlx-lm's own plain generation on the same weights: the baseline that keeps ours honest.
 
 qwen3 targets in float (no load-time quantization) are loaded by `mlx_lm.load` with mlx-lm's own model;
-other targets (spark2_5, which mlx-lm has no model for, and quantized loads) run our target module under
+other targets (spark2_5, which mlx-lm has no model for, quantized loads, and GGUF files, which mlx-lm's
+loader does not read) run our target module under
 mlx-lm's `generate_step` through `LogitsOnly`, so the loop is mlx-lm's and only the model is ours.
 """
 
@@ -40,7 +41,8 @@ class MlxLmBaseline:
 def make_mlx_lm_baseline(loaded: Any, *, dtype: str | None, quantize: int | None) -> MlxLmBaseline:
     """mlx-lm's own model for float qwen3 targets; our target through `LogitsOnly` otherwise."""
     family = loaded.target_config.get("model_type")
-    if family == "qwen3" and quantize is None and "quantization" not in loaded.target_config:
+    from_gguf = Path(loaded.target_path).suffix.lower() == ".gguf"
+    if family == "qwen3" and quantize is None and "quantization" not in loaded.target_config and not from_gguf:
         import mlx_lm
 
         model, _ = mlx_lm.load(str(Path(loaded.target_path)))
