@@ -8,8 +8,12 @@ API function.
 
 from __future__ import annotations
 
-from mlx_dspark.api import GenerationResult, StepResponse, generate, stream_generate
+from mlx_dspark.api import GenerationResult, StepResponse, generate, make_prompt_cache, stream_generate
+from mlx_dspark.prompt_cache import PromptCache
 from mlx_dspark.load import LoadedModel, load
 
 __version__ = "0.1.0"
-__all__ = ["GenerationResult", "LoadedModel", "StepResponse", "generate", "load", "stream_generate"]
+__all__ = [
+    "GenerationResult", "LoadedModel", "PromptCache", "StepResponse", "generate", "load", "make_prompt_cache",
+    "stream_generate",
+]  # fmt: skip

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from mlx_dspark.decode import Round, plain_steps, speculative_steps
+from mlx_dspark.prompt_cache import PromptCache
 from mlx_dspark.propose import DraftProposer, Proposer
 from mlx_dspark.sample import Sampler
 
@@ -35,6 +36,7 @@ class StepResponse:
     generation_tokens: int  # tokens generated so far, this step's included
     generation_tps: float
     peak_memory_gb: float
+    cached_tokens: int = 0  # prompt tokens reused from the prompt cache (not prefilled)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class GenerationResult:
     proposal_lengths: list[int] = field(default_factory=list)  # per verify round: drafts verified
     time_to_first_token: float = 0.0
     total_time: float = 0.0
+    cached_tokens: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -100,6 +103,7 @@ def _steps(
     confidence_threshold: float,
     max_tokens: int,
     proposer: Proposer | None,
+    prompt_cache: PromptCache | None,
 ) -> Iterator[Round]:
     vocab = model.target.args.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
@@ -111,6 +115,7 @@ def _steps(
             model.target,
             greedy=draft_sampling == "greedy" or sampler.greedy,
             temperature=max(sampler.temperature, 1e-6),
+            context=None if prompt_cache is None else prompt_cache.draft_context,
         )
     if speculative and proposer is not None:
         return speculative_steps(
@@ -121,8 +126,9 @@ def _steps(
             p_min=p_min,
             confidence_threshold=confidence_threshold,
             max_tokens=max_tokens,
+            prompt_cache=prompt_cache,
         )
-    return plain_steps(model.target, prompt_ids, sampler=sampler)
+    return plain_steps(model.target, prompt_ids, sampler=sampler, prompt_cache=prompt_cache)
 
 
 def _check_options(*, max_tokens: int, draft_sampling: str, p_min: float, confidence_threshold: float) -> None:
@@ -165,10 +171,13 @@ def stream_generate(
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
     proposer: Proposer | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[StepResponse]:
     """Yield a StepResponse per target forward; the last one carries the finish reason.
 
     `proposer` replaces the loaded draft (tests and benchmarks plug in controlled proposers).
+    `prompt_cache` (from `make_prompt_cache`) keeps a conversation warm: the prompt's prefix that it
+    already holds is not prefilled again (`cached_tokens`).
     """
     sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     _check_options(
@@ -198,6 +207,7 @@ def stream_generate(
         confidence_threshold=confidence_threshold,
         max_tokens=max_tokens,
         proposer=proposer,
+        prompt_cache=prompt_cache,
     )
     for step in steps:
         now = time.perf_counter()
@@ -237,6 +247,7 @@ def stream_generate(
             generation_tokens=generated,
             generation_tps=(generated - 1) / elapsed if generated > 1 and elapsed > 0 else 0.0,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
+            cached_tokens=0 if prompt_cache is None else prompt_cache.cached_tokens,
         )
         if finish_reason is not None:
             return
@@ -279,7 +290,13 @@ class ResultCollector:
             proposal_lengths=self.proposal_lengths,
             time_to_first_token=self.first_time or 0.0,
             total_time=time.perf_counter() - self.start,
+            cached_tokens=last.cached_tokens,
         )
+
+
+def make_prompt_cache(model: Any, *, max_snapshots: int = 4, snapshot_margin: int = 16) -> PromptCache:
+    """A prompt cache for `model`'s target (and draft): pass it to every turn of one conversation."""
+    return PromptCache(model.target, model.draft, max_snapshots=max_snapshots, snapshot_margin=snapshot_margin)
 
 
 def generate(model: Any, prompt: str | Sequence[int] | Sequence[dict], **options: Any) -> GenerationResult:
