@@ -77,10 +77,9 @@ def prefill_cached(
     prompt = list(prompt)
     start = prompt_cache.resume(target, prompt, proposer=proposer)
     for end in prompt_cache.prefill_stops(start, len(prompt)):
-        logits = prefill(
-            target, prompt_cache.target_cache, prompt[start:end], tap_ids=tap_ids, proposer=proposer, step_size=step_size
-        )
-        prompt_cache.record(prompt[start:end])
+        chunk = prompt[start:end]
+        logits = prefill(target, prompt_cache.target_cache, chunk, tap_ids=tap_ids, proposer=proposer, step_size=step_size)
+        prompt_cache.record(chunk)
         if end < len(prompt):
             prompt_cache.snapshot()
         start = end

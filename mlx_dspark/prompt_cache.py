@@ -132,7 +132,8 @@ class PromptCache:
         if target is not self.target:
             raise ValueError("this prompt cache was made for another target model; make one per loaded model")
         speculative = proposer is not None
-        if speculative and self.draft_context is not None and getattr(proposer, "context", None) is not self.draft_context:
+        foreign = getattr(proposer, "context", None) is not self.draft_context
+        if speculative and self.draft_context is not None and foreign:
             raise ValueError(
                 "the proposer does not use this prompt cache's draft context: "
                 "build it as DraftProposer(..., context=prompt_cache.draft_context)"

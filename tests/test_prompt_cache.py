@@ -24,7 +24,7 @@ from mlx_dspark.propose import DraftProposer
 from mlx_dspark.sample import Sampler
 from tests.engine_helpers import make_draft, make_target, qwen3_config
 
-OUT = 24  # tokens generated per turn
+OUT = 16  # tokens generated per turn
 VOCAB = 96  # engine_helpers' tiny vocabulary; the last id is the draft's mask token
 
 
@@ -46,7 +46,6 @@ def models():
         "spark+draft": (spark, make_draft(spark, seed=1, window=12)),
         "qwen3": (qwen, None),
         "qwen3+mixed-draft": (qwen, make_draft(qwen, seed=1, layer_types=["sliding_attention", "full_attention"])),
-        "qwen3-sliding": (qwen_sliding, None),
         "qwen3-sliding+draft": (qwen_sliding, make_draft(qwen_sliding, seed=2, window=6)),
     }
 
@@ -78,7 +77,9 @@ def run(target, draft, prompt, n=OUT, *, cache=None, temperature=0.0, step_size=
             draft, target, greedy=sampler.greedy, temperature=max(temperature, 1e-6), context=context
         )
         proposer.blocks = proposer.blocks if blocks is None else blocks
-        steps = speculative_steps(target, proposer, prompt, sampler=sampler, prompt_cache=cache, prefill_step_size=step_size)
+        steps = speculative_steps(
+            target, proposer, prompt, sampler=sampler, prompt_cache=cache, prefill_step_size=step_size
+        )
     out: list[int] = []
     for step in steps:
         out.extend(step.tokens)
@@ -116,7 +117,7 @@ EDITS = ["extend", "rewind_3", "rewind_12", "rewind_40", "rerender", "prompt_end
 
 
 @pytest.mark.parametrize("edit_kind", EDITS)
-@pytest.mark.parametrize("pair", ["spark", "spark+draft", "qwen3", "qwen3+mixed-draft", "qwen3-sliding", "qwen3-sliding+draft"])
+@pytest.mark.parametrize("pair", ["spark", "spark+draft", "qwen3", "qwen3+mixed-draft", "qwen3-sliding+draft"])
 def test_three_turn_greedy_conversation_with_a_reused_cache_is_identical_to_cold_runs(models, pair, edit_kind):
     target, draft = models[pair]
     step_size = 8 if "draft" in pair else 512  # chunked prefills that cross the window, too
@@ -136,7 +137,7 @@ def test_three_turn_greedy_conversation_with_a_reused_cache_is_identical_to_cold
         prompt = edit(edit_kind, prompt, out, seed=turn)
 
 
-# Exact reuse, plain decoding: 40-token prompt, 24-token reply, then the edit.
+# Exact reuse: 40-token prompt, 16-token reply, then the edit.
 EXACT = [
     ("spark", "extend", lambda p: p + OUT),  # the plain loop's cache holds the whole history
     ("spark", "rewind_3", lambda p: p + OUT - 3),  # live sliding caches roll back 3
