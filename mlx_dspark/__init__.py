@@ -8,7 +8,8 @@ API function.
 
 from __future__ import annotations
 
-from mlx_dspark.api import GenerationResult, StepResponse, generate, stream_generate
+from mlx_dspark.api import GenerationResult, StepResponse, generate, make_prompt_cache, stream_generate
+from mlx_dspark.prompt_cache import PromptCache
 from mlx_dspark.load import LoadedModel, load
 from mlx_dspark.options import GenerationOptions, OptionError, SamplingOptions, SpeculationOptions
 
@@ -18,10 +19,12 @@ __all__ = [
     "GenerationResult",
     "LoadedModel",
     "OptionError",
+    "PromptCache",
     "SamplingOptions",
     "SpeculationOptions",
     "StepResponse",
     "generate",
     "load",
+    "make_prompt_cache",
     "stream_generate",
 ]

@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from mlx_dspark.decode import Round, plain_steps, speculative_steps
 from mlx_dspark.options import DEFAULT_OPTIONS, GenerationOptions, SamplingOptions, SpeculationOptions
+from mlx_dspark.prompt_cache import PromptCache
 from mlx_dspark.propose import DraftProposer, Proposer
 
 
@@ -33,6 +34,7 @@ class StepResponse:
     generation_tokens: int  # tokens generated so far, this step's included
     generation_tps: float
     peak_memory_gb: float
+    cached_tokens: int = 0  # prompt tokens reused from the prompt cache (not prefilled)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class GenerationResult:
     proposal_lengths: list[int] = field(default_factory=list)  # per verify round: drafts verified
     time_to_first_token: float = 0.0
     total_time: float = 0.0
+    cached_tokens: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -87,25 +90,38 @@ def encode_prompt(
     raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
 
 
-def _steps(model: Any, prompt_ids: list[int], options: GenerationOptions, proposer: Proposer | None) -> Iterator[Round]:
+def _steps(
+    model: Any,
+    prompt_ids: list[int],
+    options: GenerationOptions,
+    proposer: Proposer | None,
+    prompt_cache: PromptCache | None,
+) -> Iterator[Round]:
     vocab = model.target.args.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
     sampling, speculation = options.sampling, options.speculation
     if not speculation.speculative:
-        return plain_steps(model.target, prompt_ids, sampler=sampling)
+        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache)
     if proposer is None and model.draft is not None:
         proposer = DraftProposer(
             model.draft,
             model.target,
             greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
             temperature=max(sampling.temperature, 1e-6),
+            context=None if prompt_cache is None else prompt_cache.draft_context,
         )
     if proposer is None:
-        return plain_steps(model.target, prompt_ids, sampler=sampling)
+        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache)
     return speculative_steps(
-        model.target, proposer, prompt_ids, sampler=sampling, speculation=speculation, max_tokens=options.max_tokens
+        model.target,
+        proposer,
+        prompt_ids,
+        sampler=sampling,
+        speculation=speculation,
+        max_tokens=options.max_tokens,
+        prompt_cache=prompt_cache,
     )
 
 
@@ -129,6 +145,7 @@ def stream_generate(
     *,
     options: GenerationOptions | None = None,
     proposer: Proposer | None = None,
+    prompt_cache: PromptCache | None = None,
     max_tokens: int = DEFAULT_OPTIONS.max_tokens,
     temperature: float = _SAMPLING.temperature,
     top_p: float = _SAMPLING.top_p,
@@ -149,6 +166,8 @@ def stream_generate(
     The options come either whole as `options` (what the CLIs, the server and the benchmark pass) or
     as the keywords, the documented front that builds the same object here, once; giving both is an
     error. `proposer` replaces the loaded draft (tests and benchmarks plug in controlled proposers).
+    `prompt_cache` (from `make_prompt_cache`) keeps a conversation warm: the prompt's prefix that it
+    already holds is not prefilled again (`cached_tokens`).
     """
     built = GenerationOptions(
         max_tokens=max_tokens,
@@ -168,11 +187,15 @@ def stream_generate(
         options = built
     elif built != DEFAULT_OPTIONS:
         raise ValueError("give the generation options either as `options=` or as keywords, not both")
-    return _stream(model, prompt, options, proposer)
+    return _stream(model, prompt, options, proposer, prompt_cache)
 
 
 def _stream(
-    model: Any, prompt: str | Sequence[int] | Sequence[dict], options: GenerationOptions, proposer: Proposer | None
+    model: Any,
+    prompt: str | Sequence[int] | Sequence[dict],
+    options: GenerationOptions,
+    proposer: Proposer | None,
+    prompt_cache: PromptCache | None,
 ) -> Iterator[StepResponse]:
     tokenizer = model.tokenizer
     stops = options.stop
@@ -189,7 +212,7 @@ def _stream(
     generated = 0
     start = time.perf_counter()
     first_token_time = None
-    for step in _steps(model, prompt_ids, options, proposer):
+    for step in _steps(model, prompt_ids, options, proposer, prompt_cache):
         now = time.perf_counter()
         if first_token_time is None:
             first_token_time = now
@@ -227,6 +250,7 @@ def _stream(
             generation_tokens=generated,
             generation_tps=(generated - 1) / elapsed if generated > 1 and elapsed > 0 else 0.0,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
+            cached_tokens=0 if prompt_cache is None else prompt_cache.cached_tokens,
         )
         if finish_reason is not None:
             return
@@ -285,7 +309,13 @@ class ResultCollector:
             proposal_lengths=self.proposal_lengths,
             time_to_first_token=self.first_time or 0.0,
             total_time=time.perf_counter() - self.start,
+            cached_tokens=last.cached_tokens,
         )
+
+
+def make_prompt_cache(model: Any, *, max_snapshots: int = 4, snapshot_margin: int = 16) -> PromptCache:
+    """A prompt cache for `model`'s target (and draft): pass it to every turn of one conversation."""
+    return PromptCache(model.target, model.draft, max_snapshots=max_snapshots, snapshot_margin=snapshot_margin)
 
 
 def generate(
@@ -294,6 +324,7 @@ def generate(
     *,
     options: GenerationOptions | None = None,
     proposer: Proposer | None = None,
+    prompt_cache: PromptCache | None = None,
     max_tokens: int = DEFAULT_OPTIONS.max_tokens,
     temperature: float = _SAMPLING.temperature,
     top_p: float = _SAMPLING.top_p,
@@ -319,6 +350,7 @@ def generate(
         prompt,
         options=options,
         proposer=proposer,
+        prompt_cache=prompt_cache,
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,

@@ -119,6 +119,27 @@ class SlidingKVCache:
         self.keys, self.values, self.offset = value
         self._len = 0 if self.keys is None else self.keys.shape[2]
 
+    def snapshot(self) -> tuple[Optional[mx.array], Optional[mx.array], int]:
+        """A copy of what the next query needs: the last `window - 1` positions (all, if fewer), and the offset.
+
+        Copies, so the snapshot owns its memory and later updates of this cache never touch it.
+        """
+        rows = min(self._len, self.window - 1)
+        assert rows >= min(self.offset, self.window - 1), "the kept rows no longer cover the window"
+        if rows == 0:
+            return None, None, self.offset
+        keys = mx.array(self.keys[..., self._len - rows : self._len, :])
+        values = mx.array(self.values[..., self._len - rows : self._len, :])
+        return keys, values, self.offset
+
+    def restore(self, snapshot: tuple[Optional[mx.array], Optional[mx.array], int]) -> None:
+        """Go back to a `snapshot()` (copied again: the snapshot stays usable)."""
+        keys, values, offset = snapshot
+        if keys is None:
+            self.state = (None, None, offset)
+        else:
+            self.state = (mx.array(keys), mx.array(values), offset)
+
 
 def make_target_cache(
     layer_types: Sequence[str], *, window: Optional[int], max_rollback: int = 8

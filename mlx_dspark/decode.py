@@ -2,7 +2,9 @@
 
 Each yields one `Round` per target forward after the prefill: the committed tokens, how many draft
 tokens were verified and how many were accepted. The consumer decides when to stop (stop tokens,
-strings, max tokens); caches live inside the generator, so stopping early leaves nothing behind.
+strings, max tokens). The caches live in a `PromptCache`: a fresh one per call, or the caller's, which
+then resumes from the longest prefix it can serve and stays reusable at every yield (so stopping early
+leaves it valid).
 
 The speculative round (DSPARK.md section 4), with everything lazy until one host read per round:
 propose -> verify [anchor, x1..xl] -> accept -> read (accepted count, tokens) -> trim the target
@@ -19,6 +21,7 @@ import mlx.core as mx
 from mlx_dspark.accept import accept_greedy, accept_sampled
 from mlx_dspark.cache import trim_caches
 from mlx_dspark.options import SpeculationOptions
+from mlx_dspark.prompt_cache import PromptCache
 from mlx_dspark.propose import Proposal, Proposer
 from mlx_dspark.sample import Sampler
 
@@ -61,24 +64,54 @@ def prefill(
     return logits[0, -1]
 
 
+def prefill_cached(
+    target: Any,
+    prompt_cache: PromptCache,
+    prompt: Sequence[int],
+    *,
+    tap_ids: Sequence[int] = (),
+    proposer: Proposer | None = None,
+    step_size: int = 512,
+) -> mx.array:
+    """Resume `prompt_cache` on `prompt` and prefill the tokens it does not hold; returns the last logits (V,).
+
+    The prefill pauses where the prompt cache wants snapshots (near the prompt's end).
+    """
+    prompt = list(prompt)
+    start = prompt_cache.resume(target, prompt, proposer=proposer)
+    for end in prompt_cache.prefill_stops(start, len(prompt)):
+        chunk = prompt[start:end]
+        logits = prefill(target, prompt_cache.target_cache, chunk, tap_ids=tap_ids, proposer=proposer, step_size=step_size)
+        prompt_cache.record(chunk)
+        if end < len(prompt):
+            prompt_cache.snapshot()
+        start = end
+    return logits
+
+
 def plain_steps(
     target: Any,
     prompt: Sequence[int],
     *,
     sampler: Sampler,
     prefill_step_size: int = PREFILL_STEP_SIZE,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[Round]:
     """Plain autoregressive decoding with the target alone: the baseline, one token per Round."""
-    cache = target.make_cache()
-    logits = prefill(target, cache, prompt, step_size=prefill_step_size)
+    prompt_cache = PromptCache(target, max_snapshots=0) if prompt_cache is None else prompt_cache
+    logits = prefill_cached(target, prompt_cache, prompt, step_size=prefill_step_size)
+    lease, cache = prompt_cache.lease, prompt_cache.target_cache
     token = sampler.sample(logits)
     mx.async_eval(token)
     while True:
+        prompt_cache.claim(lease)
         # Queue the next step before reading this one, so the device never waits on the host.
         next_logits, _ = target(token.reshape(1, 1), cache=cache)
         next_token = sampler.sample(next_logits[0, -1])
         mx.async_eval(next_token)
-        yield Round(tokens=[int(token.item())])
+        committed = int(token.item())
+        prompt_cache.record([committed])  # the queued step already took it
+        yield Round(tokens=[committed])
         token = next_token
 
 
@@ -91,6 +124,7 @@ def speculative_steps(
     speculation: SpeculationOptions = SpeculationOptions(),
     max_tokens: int | None = None,
     prefill_step_size: int = PREFILL_STEP_SIZE,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[Round]:
     """Lossless speculative decoding: yields the prefill's token, then one Round per verify forward.
 
@@ -99,16 +133,21 @@ def speculative_steps(
     verify work is spent past it.
     """
     draft_length = speculation.draft_length(proposer.block_size)
-    cache = target.make_cache()
+    prompt_cache = PromptCache(target, max_snapshots=0) if prompt_cache is None else prompt_cache
     tap_ids = tuple(proposer.tap_ids)
-    logits = prefill(target, cache, prompt, tap_ids=tap_ids, proposer=proposer, step_size=prefill_step_size)
+    logits = prefill_cached(
+        target, prompt_cache, prompt, tap_ids=tap_ids, proposer=proposer, step_size=prefill_step_size
+    )
+    lease, cache = prompt_cache.lease, prompt_cache.target_cache
     anchor = sampler.sample(logits).astype(mx.int32).reshape(1)
     mx.eval(anchor)
+    anchor_id = int(anchor.item())
     position = len(prompt)  # the anchor's position; caches hold 0 .. position - 1
     emitted = 1
-    yield Round(tokens=[int(anchor.item())])
+    yield Round(tokens=[anchor_id])
 
     while True:
+        prompt_cache.claim(lease)
         num_tokens = draft_length
         if max_tokens is not None:
             num_tokens = max(0, min(num_tokens, max_tokens - emitted - 1))
@@ -139,6 +178,8 @@ def speculative_steps(
         anchor = acceptance.tokens[accepted : accepted + 1]
         position += accepted + 1
         emitted += accepted + 1
+        prompt_cache.record([anchor_id, *committed[:-1]])  # the bonus, the new anchor, is not in the caches
+        anchor_id = committed[-1]
         yield Round(tokens=committed, proposed=num_draft, accepted=accepted, verified=True)
 
 

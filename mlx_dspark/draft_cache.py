@@ -97,3 +97,38 @@ class ContextCache:
             return None
         lo = self._used - self.length
         return self.keys[..., lo : self._used, :], self.values[..., lo : self._used, :]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def trimmable(self) -> int:
+        """How many positions `trim` may remove now without losing one a block could still see."""
+        if self.keep is None or self.keep == 0 or self._used == self.offset:
+            return self.offset  # all positions stored, or none needed
+        return max(0, self._used - self.keep)
+
+    def trim(self, n: int) -> None:
+        """Forget the last `n` positions (a prompt cache rewinding to a shared prefix)."""
+        if not 0 <= n <= self.trimmable():
+            raise ValueError(f"ContextCache.trim: can remove 0 .. {self.trimmable()} positions now, asked for {n}")
+        if self.keep != 0:
+            self._used -= n
+        self.offset -= n
+
+    def snapshot(self) -> tuple[mx.array | None, mx.array | None, int]:
+        """Copies of the positions `fetch` returns, and the offset (for a windowed layer: small)."""
+        kept = self.fetch()
+        if kept is None:
+            return None, None, self.offset
+        return mx.array(kept[0]), mx.array(kept[1]), self.offset
+
+    def restore(self, snapshot: tuple[mx.array | None, mx.array | None, int]) -> None:
+        """Go back to a `snapshot()`; `(None, None, 0)` empties the cache."""
+        keys, values, offset = snapshot
+        rows = 0 if keys is None else keys.shape[2]
+        needed = offset if self.keep is None else min(offset, self.keep)
+        assert needed <= rows <= offset, "a snapshot must hold the positions this layer keeps"
+        self.keys = None if keys is None else mx.array(keys)
+        self.values = None if values is None else mx.array(values)
+        self.offset, self._used = offset, rows

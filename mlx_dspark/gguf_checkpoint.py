@@ -305,16 +305,18 @@ def _family_fields(meta: Metadata, arch: str, family: str, sizes: dict[str, Any]
     if family == "qwen3":
         theta_swa = meta.number(p + "rope.freq_base_swa", theta)
         dims_swa = meta.integer(p + "rope.dimension_count_swa", head_dim, low=1)
-        if dims != head_dim or dims_swa != head_dim or theta_swa != theta:
-            raise ValueError(
-                f"{meta.path}: Qwen3-style layers use one full-head RoPE, but the file has rope.dimension_count {dims}"
-                f" / _swa {dims_swa} (head_dim {head_dim}) and rope.freq_base {theta} / _swa {theta_swa}"
-            )
+        if dims == head_dim and dims_swa == head_dim and theta_swa == theta:
+            rope_fields = {"rope_theta": theta, "rope_parameters": {"rope_theta": theta, "rope_type": "default"}}
+        else:
+            # upstream's graph ropes n_rot dims per layer type: per-type parameters, as a copied spark config has
+            rope_fields = {"rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": dims / head_dim},
+                "sliding_attention": {"rope_type": "default", "rope_theta": theta_swa, "partial_rotary_factor": dims_swa / head_dim},
+            }}  # fmt: skip
         return {
             "model_type": "qwen3",
             "hidden_act": "silu",
-            "rope_theta": theta,
-            "rope_parameters": {"rope_theta": theta, "rope_type": "default"},
+            **rope_fields,
             "rope_scaling": None,
             "layer_types": layer_types,
             "sliding_window": window,

@@ -38,7 +38,10 @@ class Proposer(Protocol):
 class DraftProposer:
     """The DSpark draft: one block forward per round over its own windowed context cache."""
 
-    def __init__(self, draft: Any, target: Any, *, greedy: bool, temperature: float) -> None:
+    def __init__(
+        self, draft: Any, target: Any, *, greedy: bool, temperature: float, context: list | None = None
+    ) -> None:
+        """`context`: an existing draft context cache to extend (a prompt cache's); default a new one."""
         self.draft = draft
         self.target = target
         self.greedy = greedy
@@ -46,7 +49,7 @@ class DraftProposer:
         self.tap_ids = tuple(draft.args.target_layer_ids)
         # The block [anchor, mask x (block_size - 1)] predicts block_size tokens (DSPARK.md 3.4).
         self.block_size = int(draft.args.block_size)
-        self.context = draft.make_cache()
+        self.context = draft.make_cache() if context is None else context
 
     def extend(self, features: mx.array) -> None:
         self.draft.append_context(features, self.context)

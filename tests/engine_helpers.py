@@ -114,8 +114,13 @@ class OracleProposer:
         return Proposal(tokens=mx.array([tokens], dtype=mx.int32))
 
 
-def make_draft(target, *, seed: int = 0, markov_head_type: str = "vanilla", window: int = 4, layers: int = 2):
-    """A random in-memory DSpark draft of the target's family (copy of its config + DSpark fields)."""
+def make_draft(
+    target, *, seed: int = 0, markov_head_type: str = "vanilla", window: int = 4, layers: int = 2, layer_types=None
+):
+    """A random in-memory DSpark draft of the target's family (copy of its config + DSpark fields).
+
+    Its layers are all sliding unless `layer_types` says otherwise.
+    """
     from mlx_dspark.models.dspark import DraftArgs, DSparkDraft
 
     family = "spark2_5" if isinstance(target, spark2_5.Model) else "qwen3"
@@ -124,7 +129,7 @@ def make_draft(target, *, seed: int = 0, markov_head_type: str = "vanilla", wind
         vocab_size=target.args.vocab_size,
         architectures=["Spark2_5DSparkModel" if family == "spark2_5" else "Qwen3DSparkModel"],
         num_hidden_layers=layers,
-        layer_types=["sliding_attention"] * layers,
+        layer_types=list(layer_types) if layer_types else ["sliding_attention"] * layers,
         sliding_window=window,
         use_sliding_window=True,
         block_size=7,

@@ -17,6 +17,7 @@ from mlx_dspark.checkpoint import resolve_path
 from mlx_dspark.gguf_checkpoint import read_gguf
 from mlx_dspark.models import target_module
 from mlx_dspark.models.dspark import DraftArgs
+from mlx_dspark.models.dspark_args import layer_family
 from mlx_dspark.testing.gguf_writer import write_gguf_draft, write_gguf_target
 from mlx_dspark.testing.tiny import write_tiny_draft, write_tiny_target
 
@@ -121,7 +122,7 @@ def test_q8_0_q4_0_q4_1_stay_quantized_with_exactly_ggufs_values(tiny_qwen3_targ
         assert ck.config["quantization"]["model.layers.1.mlp.up_proj"] == {"group_size": 32, "bits": 8, "mode": "affine"}
     assert ck.weights["model.norm.weight"].dtype == mx.float32  # 1-D tensors stay float
     # the stored quantization loads into a model as mlx-lm's would
-    from mlx_dspark.load import apply_stored_quantization
+    from mlx_dspark.weights import apply_stored_quantization
 
     module = target_module(ck.config)
     model = module.Model(module.ModelArgs.from_dict(ck.config))
@@ -192,14 +193,14 @@ def test_draft_gguf_has_the_deepspec_weights_bitwise_and_config(family, arch, in
     config = _config(draft)
     fields = TARGET_FIELDS[:10] + ("layer_types", "sliding_window", "hidden_act") + DRAFT_FIELDS
     _check_config(ck.config, config, fields + (SPARK_FIELDS[:2] if family == "spark2_5" else QWEN3_FIELDS))
-    args = DraftArgs.from_dict(ck.config, source=str(path))
-    assert args.family == family and args.target_layer_ids == config["target_layer_ids"]
+    args = DraftArgs.from_dict(ck.config, family=layer_family(list(ck.weights), source=str(path)), source=str(path))
+    assert args.family == family and list(args.target_layer_ids) == config["target_layer_ids"]
     assert ck.tokenizer is not None and ck.config["mask_token_id"] == config["mask_token_id"]
     assert ("mask" in ck.tokenizer.special_ids) == (arch == "dflash")  # dspark files: <arch>.mask_token_id
 
 
 def test_draft_family_comes_from_the_draft_tensors_not_the_target(tiny_spark_target, tmp_path):
-    draft = write_tiny_draft(tmp_path / "q3draft", target_path=tiny_spark_target, family="qwen3")
+    draft = write_tiny_draft(tmp_path / "q3draft", target_path=tiny_spark_target, layer_family="qwen3")
     ck = read_gguf(write_gguf_draft(draft, tmp_path / "d.gguf", target_path=tiny_spark_target))
     assert ck.config["architectures"] == ["Qwen3DSparkModel"] and ck.config["model_type"] == "qwen3"
     assert "layers.0.self_attn.q_proj.weight" in ck.weights

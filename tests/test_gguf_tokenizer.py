@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from mlx_dspark.gguf_checkpoint import Metadata, read_gguf
 from mlx_dspark.gguf_tokenizer import QWEN2_SPLIT, GGUFTokenizer
-from mlx_dspark.load import load_tokenizer
+from mlx_dspark.tokenizer import load_tokenizer
 from mlx_dspark.testing.gguf_writer import write_gguf_target
 
 _PIECES = [

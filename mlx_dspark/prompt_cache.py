@@ -1,0 +1,238 @@
+"""Prompt cache: a conversation's target caches and draft context, kept warm between generations.
+
+Design (issue 11). A `PromptCache` owns the target's per-layer caches, the draft's context cache (when
+the pair has a draft) and `tokens`, the exact sequence those caches hold: after a generation that is
+the prompt plus the committed tokens the target has processed (the last anchor is not in it; tokens a
+round committed past a stop are). A new generation calls `resume(target, prompt, proposer=...)`,
+which rewinds the caches to the longest prefix they can serve *exactly* and returns its length
+(`cached_tokens`); the step generator then prefills only the rest. At least one prompt token is
+always prefilled, because the first generated token needs its logits.
+
+Rewinding is exact, never approximate, and picks the first of:
+1. the live caches, trimmed to the common prefix: always possible for full-attention layers
+   (mlx-lm's `KVCache` and the draft's full context trim any amount); sliding layers only while the
+   rolled-back span is within what they still keep (`trimmable()`: about 8 target positions);
+2. the newest snapshot at or before the common prefix: a snapshot copies, at one position, only what
+   cannot be trimmed back to, i.e. the last `window - 1` keys/values of every sliding target layer
+   and of every windowed draft layer (full layers are trimmed to its position instead). Snapshots are
+   taken during the prefill at `len(prompt) - 1` (so re-sending a prompt, or a next turn that extends
+   it, resumes there) and at `len(prompt) - 1 - snapshot_margin` (for chat templates that re-render
+   the generation prompt differently in the history); the newest `max_snapshots` are kept, which
+   bounds their memory whatever the conversation's length;
+3. nothing: a cold prefill (correct, only slower).
+Chat templates that re-render the last assistant turn (thinking removed) make the common prefix end
+before the cached position; the snapshot at the previous prompt's end serves that case.
+
+Consistency. The caches are only consistent between rounds; the step generators `record` the tokens
+the caches took at every yield (the cache is then reusable, also when the consumer stops early or
+drops the generator) and `claim` the cache before they change it again. An exception in between
+leaves the cache marked inconsistent, and the next `resume` starts cold. A newer `resume` (a second
+generation on the same cache) makes the older generator raise on its next step instead of running on
+caches that are no longer its own.
+
+Draft context. The draft proposer must read and extend this cache's `draft_context`
+(`DraftProposer(..., context=prompt_cache.draft_context)`); a plain generation does not extend it,
+so switching between plain and speculative generations on one cache restarts it cold. A speculative
+generation with a proposer whose state this cache does not hold (no `draft_context`) is always cold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from mlx_dspark.cache import SlidingKVCache, trim_caches
+from mlx_dspark.propose import Proposer
+
+State = tuple[mx.array | None, mx.array | None, int]  # a cache's `snapshot()`: kept keys, values, offset
+
+
+@dataclass
+class Snapshot:
+    """The windowed state at `position`: sliding target layers and windowed draft layers, by layer index."""
+
+    position: int
+    target: dict[int, State] = field(default_factory=dict)
+    draft: dict[int, State] | None = None  # None: taken during a plain generation
+
+    @property
+    def nbytes(self) -> int:
+        states = list(self.target.values()) + list((self.draft or {}).values())
+        return sum(a.nbytes for keys, values, _ in states if keys is not None for a in (keys, values))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PromptCache:
+    """The caches of one conversation and the token sequence they hold; see the module docstring.
+
+    For a server's LRU: `tokens` (the held sequence), `nbytes` (live caches and snapshots),
+    `reusable(prompt, speculative=...)` (what a resume would reuse, without changing anything) and
+    `cached_tokens` (what the latest resume reused).
+    """
+
+    def __init__(self, target: Any, draft: Any = None, *, max_snapshots: int = 4, snapshot_margin: int = 16):
+        if not isinstance(max_snapshots, int) or max_snapshots < 0:
+            raise ValueError(f"max_snapshots must be an integer >= 0, got {max_snapshots!r}")
+        if not isinstance(snapshot_margin, int) or snapshot_margin < 0:
+            raise ValueError(f"snapshot_margin must be an integer >= 0, got {snapshot_margin!r}")
+        self.target = target
+        self.draft = draft
+        self.max_snapshots = max_snapshots
+        self.snapshot_margin = snapshot_margin
+        self.target_cache: list[Any] = target.make_cache()
+        self.draft_context: list[Any] | None = None if draft is None else draft.make_cache()
+        self.cached_tokens = 0  # prompt tokens the latest resume reused
+        self._tokens: list[int] = []
+        self._snapshots: list[Snapshot] = []  # in position order
+        self._consistent = True  # the live caches hold exactly `_tokens`
+        self._speculative: bool | None = None  # whether the draft context followed the latest generation
+        self._lease = 0
+
+    # -- what a server reads ---------------------------------------------------------------------
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    @property
+    def lease(self) -> int:
+        """Bumped by every `resume`: the generation that owns the caches now."""
+        return self._lease
+
+    @property
+    def nbytes(self) -> int:
+        live = sum(c.nbytes for c in self.target_cache) + sum(c.nbytes for c in self.draft_context or [])
+        return live + sum(s.nbytes for s in self._snapshots)
+
+    def reusable(self, prompt: Sequence[int], *, speculative: bool) -> int:
+        """How many tokens of `prompt` a resume would reuse now (changes nothing)."""
+        return self._plan(prompt, speculative=speculative)[0]
+
+    # -- what the step generators call -----------------------------------------------------------
+
+    def resume(self, target: Any, prompt: Sequence[int], *, proposer: Proposer | None = None) -> int:
+        """Rewind the caches to the longest prefix of `prompt` they can serve exactly; returns its length.
+
+        After it the target caches (and, with a proposer, the draft context) hold `prompt[:start]`;
+        the caller prefills `prompt[start:]` and `record`s it.
+        """
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if target is not self.target:
+            raise ValueError("this prompt cache was made for another target model; make one per loaded model")
+        speculative = proposer is not None
+        foreign = getattr(proposer, "context", None) is not self.draft_context
+        if speculative and self.draft_context is not None and foreign:
+            raise ValueError(
+                "the proposer does not use this prompt cache's draft context: "
+                "build it as DraftProposer(..., context=prompt_cache.draft_context)"
+            )
+        start, snapshot = self._plan(prompt, speculative=speculative)
+        self._lease += 1
+        self._consistent = False
+        if start == 0:
+            self._reset()
+        else:
+            self._rewind(start, snapshot, speculative=speculative)
+        self._speculative = speculative
+        self.cached_tokens = start
+        return start
+
+    def prefill_stops(self, start: int, end: int) -> list[int]:
+        """Where the prefill of positions `start .. end - 1` pauses for a snapshot; the last entry is `end`."""
+        if self.max_snapshots == 0:
+            return [end]
+        points = sorted({end - 1 - self.snapshot_margin, end - 1})
+        return [p for p in points if start < p < end] + [end]
+
+    def record(self, tokens: Sequence[int]) -> None:
+        """The caches took `tokens` (in order) and are consistent again: reusable as they stand."""
+        self._tokens.extend(tokens)
+        self._consistent = True
+
+    def claim(self, lease: int) -> None:
+        """The generation holding `lease` is about to change the caches; it must still own them."""
+        if lease != self._lease:
+            raise RuntimeError(
+                "another generation resumed this prompt cache since this one started; "
+                "this generation cannot continue (use one prompt cache per concurrent generation)"
+            )
+        self._consistent = False
+
+    def snapshot(self) -> None:
+        """Keep the windowed state at the current position (the caches must be consistent)."""
+        assert self._consistent, "snapshot of caches in the middle of an update"
+        position = len(self._tokens)
+        snap = Snapshot(position)
+        for i, cache in enumerate(self.target_cache):
+            if isinstance(cache, SlidingKVCache):
+                assert cache.offset == position
+                snap.target[i] = cache.snapshot()
+        if self._speculative and self.draft_context is not None:
+            snap.draft = {i: ctx.snapshot() for i, ctx in enumerate(self.draft_context) if ctx.keep is not None}
+        arrays = [a for s in (snap.target, snap.draft or {}) for k, v, _ in s.values() if k is not None for a in (k, v)]
+        mx.eval(*arrays)  # the copies stand alone: the cache buffers they came from may be freed
+        self._snapshots = [s for s in self._snapshots if s.position != position] + [snap]
+        self._snapshots.sort(key=lambda s: s.position)
+        del self._snapshots[: max(0, len(self._snapshots) - self.max_snapshots)]
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _plan(self, prompt: Sequence[int], *, speculative: bool) -> tuple[int, Snapshot | None]:
+        """(start, snapshot to restore or None for the live caches); start 0 means a cold prefill."""
+        if not self._consistent or speculative != self._speculative:
+            return 0, None
+        if speculative and self.draft_context is None:
+            return 0, None  # the proposer's own state cannot be rewound
+        limit = min(common_prefix(self._tokens, prompt), len(prompt) - 1)
+        if limit <= 0:
+            return 0, None
+        if self._live_reaches(limit, speculative=speculative):
+            return limit, None
+        for snap in reversed(self._snapshots):
+            if snap.position <= limit:
+                return snap.position, snap
+        return 0, None
+
+    def _live_reaches(self, position: int, *, speculative: bool) -> bool:
+        n = len(self._tokens) - position
+        sliding = [c for c in self.target_cache if isinstance(c, SlidingKVCache)]
+        draft = self.draft_context if speculative else []
+        return all(n <= c.trimmable() for c in sliding) and all(n <= c.trimmable() for c in draft or [])
+
+    def _rewind(self, start: int, snapshot: Snapshot | None, *, speculative: bool) -> None:
+        n = len(self._tokens) - start
+        if snapshot is None:
+            trim_caches(self.target_cache, n)
+        else:
+            for i, cache in enumerate(self.target_cache):
+                if i in snapshot.target:
+                    cache.restore(snapshot.target[i])
+                else:
+                    cache.trim(n)  # a full layer: any amount
+        if speculative:
+            for i, ctx in enumerate(self.draft_context):
+                if snapshot is not None and i in (snapshot.draft or {}):
+                    ctx.restore(snapshot.draft[i])
+                else:
+                    ctx.trim(n)
+        del self._tokens[start:]
+        self._snapshots = [s for s in self._snapshots if s.position <= start]
+
+    def _reset(self) -> None:
+        self.target_cache = self.target.make_cache()
+        for ctx in self.draft_context or []:
+            ctx.restore((None, None, 0))  # in place: the proposer holds this list
+        self._tokens = []
+        self._snapshots = []
