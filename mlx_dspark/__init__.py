@@ -11,9 +11,11 @@ from __future__ import annotations
 from mlx_dspark.api import GenerationResult, StepResponse, generate, stream_generate
 from mlx_dspark.load import LoadedModel, load
 from mlx_dspark.options import GenerationOptions, OptionError, SamplingOptions, SpeculationOptions
+from mlx_dspark.schedule import CostCurve
 
 __version__ = "0.1.0"
 __all__ = [
+    "CostCurve",
     "GenerationOptions",
     "GenerationResult",
     "LoadedModel",

@@ -7,6 +7,7 @@ plain and the speculative path share exactly the same rules.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -16,6 +17,7 @@ import mlx.core as mx
 from mlx_dspark.decode import Round, plain_steps, speculative_steps
 from mlx_dspark.options import DEFAULT_OPTIONS, GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.propose import DraftProposer, Proposer
+from mlx_dspark.schedule import CostCurve, cost_curve_for, require_confidence_head
 
 
 @dataclass
@@ -104,6 +106,11 @@ def _steps(model: Any, prompt_ids: list[int], options: GenerationOptions, propos
         )
     if proposer is None:
         return plain_steps(model.target, prompt_ids, sampler=sampling)
+    if speculation.verify_schedule == "confidence":
+        if isinstance(proposer, DraftProposer):
+            require_confidence_head(proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
+        if speculation.cost_curve is None:  # this machine's curve for the pair, measured once and cached on disk
+            speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
     return speculative_steps(
         model.target, proposer, prompt_ids, sampler=sampling, speculation=speculation, max_tokens=options.max_tokens
     )
@@ -140,6 +147,8 @@ def stream_generate(
     confidence_threshold: float = _SPECULATION.confidence_threshold,
     p_min: float = _SPECULATION.p_min,
     max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
+    verify_schedule: str = _SPECULATION.verify_schedule,
+    cost_curve: CostCurve | None = _SPECULATION.cost_curve,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
@@ -149,6 +158,8 @@ def stream_generate(
     The options come either whole as `options` (what the CLIs, the server and the benchmark pass) or
     as the keywords, the documented front that builds the same object here, once; giving both is an
     error. `proposer` replaces the loaded draft (tests and benchmarks plug in controlled proposers).
+    `verify_schedule="confidence"` needs a draft with a confidence head (an error otherwise) and uses
+    `cost_curve`, or else this machine's curve for the pair (schedule.py: measured once, cached on disk).
     """
     built = GenerationOptions(
         max_tokens=max_tokens,
@@ -162,6 +173,8 @@ def stream_generate(
             p_min=p_min,
             confidence_threshold=confidence_threshold,
             max_draft_tokens=max_draft_tokens,
+            verify_schedule=verify_schedule,
+            cost_curve=cost_curve,
         ),
     )
     if options is None:
@@ -305,6 +318,8 @@ def generate(
     confidence_threshold: float = _SPECULATION.confidence_threshold,
     p_min: float = _SPECULATION.p_min,
     max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
+    verify_schedule: str = _SPECULATION.verify_schedule,
+    cost_curve: CostCurve | None = _SPECULATION.cost_curve,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
@@ -330,6 +345,8 @@ def generate(
         confidence_threshold=confidence_threshold,
         p_min=p_min,
         max_draft_tokens=max_draft_tokens,
+        verify_schedule=verify_schedule,
+        cost_curve=cost_curve,
         stop=stop,
         stop_token_ids=stop_token_ids,
         chat_template_kwargs=chat_template_kwargs,
