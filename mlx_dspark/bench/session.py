@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mlx_dspark.bench import controlled, cost, plots, report, runner
+from mlx_dspark.bench import card, controlled, cost, plots, report, runner
 from mlx_dspark.bench.mlx_lm_baseline import make_mlx_lm_baseline
 from mlx_dspark.bench.prompts import select_prompts
 from mlx_dspark.bench.stats import loadavg
@@ -39,6 +39,8 @@ class Options:
     controlled_prompts: int = 2
     controlled_tokens: int = 128
     parity_repeats: int = 0
+    card_columns: bool = False  # the card's four acceptance columns, fixed vs confidence schedule
+    card_max_tokens: int = card.CARD_MAX_TOKENS
     progress: bool = True
 
 
@@ -103,6 +105,14 @@ def run(options: Options, *, meta: dict) -> dict:
         print("\n".join(report.lossless_lines(records)))
     for section in sections:
         print(section)
+    if options.card_columns:
+        from mlx_dspark.schedule import cost_curve_for, require_confidence_head
+
+        require_confidence_head(loaded.draft, source=loaded.draft_path)
+        curve = settings.generation.speculation.cost_curve or cost_curve_for(loaded)
+        results["card_columns"] = card.run_card_columns(model, prompts, settings, cost_curve=curve, max_tokens=options.card_max_tokens)
+        sections.append(card.format_card_columns(results["card_columns"]))
+        print(sections[-1])
 
     if options.cost_curve or options.controlled_acceptance:
         no_stop = runner.prepare_model(loaded, runner.RunSettings(ignore_eos=True))
