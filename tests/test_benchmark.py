@@ -310,3 +310,24 @@ def test_card_columns_run_both_schedules_through_the_template_switches(request, 
     # flat curve: the confidence schedule verifies every draft the fixed one does
     assert greedy["fixed"]["mean_verified_drafts"] == greedy["confidence"]["mean_verified_drafts"]
     assert "Model-card acceptance columns" in result.output
+
+
+def test_schedule_ab_runs_on_the_tiny_pair_and_flat_curve_matches_fixed(tiny_spark_pair, tmp_path):
+    from mlx_dspark.schedule import CostCurve
+
+    target, draft = tiny_spark_pair
+    curve_file = tmp_path / "steep.json"
+    curve_file.write_text(json.dumps(CostCurve(draft_ms=0.4, verify_ms=tuple(1 + 0.3 * n for n in range(8))).to_json()))
+    out = tmp_path / "out"
+    args = ["--model", str(target), "--draft", str(draft), "--skip-datasets", "--datasets", "gsm8k", "--schedule-ab"]
+    args += ["--controlled-context", "12", "--controlled-prompts", "1", "--controlled-tokens", "30", "--cost-curve-file", str(curve_file)]
+    result = CliRunner().invoke(app, [*args, "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    ab = json.loads((out / "results.json").read_text())["schedule_ab"]
+    rows = {row["mode"]: row for row in ab["rows"]}
+    assert set(rows) == {"fixed", "confidence (machine curve)", "confidence (flat curve)"}
+    assert all(row["outputs_match_reference"] == 1.0 for row in rows.values())
+    # same random stream: a flat curve verifies what fixed does; the steep one verifies less in hard rounds
+    assert rows["confidence (flat curve)"]["mean_verified_drafts"] == rows["fixed"]["mean_verified_drafts"]
+    assert rows["confidence (machine curve)"]["mean_verified_drafts"] < rows["fixed"]["mean_verified_drafts"]
+    assert ab["ideal_confidence_over_fixed"]["flat"] == 1.0 and ab["ideal_confidence_over_fixed"]["machine"] > 1.0
