@@ -45,6 +45,8 @@ def serve(
     confidence_threshold: flags.ConfidenceThreshold = flags.SPECULATION.confidence_threshold,
     p_min: flags.PMin = flags.SPECULATION.p_min,
     max_draft_tokens: flags.MaxDraftTokens = flags.SPECULATION.max_draft_tokens,
+    verify_schedule: flags.VerifySchedule = flags.SPECULATION.verify_schedule,
+    cost_curve_file: flags.CostCurveFile = None,
     chat_template_args: flags.ChatTemplateArgs = None,
     quantize: flags.Quantize = None,
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
@@ -90,6 +92,12 @@ def serve(
             except ValueError as err:
                 server.close(wait_s=0)
                 fail(f"--max-draft-tokens: {err}")
+            if defaults.speculation.verify_schedule == "confidence":
+                try:  # checked, and the curve measured or read from the cache, now rather than in the first request
+                    flags.resolve_cost_curve(server.worker.model, defaults)
+                except ValueError as err:
+                    server.close(wait_s=0)
+                    fail(f"--verify-schedule: {err}")
         mode = "speculative" if server.worker.speculative else "plain (no draft)"
         typer.echo(f"[mlx_dspark] ready ({mode} decoding) at {server.url}/v1", err=True)
         server.wait()
