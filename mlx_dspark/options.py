@@ -69,7 +69,7 @@ class SpeculationOptions:
 
     speculative: bool = True  # False: plain decoding with the target alone (the baseline)
     draft_sampling: str = "greedy"  # how the draft proposes when the target samples
-    p_min: float = 0.0  # stop a proposal before the first draft token with probability below it
+    p_min: float = 0.0  # stop a proposal before the first position whose top draft probability is below it
     confidence_threshold: float = 0.0  # stop before the first token whose confidence is below it
     max_draft_tokens: int | None = None  # the most draft tokens one round verifies; None = the block size
     # "fixed": verify every proposed draft (after the cuts above); "confidence": also stop where the expected
