@@ -313,3 +313,19 @@ def test_a_signal_stops_the_command_line_cleanly_with_status_0(tiny_spark_pair, 
     log = log_path.read_text()
     assert "shutting down" in log
     assert "terminate called" not in log and "Traceback" not in log, log
+
+
+def test_a_model_with_nan_weights_answers_500_naming_the_first_step_not_nonsense(tiny_spark_pair):
+    import math
+
+    from mlx_dspark.load import load
+    from tests.test_finite import poison
+
+    def broken_loader():
+        model = load(tiny_spark_pair[0], draft=tiny_spark_pair[1])
+        poison(model.target, "model.norm.weight", math.nan)
+        return model
+
+    with running_server(broken_loader) as srv:
+        status, _, body = call(srv, "POST", "/v1/completions", {"prompt": "Once", "max_tokens": 4})
+        assert status == 500 and body["error"]["code"] == "non_finite_logits" and "first step" in body["error"]["message"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from mlx_dspark.api import StepResponse, stream_generate
+from mlx_dspark.finite import NonFiniteError
 from mlx_dspark.serve.protocol import APIError, GenerationRequest
 
 log = logging.getLogger("mlx_dspark.server")
@@ -209,7 +210,10 @@ class ModelWorker:
         # The worker is the boundary of one request: a bad prompt (ValueError, a chat template's
         # own error) is the client's 400; anything else is a logged 500, and the next job still runs.
         except Exception as err:  # noqa: BLE001
-            if isinstance(err, ValueError) or type(err).__module__.startswith("jinja2"):
+            if isinstance(err, NonFiniteError):  # the model is broken, not the request
+                log.error("generation failed: %s", err)
+                job.events.put(APIError(500, str(err), type="server_error", code="non_finite_logits"))
+            elif isinstance(err, ValueError) or type(err).__module__.startswith("jinja2"):
                 job.events.put(APIError(400, str(err), code="invalid_prompt"))
             else:
                 log.exception("generation failed")
