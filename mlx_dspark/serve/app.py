@@ -31,6 +31,8 @@ DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_IDLE_TIMEOUT_S = 60.0
 MAX_JSON_DEPTH = 64  # request bodies are flat; deeper nesting is an attack on the parser
 _REFUSE_READ_S = 0.05
+_LINGER_S = 1.0  # at most this long, and this much, read from a closing connection
+_LINGER_BYTES = 1 << 20
 _DRAIN_LIMIT = 64 * 1024 * 1024  # an oversize body up to this is read and dropped, so the client sees the 413
 
 
@@ -108,6 +110,25 @@ class DSparkHTTPServer(ThreadingHTTPServer):
         finally:
             self._release_slot()
 
+    def shutdown_request(self, request: socket.socket) -> None:
+        """Close a served connection gracefully: stop writing, then read and drop what the client is
+        still sending (an unread body) for a moment, so the close does not reset the connection and
+        lose the reply on its way (Apache's "lingering close")."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + _LINGER_S
+            received = 0
+            while received < _LINGER_BYTES and (left := deadline - time.monotonic()) > 0:
+                if not select.select([request], [], [], left)[0]:
+                    break
+                piece = request.recv(1 << 16)
+                if not piece:
+                    break
+                received += len(piece)
+        except OSError:
+            pass  # already closed by the client
+        self.close_request(request)
+
     def _release_slot(self) -> None:
         with self._open_lock:
             self._open -= 1
@@ -130,7 +151,7 @@ class DSparkHTTPServer(ThreadingHTTPServer):
         except OSError:
             pass
         finally:
-            self.shutdown_request(request)
+            super().shutdown_request(request)  # no lingering on the accepting thread
 
     # -- lifecycle -------------------------------------------------------------------------------
 
