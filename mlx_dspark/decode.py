@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from mlx_dspark.accept import accept_greedy, accept_sampled
 from mlx_dspark.cache import trim_caches
+from mlx_dspark.finite import check_finite_logits
 from mlx_dspark.options import SpeculationOptions
 from mlx_dspark.prompt_cache import PromptCache
 from mlx_dspark.propose import Proposal, Proposer
@@ -62,7 +63,9 @@ def prefill(
         if not is_last:
             # Evaluate chunk by chunk so a long prompt never builds one giant graph.
             mx.eval(logits, *([] if features is None else [features]))
-    return logits[0, -1]
+    last = logits[0, -1]
+    check_finite_logits(last, step="the first step (the end of the prompt)")  # NaN weights would decode as nonsense
+    return last
 
 
 def prefill_cached(
