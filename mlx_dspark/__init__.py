@@ -12,9 +12,11 @@ from mlx_dspark.api import GenerationResult, StepResponse, generate, make_prompt
 from mlx_dspark.prompt_cache import PromptCache
 from mlx_dspark.load import LoadedModel, load
 from mlx_dspark.options import GenerationOptions, OptionError, SamplingOptions, SpeculationOptions
+from mlx_dspark.schedule import CostCurve
 
 __version__ = "0.1.0"
 __all__ = [
+    "CostCurve",
     "GenerationOptions",
     "GenerationResult",
     "LoadedModel",

@@ -7,6 +7,7 @@ plain and the speculative path share exactly the same rules.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -17,6 +18,7 @@ from mlx_dspark.decode import Round, plain_steps, speculative_steps
 from mlx_dspark.options import DEFAULT_OPTIONS, GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.prompt_cache import PromptCache
 from mlx_dspark.propose import DraftProposer, Proposer
+from mlx_dspark.schedule import CostCurve, cost_curve_for, require_confidence_head
 
 
 @dataclass
@@ -114,6 +116,11 @@ def _steps(
         )
     if proposer is None:
         return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache)
+    if speculation.verify_schedule == "confidence":
+        if isinstance(proposer, DraftProposer):
+            require_confidence_head(proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
+        if speculation.cost_curve is None:  # this machine's curve for the pair, measured once and cached on disk
+            speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
     return speculative_steps(
         model.target,
         proposer,
@@ -157,6 +164,8 @@ def stream_generate(
     confidence_threshold: float = _SPECULATION.confidence_threshold,
     p_min: float = _SPECULATION.p_min,
     max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
+    verify_schedule: str = _SPECULATION.verify_schedule,
+    cost_curve: CostCurve | None = _SPECULATION.cost_curve,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
@@ -168,6 +177,8 @@ def stream_generate(
     error. `proposer` replaces the loaded draft (tests and benchmarks plug in controlled proposers).
     `prompt_cache` (from `make_prompt_cache`) keeps a conversation warm: the prompt's prefix that it
     already holds is not prefilled again (`cached_tokens`).
+    `verify_schedule="confidence"` needs a draft with a confidence head (an error otherwise) and uses
+    `cost_curve`, or else this machine's curve for the pair (schedule.py: measured once, cached on disk).
     """
     built = GenerationOptions(
         max_tokens=max_tokens,
@@ -181,6 +192,8 @@ def stream_generate(
             p_min=p_min,
             confidence_threshold=confidence_threshold,
             max_draft_tokens=max_draft_tokens,
+            verify_schedule=verify_schedule,
+            cost_curve=cost_curve,
         ),
     )
     if options is None:
@@ -336,6 +349,8 @@ def generate(
     confidence_threshold: float = _SPECULATION.confidence_threshold,
     p_min: float = _SPECULATION.p_min,
     max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
+    verify_schedule: str = _SPECULATION.verify_schedule,
+    cost_curve: CostCurve | None = _SPECULATION.cost_curve,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
@@ -362,6 +377,8 @@ def generate(
         confidence_threshold=confidence_threshold,
         p_min=p_min,
         max_draft_tokens=max_draft_tokens,
+        verify_schedule=verify_schedule,
+        cost_curve=cost_curve,
         stop=stop,
         stop_token_ids=stop_token_ids,
         chat_template_kwargs=chat_template_kwargs,

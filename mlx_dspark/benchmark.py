@@ -109,6 +109,8 @@ def main(
     p_min: flags.PMin = flags.SPECULATION.p_min,
     confidence_threshold: flags.ConfidenceThreshold = flags.SPECULATION.confidence_threshold,
     max_draft_tokens: flags.MaxDraftTokens = flags.SPECULATION.max_draft_tokens,
+    verify_schedule: flags.VerifySchedule = flags.SPECULATION.verify_schedule,
+    cost_curve_file: flags.CostCurveFile = None,
     repeats: int = typer.Option(1, "--repeats", help="Timed repeats per prompt and mode (medians)."),
     seed: flags.Seed = 0,
     out: Path = typer.Option(Path("benchmark-results"), "--out", help="Directory for results.json, results.md, plots."),
@@ -125,6 +127,9 @@ def main(
     controlled_prompts: int = typer.Option(2, "--controlled-prompts"),
     controlled_tokens: Optional[int] = typer.Option(None, "--controlled-tokens", help="Tokens per controlled run (default --max-tokens)."),
     parity_repeats: int = typer.Option(0, "--parity-repeats", help="Also time our plain decoding against mlx-lm's N times each, interleaved, on the first prompt."),
+    card_columns: bool = typer.Option(False, "--card-columns", help="The model card's four acceptance columns (T=1 high/low/no thinking with sampled drafts, T=0 high thinking greedy), each with --verify-schedule fixed and confidence."),
+    card_max_tokens: int = typer.Option(4096, "--card-max-tokens", help="Maximum output of the card-column runs (the card uses 4096)."),
+    schedule_ab: bool = typer.Option(False, "--schedule-ab", help="Fixed vs confidence verify schedule at a calibrated synthetic confidence profile, on this machine's cost curve (or --cost-curve-file) and a flat one (controlled prompts and tokens)."),
     openblas: bool = typer.Option(False, "--openblas", help="Linux CPU: rerun with OpenBLAS (1 thread) preloaded for float32 matmuls."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
     force: bool = typer.Option(False, "--force", help="Overwrite results already in --out."),
@@ -164,6 +169,9 @@ def main(
         controlled_prompts=controlled_prompts,
         controlled_tokens=controlled_tokens or max_tokens,
         parity_repeats=parity_repeats,
+        card_columns=card_columns,
+        card_max_tokens=card_max_tokens,
+        schedule_ab=schedule_ab,
         progress=progress,
     )
     try:

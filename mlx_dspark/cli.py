@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from mlx_dspark import cli_common as flags
-from mlx_dspark.cli_common import fail, flag_errors
+from mlx_dspark.cli_common import fail, flag_errors, resolve_cost_curve
 
 app = typer.Typer(add_completion=False, help="Generate text with a target and its DSpark draft.")
 
@@ -41,6 +41,8 @@ def generate(
     confidence_threshold: flags.ConfidenceThreshold = flags.SPECULATION.confidence_threshold,
     p_min: flags.PMin = flags.SPECULATION.p_min,
     max_draft_tokens: flags.MaxDraftTokens = flags.SPECULATION.max_draft_tokens,
+    verify_schedule: flags.VerifySchedule = flags.SPECULATION.verify_schedule,
+    cost_curve_file: flags.CostCurveFile = None,
     chat_template_args: flags.ChatTemplateArgs = None,
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Use the prompt as raw text."),
     quantize: flags.Quantize = None,
@@ -63,6 +65,11 @@ def generate(
         pair = load(model, draft=draft if speculative else None, quantize=quantize, draft_tap_ids=tap_ids if speculative else None)
     except (ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
+
+    if options.speculation.verify_schedule == "confidence" and pair.draft is not None and not no_draft:
+        with flag_errors():  # a draft without a confidence head; the curve is measured here on first use
+            options = resolve_cost_curve(pair, options)
+        typer.echo(f"[mlx_dspark] verify schedule: confidence, cost curve: {options.speculation.cost_curve.source}", err=True)
 
     text = read_prompt(prompt)
     if no_chat_template or not pair.tokenizer.has_chat_template:

@@ -10,6 +10,7 @@ ids, `.gguf` files, `owner/name:FILE.gguf`); `--draft-tap-ids` overrides a draft
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,7 @@ from mlx_dspark.options import (
     SpeculationOptions,
 )
 from mlx_dspark.precision import Q_BITS
+from mlx_dspark.schedule import CostCurve
 
 # The flags' defaults are the options' own.
 SAMPLING, SPECULATION = DEFAULT_OPTIONS.sampling, DEFAULT_OPTIONS.speculation
@@ -44,6 +46,8 @@ FLAGS = {
     "p_min": "--p-min",
     "confidence_threshold": "--confidence-threshold",
     "max_draft_tokens": "--max-draft-tokens",
+    "verify_schedule": "--verify-schedule",
+    "cost_curve": "--cost-curve-file",
     "chat_template_kwargs": "--chat-template-args",
 }
 
@@ -70,6 +74,18 @@ MaxDraftTokens = Annotated[
     typer.Option(
         "--max-draft-tokens", "--spec-draft-n-max", help="The most draft tokens verified per round (default: the block size)."
     ),
+]
+VerifySchedule = Annotated[
+    str,
+    typer.Option(
+        "--verify-schedule",
+        help="fixed: verify every proposed draft; confidence: stop where the expected tokens/s stop rising "
+        "(needs a draft with a confidence head; uses --cost-curve-file or this machine's curve, measured once and cached).",
+    ),
+]
+CostCurveFile = Annotated[
+    Optional[Path],
+    typer.Option("--cost-curve-file", help="cost_curve.json from `python -m mlx_dspark.benchmark --cost-curve` for --verify-schedule confidence."),
 ]
 NoDraft = Annotated[bool, typer.Option("--no-draft", help="Plain target decoding (the baseline).")]
 ChatTemplateArgs = Annotated[
@@ -110,8 +126,11 @@ def flag_errors(flags: Mapping[str, str] = FLAGS) -> Iterator[None]:
 def generation_options(flags: Mapping[str, Any], *, max_tokens: int) -> GenerationOptions:
     """The options a command's parsed flags (its `ctx.params`) set, by the parameter names above.
 
-    `seed`, `no_draft` and `chat_template_args` are optional: a command without them gets the defaults.
+    `seed`, `no_draft`, `chat_template_args`, `verify_schedule` and `cost_curve_file` are optional: a command
+    without them gets the defaults.
     """
+    curve_file = flags.get("cost_curve_file")  # a bad file is a ValueError naming it
+    cost_curve = None if curve_file is None else CostCurve.from_file(curve_file)
     return GenerationOptions(
         max_tokens=max_tokens,
         chat_template_kwargs=parse_template_args(flags.get("chat_template_args")),
@@ -128,8 +147,22 @@ def generation_options(flags: Mapping[str, Any], *, max_tokens: int) -> Generati
             p_min=flags["p_min"],
             confidence_threshold=flags["confidence_threshold"],
             max_draft_tokens=flags["max_draft_tokens"],
+            verify_schedule=flags.get("verify_schedule", SPECULATION.verify_schedule),
+            cost_curve=cost_curve,
         ),
     )
+
+
+def resolve_cost_curve(pair: Any, options: GenerationOptions) -> GenerationOptions:
+    """For --verify-schedule confidence: check the draft has a confidence head and fix the cost curve now
+    (the --cost-curve-file one, else this machine's: cached, or measured once here rather than in a request)."""
+    from mlx_dspark.schedule import cost_curve_for, require_confidence_head
+
+    speculation = options.speculation
+    require_confidence_head(pair.draft, source=pair.draft_path)
+    curve = speculation.cost_curve or cost_curve_for(pair)
+    speculation.draft_length(int(pair.draft.args.block_size))
+    return dataclasses.replace(options, speculation=dataclasses.replace(speculation, cost_curve=curve))
 
 
 def parse_template_args(text: Optional[str]) -> Optional[dict]:

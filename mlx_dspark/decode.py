@@ -20,10 +20,12 @@ import mlx.core as mx
 
 from mlx_dspark.accept import accept_greedy, accept_sampled
 from mlx_dspark.cache import trim_caches
+from mlx_dspark.finite import check_finite_logits
 from mlx_dspark.options import SpeculationOptions
 from mlx_dspark.prompt_cache import PromptCache
 from mlx_dspark.propose import Proposal, Proposer
 from mlx_dspark.sample import Sampler
+from mlx_dspark.schedule import CostCurve, scheduled_length
 
 PREFILL_STEP_SIZE = 512  # prompt tokens per prefill forward: bounds the memory of long prompts
 
@@ -61,7 +63,9 @@ def prefill(
         if not is_last:
             # Evaluate chunk by chunk so a long prompt never builds one giant graph.
             mx.eval(logits, *([] if features is None else [features]))
-    return logits[0, -1]
+    last = logits[0, -1]
+    check_finite_logits(last, step="the first step (the end of the prompt)")  # NaN weights would decode as nonsense
+    return last
 
 
 def prefill_cached(
@@ -129,10 +133,16 @@ def speculative_steps(
     """Lossless speculative decoding: yields the prefill's token, then one Round per verify forward.
 
     A round proposes at most `speculation.max_draft_tokens` (default: the block size), cut further by
-    `p_min` and the confidence threshold. `max_tokens`, when given, shortens the last proposals so no
-    verify work is spent past it.
+    `p_min`, the confidence threshold and, with `verify_schedule="confidence"`, by the expected rate
+    over `speculation.cost_curve` (schedule.py). `max_tokens`, when given, shortens the last proposals
+    so no verify work is spent past it.
     """
     draft_length = speculation.draft_length(proposer.block_size)
+    schedule = None
+    if speculation.verify_schedule == "confidence":
+        if speculation.cost_curve is None:
+            raise ValueError("verify_schedule 'confidence' needs speculation.cost_curve (api.stream_generate fills in this machine's)")
+        schedule = speculation.cost_curve
     prompt_cache = PromptCache(target, max_snapshots=0) if prompt_cache is None else prompt_cache
     tap_ids = tuple(proposer.tap_ids)
     logits = prefill_cached(
@@ -156,7 +166,7 @@ def speculative_steps(
             # Start the draft on the device while the host builds the verify graph.
             mx.async_eval(proposal.tokens)
         draft_tokens, draft_probs = _admitted(
-            proposal, num_tokens, p_min=speculation.p_min, threshold=speculation.confidence_threshold
+            proposal, num_tokens, p_min=speculation.p_min, threshold=speculation.confidence_threshold, schedule=schedule
         )
         num_draft = draft_tokens.shape[0]
 
@@ -184,9 +194,9 @@ def speculative_steps(
 
 
 def _admitted(
-    proposal: Proposal | None, num_tokens: int, *, p_min: float, threshold: float
+    proposal: Proposal | None, num_tokens: int, *, p_min: float, threshold: float, schedule: CostCurve | None
 ) -> tuple[mx.array, mx.array | None]:
-    """The draft tokens sent to verification (l,), cut by p_min / the confidence threshold.
+    """The draft tokens sent to verification (l,), cut by p_min / the confidence threshold / the schedule.
 
     A cut depends on draft values, so it costs one extra host read; without cuts nothing is read.
     """
@@ -200,7 +210,16 @@ def _admitted(
     if threshold > 0.0 and proposal.confidence is not None:
         confident = proposal.confidence[0, :num_tokens] >= threshold
         keep = confident if keep is None else keep & confident
-    if keep is None:
+    if keep is None and schedule is None:
         return tokens, draft_probs
-    length = int(mx.cumprod(keep.astype(mx.int32)).sum().item())
+    kept = None if keep is None else mx.cumprod(keep.astype(mx.int32)).sum()
+    confidence = None
+    if schedule is not None:
+        if proposal.confidence is None:
+            raise ValueError("verify_schedule 'confidence' needs confidences c(k): this proposer's proposals carry none")
+        confidence = proposal.confidence[0, :num_tokens].astype(mx.float32)
+    mx.eval(*(x for x in (kept, confidence) if x is not None))  # the one extra host read, for every cut
+    length = num_tokens if kept is None else int(kept.item())
+    if confidence is not None:
+        length = min(length, scheduled_length(confidence.tolist(), schedule))
     return tokens[:length], None if draft_probs is None else draft_probs[:length]

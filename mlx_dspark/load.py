@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dspark.checkpoint import Checkpoint, read_checkpoint, resolve_path
+from mlx_dspark.finite import check_finite_weights
 from mlx_dspark.models import target_module
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family
@@ -128,6 +129,7 @@ def load(
     target_path = resolve_path(target, role="target")
     target_checkpoint = read_checkpoint(target_path, role="target")
     target_model = build_target(target_checkpoint, dtype=mx_dtype)
+    check_finite_weights(target_model, what=f"target ({target_path})")
     if quantize is not None and "quantization" in target_checkpoint.config:
         raise ValueError(
             f"{target_checkpoint.config_source}: the checkpoint is already quantized "
@@ -144,6 +146,7 @@ def load(
             draft_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
             dtype=mx_dtype, tap_ids=draft_tap_ids,
         )  # fmt: skip
+        check_finite_weights(draft_model, what=f"draft ({draft_path})")  # before the shared copies are compared
         check_shared_tensors(shared, target_model, draft_source=str(draft_path), storage=draft_checkpoint.storage)
     target_config = target_checkpoint.config
     del target_checkpoint  # the raw (uncast, unsanitized) weights are no longer needed

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from mlx_dspark.sample import Sampler
+from mlx_dspark.schedule import VERIFY_SCHEDULES, CostCurve
 
 DRAFT_SAMPLING_MODES = ("greedy", "sample")
 SEED_MAX = 2**64 - 1  # MLX seeds its generator with an unsigned 64-bit integer
@@ -68,9 +69,13 @@ class SpeculationOptions:
 
     speculative: bool = True  # False: plain decoding with the target alone (the baseline)
     draft_sampling: str = "greedy"  # how the draft proposes when the target samples
-    p_min: float = 0.0  # stop a proposal before the first draft token with probability below it
+    p_min: float = 0.0  # stop a proposal before the first position whose top draft probability is below it
     confidence_threshold: float = 0.0  # stop before the first token whose confidence is below it
     max_draft_tokens: int | None = None  # the most draft tokens one round verifies; None = the block size
+    # "fixed": verify every proposed draft (after the cuts above); "confidence": also stop where the expected
+    # tokens per second stop rising (schedule.py), by the draft's confidences and the machine's cost curve
+    verify_schedule: str = "fixed"
+    cost_curve: CostCurve | None = None  # for "confidence"; None = this machine's, measured once and cached
 
     def __post_init__(self) -> None:
         if not isinstance(self.speculative, bool):
@@ -81,14 +86,20 @@ class SpeculationOptions:
         _check_fraction("confidence_threshold", self.confidence_threshold)
         if self.max_draft_tokens is not None and not (_is_int(self.max_draft_tokens) and self.max_draft_tokens >= 1):
             raise OptionError("max_draft_tokens", self.max_draft_tokens, "an integer >= 1, or none for the draft's block size")
+        if self.verify_schedule not in VERIFY_SCHEDULES:
+            raise OptionError("verify_schedule", self.verify_schedule, f"one of {', '.join(VERIFY_SCHEDULES)}")
+        if self.cost_curve is not None and not isinstance(self.cost_curve, CostCurve):
+            raise OptionError("cost_curve", self.cost_curve, "a schedule.CostCurve, or none for this machine's")
 
     def draft_length(self, block_size: int) -> int:
         """Draft tokens one round proposes at most, for a draft of `block_size` tokens per block."""
-        if self.max_draft_tokens is None:
-            return block_size
-        if self.max_draft_tokens > block_size:
+        if self.max_draft_tokens is not None and self.max_draft_tokens > block_size:
             raise OptionError("max_draft_tokens", self.max_draft_tokens, f"at most the draft's block size {block_size}")
-        return self.max_draft_tokens
+        length = self.max_draft_tokens or block_size
+        curve = self.cost_curve
+        if self.verify_schedule == "confidence" and curve is not None and curve.max_width < length + 1:
+            raise OptionError("cost_curve", f"{curve.source} (widths 1..{curve.max_width})", f"verify costs for widths 1..{length + 1}")
+        return length
 
 
 @dataclass(frozen=True)

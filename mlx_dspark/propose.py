@@ -20,7 +20,7 @@ class Proposal:
 
     tokens: mx.array  # (1, K) int
     draft_probs: mx.array | None = None  # (1, K, V) distributions drawn from; None = greedy (one-hot)
-    token_probs: mx.array | None = None  # (1, K) raw draft probability of each token, for p_min
+    token_probs: mx.array | None = None  # (1, K) top draft probability at each position (before a draw), for p_min
     confidence: mx.array | None = None  # (1, K) confidence head outputs c(k)
 
 

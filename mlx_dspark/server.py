@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import signal
 from typing import Optional
 
 import typer
 
 from mlx_dspark import cli_common as flags
 from mlx_dspark.cli_common import fail, flag_errors
+from mlx_dspark.options import GenerationOptions
 from mlx_dspark.serve.protocol import SERVER_DEFAULTS
 
 app = typer.Typer(add_completion=False, help="Serve a target and its DSpark draft over an OpenAI-compatible API.")
@@ -46,15 +48,17 @@ def serve(
     confidence_threshold: flags.ConfidenceThreshold = flags.SPECULATION.confidence_threshold,
     p_min: flags.PMin = flags.SPECULATION.p_min,
     max_draft_tokens: flags.MaxDraftTokens = flags.SPECULATION.max_draft_tokens,
+    verify_schedule: flags.VerifySchedule = flags.SPECULATION.verify_schedule,
+    cost_curve_file: flags.CostCurveFile = None,
     chat_template_args: flags.ChatTemplateArgs = None,
     quantize: flags.Quantize = None,
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    allow_origin: list[str] = typer.Option([], "--allow-origin",
+                                           help="Let web pages from this origin call the server (repeatable; '*' for any)."),
 ) -> None:
     """Bind, load the pair in the background, and serve until interrupted."""
     from mlx_dspark.load import load
     from mlx_dspark.serve.app import make_server
-    from mlx_dspark.serve.worker import FAILED
-
     if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -76,16 +80,32 @@ def serve(
     )
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
-                             max_body_bytes=max_body_bytes)
+                             max_body_bytes=max_body_bytes, allow_origins=allow_origin)
+    except ValueError as err:
+        fail(str(err))
     except OSError as err:
         fail(f"cannot listen on {host}:{port}: {err.strerror or err}")
     if host not in LOOPBACK_HOSTS and api_key is None:
         typer.echo(f"[mlx_dspark] warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
 
     typer.echo(f"[mlx_dspark] listening on {server.url}/v1 as model {model_id!r}; loading {model} ...", err=True)
-    server.start()
+    run_until_interrupted(server, defaults)
+
+
+def run_until_interrupted(server, defaults: GenerationOptions) -> None:
+    """Serve with the model's work on this (the main) thread until Ctrl-C or SIGTERM, then exit cleanly.
+
+    The main thread runs MLX: a thread that used MLX must not outlive the interpreter (see
+    `ModelWorker._park`), and the main thread is the one that never does. The HTTP side runs in a
+    background thread. The first signal stops at once (waiting clients get a 503); while we close,
+    further signals are ignored, so shutting down always ends with exit status 0.
+    """
+    from mlx_dspark.serve.worker import FAILED
+
+    previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM behaves as Ctrl-C
     try:
-        server.worker.loaded.wait()
+        server.start_http()
+        server.worker.load()
         if server.worker.state == FAILED:
             server.close(wait_s=0)
             fail(f"could not load the model: {server.worker.load_error}")
@@ -95,12 +115,23 @@ def serve(
             except ValueError as err:
                 server.close(wait_s=0)
                 fail(f"--max-draft-tokens: {err}")
+            if defaults.speculation.verify_schedule == "confidence":
+                try:  # checked, and the curve measured or read from the cache, now rather than in the first request
+                    flags.resolve_cost_curve(server.worker.model, defaults)
+                except ValueError as err:
+                    server.close(wait_s=0)
+                    fail(f"--verify-schedule: {err}")
         mode = "speculative" if server.worker.speculative else "plain (no draft)"
         typer.echo(f"[mlx_dspark] ready ({mode} decoding) at {server.url}/v1", err=True)
-        server.wait()
+        server.worker.serve_jobs()
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         typer.echo("[mlx_dspark] shutting down", err=True)
-    server.close(wait_s=0)
+        server.abort(grace_s=1.0)
+    finally:
+        if signal.getsignal(signal.SIGTERM) is signal.default_int_handler:
+            signal.signal(signal.SIGTERM, previous_term)
 
 
 def main() -> None:

@@ -175,7 +175,7 @@ class ReferenceDraft:
             drafted.append(token)
             prev = token
         final = np.stack(final)
-        token_probs = np.exp(log_softmax(final)[np.arange(K), drafted])
+        token_probs = np.exp(log_softmax(final).max(axis=-1))  # the top probability (p_min is decided before a draw)
         return {
             "hidden": o,
             "base_logits": base,

@@ -165,7 +165,7 @@ CURVE_FIELDS = {"context", "verify_ms", "verify_build_ms", "verify_ratio", "deco
 CONTROLLED_ROW_FIELDS = {"target_acceptance_length", "measured_acceptance_length", "tokens_per_second", "measured_speedup", "ideal_speedup", "efficiency", "round_ms", "ideal_round_ms", "outputs_match_reference"}
 
 
-@pytest.mark.parametrize("pair_name, mlx_lm_kind", [("tiny_spark_pair", "our target under mlx_lm.generate_step"), ("tiny_qwen3_pair", "mlx_lm.load")])
+@pytest.mark.parametrize("pair_name, mlx_lm_kind", [("tiny_spark_pair", "mlx_lm.load"), ("tiny_qwen3_pair", "mlx_lm.load")])
 def test_benchmark_runs_end_to_end_and_its_json_has_every_field(request, tmp_path, pair_name, mlx_lm_kind):
     target, draft = request.getfixturevalue(pair_name)
     jsonl = _write_jsonl(tmp_path / "extra.jsonl", [json.dumps({"question": "What is 2 + 2?"})])
@@ -277,3 +277,57 @@ def test_run_settings_give_each_run_its_mode_and_seed_over_the_shared_options():
     assert run.max_tokens == 5 and run.sampling.seed == 4 and run.sampling.temperature == 0.7
     assert run.speculation == SpeculationOptions(speculative=False, max_draft_tokens=4)
     assert settings.options(speculative=True, seed=3).max_tokens == 32
+
+
+@pytest.mark.parametrize("pair_name, columns", [("tiny_spark_pair", 4), ("tiny_qwen3_pair", 3)])
+def test_card_columns_run_both_schedules_through_the_template_switches(request, tmp_path, pair_name, columns):
+    from mlx_dspark.api import encode_prompt
+    from mlx_dspark.bench.card import THINKING_SWITCHES
+    from mlx_dspark.schedule import CostCurve
+
+    target, draft = request.getfixturevalue(pair_name)
+    loaded = mlx_dspark.load(str(target), draft=str(draft))
+    switches = THINKING_SWITCHES[loaded.target_config["model_type"]]
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    with_thinking = encode_prompt(loaded.tokenizer, messages, chat_template_kwargs=switches["high"])
+    assert with_thinking != encode_prompt(loaded.tokenizer, messages, chat_template_kwargs=switches["none"])
+
+    curve_file = tmp_path / "flat.json"
+    curve_file.write_text(json.dumps(CostCurve.flat(max_width=8).to_json()))
+    out = tmp_path / "out"
+    args = ["--model", str(target), "--draft", str(draft), "--datasets", "gsm8k", "--prompts-per-dataset", "1", "--skip-datasets"]
+    args += ["--ignore-eos", "--card-columns", "--card-max-tokens", "8", "--cost-curve-file", str(curve_file), "--out", str(out), "--no-progress"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    card = json.loads((out / "results.json").read_text())["card_columns"]
+    assert card["max_tokens"] == 8 and card["cost_curve"]["source"] == str(curve_file)
+    assert len(card["columns"]) == columns
+    for column in card["columns"]:
+        assert {"column", "template_kwargs", "card_acceptance_length", "fixed", "confidence", "confidence_over_fixed_tps"} <= set(column)
+        assert column["fixed"]["generated_tokens"] == column["confidence"]["generated_tokens"] == 8
+    greedy = card["columns"][-1]
+    assert greedy["column"].startswith("T=0")
+    # flat curve: the confidence schedule verifies every draft the fixed one does
+    assert greedy["fixed"]["mean_verified_drafts"] == greedy["confidence"]["mean_verified_drafts"]
+    assert "Model-card acceptance columns" in result.output
+
+
+def test_schedule_ab_runs_on_the_tiny_pair_and_flat_curve_matches_fixed(tiny_spark_pair, tmp_path):
+    from mlx_dspark.schedule import CostCurve
+
+    target, draft = tiny_spark_pair
+    curve_file = tmp_path / "steep.json"
+    curve_file.write_text(json.dumps(CostCurve(draft_ms=0.4, verify_ms=tuple(1 + 0.3 * n for n in range(8))).to_json()))
+    out = tmp_path / "out"
+    args = ["--model", str(target), "--draft", str(draft), "--skip-datasets", "--datasets", "gsm8k", "--schedule-ab"]
+    args += ["--controlled-context", "12", "--controlled-prompts", "1", "--controlled-tokens", "30", "--cost-curve-file", str(curve_file)]
+    result = CliRunner().invoke(app, [*args, "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    ab = json.loads((out / "results.json").read_text())["schedule_ab"]
+    rows = {row["mode"]: row for row in ab["rows"]}
+    assert set(rows) == {"fixed", "confidence (machine curve)", "confidence (flat curve)"}
+    assert all(row["outputs_match_reference"] == 1.0 for row in rows.values())
+    # same random stream: a flat curve verifies what fixed does; the steep one verifies less in hard rounds
+    assert rows["confidence (flat curve)"]["mean_verified_drafts"] == rows["fixed"]["mean_verified_drafts"]
+    assert rows["confidence (machine curve)"]["mean_verified_drafts"] < rows["fixed"]["mean_verified_drafts"]
+    assert ab["ideal_confidence_over_fixed"]["flat"] == 1.0 and ab["ideal_confidence_over_fixed"]["machine"] > 1.0

@@ -195,3 +195,28 @@ def test_real_dspark_draft_sampling_matches_the_exact_target_distribution(family
     assert chi_square_p_value(counts.reshape(-1), exact.reshape(-1)) > MIN_P_VALUE
     for observed, expected in zip(marginals(counts), marginals(exact)):
         assert chi_square_p_value(observed, expected) > MIN_P_VALUE
+
+
+def test_p_min_with_sampled_drafting_matches_the_exact_target_distribution(target):
+    """A p_min cut decided on the sampled token itself would bias the output; the draft decides it
+    on the most likely token's probability, before the draw, so the cut stays lossless."""
+    from mlx_dspark.options import SpeculationOptions
+
+    draft = make_draft(target, seed=6, markov_head_type="vanilla")
+    sampler = SAMPLERS["temperature"]
+    exact = exact_distribution(target, sampler, 3)
+    mx.random.seed(2024)
+    outcomes: Counter = Counter()
+    cut = 0
+    for _ in range(RUNS):
+        proposer = DraftProposer(draft, target, greedy=False, temperature=sampler.temperature)
+        steps = speculative_steps(target, proposer, PROMPT, sampler=sampler, speculation=SpeculationOptions(p_min=0.3))
+        tokens: list[int] = []
+        for step in steps:
+            tokens.extend(step.tokens)
+            cut += step.verified and step.proposed < proposer.block_size
+            if len(tokens) >= 3:
+                break
+        outcomes[tuple(tokens[:3])] += 1
+    assert cut > RUNS // 10  # the cut really happens
+    assert chi_square_p_value(to_array(outcomes, 3).reshape(-1), exact.reshape(-1)) > MIN_P_VALUE

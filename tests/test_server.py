@@ -433,7 +433,8 @@ def test_the_command_line_binds_loopback_loads_and_serves(tiny_spark_pair, tmp_p
         match = re.search(r"listening on http://127\.0\.0\.1:(\d+)/v1", log_path.read_text())
         assert match and process.poll() is None, log_path.read_text()
         conn = http.client.HTTPConnection("127.0.0.1", int(match.group(1)), timeout=60)
-        conn.request("POST", "/v1/chat/completions", body=json.dumps({"model": MODEL_ID, "messages": MESSAGES}))
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({"model": MODEL_ID, "messages": MESSAGES}),
+                     headers={"Content-Type": "application/json"})
         reply = json.loads(conn.getresponse().read())
         conn.close()
         assert reply["usage"]["completion_tokens"] == 3

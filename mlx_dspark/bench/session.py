@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mlx_dspark.bench import controlled, cost, plots, report, runner
+from mlx_dspark.bench import card, controlled, cost, plots, report, runner, schedule_ab
 from mlx_dspark.bench.mlx_lm_baseline import make_mlx_lm_baseline
 from mlx_dspark.bench.prompts import select_prompts
 from mlx_dspark.bench.stats import loadavg
@@ -40,6 +40,9 @@ class Options:
     controlled_prompts: int = 2
     controlled_tokens: int = 128
     parity_repeats: int = 0
+    card_columns: bool = False  # the card's four acceptance columns, fixed vs confidence schedule
+    card_max_tokens: int = card.CARD_MAX_TOKENS
+    schedule_ab: bool = False  # fixed vs confidence schedule at a calibrated synthetic profile (controlled prompts)
     progress: bool = True
 
 
@@ -106,6 +109,14 @@ def run(options: Options, *, meta: dict) -> dict:
         print("\n".join(report.lossless_lines(records)))
     for section in sections:
         print(section)
+    if options.card_columns:
+        from mlx_dspark.schedule import cost_curve_for, require_confidence_head
+
+        require_confidence_head(loaded.draft, source=loaded.draft_path)
+        curve = settings.generation.speculation.cost_curve or cost_curve_for(loaded)
+        results["card_columns"] = card.run_card_columns(model, prompts, settings, cost_curve=curve, max_tokens=options.card_max_tokens)
+        sections.append(card.format_card_columns(results["card_columns"]))
+        print(sections[-1])
 
     if options.cost_curve or options.controlled_acceptance:
         no_stop = runner.prepare_model(loaded, runner.RunSettings(ignore_eos=True))
@@ -129,6 +140,21 @@ def run(options: Options, *, meta: dict) -> dict:
             )
             sections.append(controlled.format_controlled(results["controlled"]))
             print(sections[-1])
+
+    if options.schedule_ab:
+        from mlx_dspark.schedule import cost_curve_for
+
+        no_stop = runner.prepare_model(loaded, runner.RunSettings(ignore_eos=True))
+        curve = settings.generation.speculation.cost_curve or cost_curve_for(loaded)
+        results["schedule_ab"] = schedule_ab.run_schedule_ab(
+            no_stop,
+            _controlled_prompts(no_stop, prompts, options),
+            machine_curve=curve,
+            max_tokens=options.controlled_tokens,
+            repeats=settings.repeats,
+        )
+        sections.append(schedule_ab.format_schedule_ab(results["schedule_ab"]))
+        print(sections[-1])
 
     results["meta"]["loadavg_end"] = loadavg()
     written = report.write_outputs(results, options.out, extra_sections=sections)

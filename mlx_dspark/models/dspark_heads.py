@@ -98,7 +98,9 @@ class ConfidenceHead(nn.Module):
 class Proposal:
     tokens: mx.array  # (B, K) draft tokens x(1..K)
     draft_probs: Optional[mx.array]  # (B, K, V) softmax(logits(k) / T) each was drawn from; None when greedy
-    token_probs: mx.array  # (B, K) softmax(logits(k))(x(k)) at T = 1, for p_min
+    # (B, K) max softmax(logits(k)) at T = 1, for p_min: x(k)'s own probability under greedy drafting; for
+    # sampled drafts it is known before the draw, so a cut on it never looks at x(k) (lossless)
+    token_probs: mx.array
     confidence: Optional[mx.array]  # (B, K) c(k) in (0, 1); None without a confidence head
 
 
@@ -137,8 +139,7 @@ def draft_tokens(
             token = mx.random.categorical(scaled)
             draft_probs.append(mx.softmax(scaled, axis=-1))
         token = token.astype(anchor.dtype)
-        chosen = mx.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
-        token_probs.append(mx.exp(chosen - mx.logsumexp(logits, axis=-1)))
+        token_probs.append(mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)))
         tokens.append(token)
         prev = token
     confidence = None

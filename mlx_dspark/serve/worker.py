@@ -1,9 +1,11 @@
-"""One model in memory, one generation at a time: a worker thread owns the model and a job queue.
+"""One model in memory, one generation at a time: a worker owns the model and a job queue.
 
-All MLX work (loading, then every generation) runs on this one thread, so requests never share a
-cache or interleave their steps, and the HTTP threads only pass events. A handler cancels its job
-when its client goes away; the worker checks between steps and closes the step generator (whose
-`finally` blocks leave the caches valid), or skips the job if it has not started yet.
+All MLX work (loading, then every generation) runs on one thread, so requests never share a cache
+or interleave their steps, and the HTTP threads only pass events. The command line runs the worker
+on the main thread (`load()` then `serve_jobs()`); `start()` runs it on a background thread for
+in-process use (tests, notebooks). A handler cancels its job when its client goes away; the worker
+checks between steps and closes the step generator (whose `finally` blocks leave the caches valid),
+and never starts a job whose client has already left.
 """
 
 from __future__ import annotations
@@ -17,16 +19,23 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from mlx_dspark.api import StepResponse, stream_generate
+from mlx_dspark.finite import NonFiniteError
 from mlx_dspark.serve.protocol import APIError, GenerationRequest
 
 log = logging.getLogger("mlx_dspark.server")
 
 LOADING, READY, FAILED = "loading", "ok", "error"
+_IDLE_POLL_S = 0.25
+
+
+def _never_gone() -> bool:
+    return False
 
 
 @dataclass
 class Job:
     request: GenerationRequest
+    client_gone: Callable[[], bool] = _never_gone  # asked by the worker before it starts the job
     events: queue.Queue = field(default_factory=queue.Queue)  # StepResponse... then nothing, or one APIError
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -37,7 +46,7 @@ class Job:
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def results(self, *, client_gone: Callable[[], bool], poll_s: float = 0.2) -> Iterator[StepResponse]:
+    def results(self, *, poll_s: float = 0.2) -> Iterator[StepResponse]:
         """The job's steps as they come; raises its APIError; cancels it when `client_gone()` says so.
 
         The client is checked every `poll_s` seconds, busy or not, so a reply nobody waits for stops.
@@ -50,7 +59,7 @@ class Job:
                 event = None
             if time.monotonic() - checked >= poll_s:
                 checked = time.monotonic()
-                if client_gone():
+                if self.client_gone():
                     self.cancel()
                     return
             if event is None:
@@ -63,57 +72,65 @@ class Job:
 
 
 class ModelWorker:
-    """Loads the model with `loader()` on its own thread, then serves submitted jobs in order."""
+    """Loads the model with `loader()`, then serves submitted jobs in order, on one thread."""
 
     def __init__(self, loader: Callable[[], Any], *, history: int = 32) -> None:
         self._loader = loader
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="mlx-dspark-worker", daemon=True)
+        self._thread: threading.Thread | None = None
         self.state = LOADING
         self.load_error: str | None = None
         self.loaded = threading.Event()  # set once loading succeeded or failed
         self.model: Any = None
-        self.busy = False
+        self.current: Job | None = None  # the job being generated
         self.recent: deque[Job] = deque(maxlen=history)  # finished jobs, newest last
         self._stopped = threading.Event()
 
+    # -- running -------------------------------------------------------------------------------
+
     def start(self) -> None:
+        """Load and serve on a background thread (in-process use; the command line calls `load` and
+        `serve_jobs` on its main thread instead, see `_park`)."""
+        self._thread = threading.Thread(target=self._run_in_background, name="mlx-dspark-worker", daemon=True)
         self._thread.start()
 
     def stop(self, *, timeout: float | None = None) -> None:
         """Finish the running and queued jobs (cancel them first to make it short), then stop serving."""
         self._jobs.put(None)
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._stopped.wait(timeout)
 
-    @property
-    def queued(self) -> int:
-        return self._jobs.qsize()
+    def abort(self, message: str) -> None:
+        """Fail every queued job and the running one with a 503 (the server is going away)."""
+        error = APIError(503, message, type="server_error", code="server_shutting_down")
+        with self._jobs.mutex:
+            pending = [job for job in self._jobs.queue if job is not None]
+        current = self.current
+        for job in pending + ([current] if current is not None else []):
+            job.cancel()
+            job.events.put(error)
 
-    @property
-    def speculative(self) -> bool:
-        return self.model is not None and self.model.draft is not None
-
-    def submit(self, request: GenerationRequest) -> Job:
-        if self.state == LOADING:
-            raise APIError(503, "the model is still loading; retry shortly", type="server_error",
-                           code="model_loading", headers={"Retry-After": "2"})
-        if self.state == FAILED:
-            raise APIError(503, f"the model failed to load: {self.load_error}", type="server_error",
-                           code="model_load_failed")
-        job = Job(request=request)
-        self._jobs.put(job)
-        return job
-
-    def _run(self) -> None:
-        self._load_and_serve()
+    def _run_in_background(self) -> None:
+        self.load()
+        if self.state == READY:
+            self.serve_jobs()
         self._stopped.set()
-        # Park rather than return: when a thread that ran MLX work exits, its thread-local MLX state
-        # is destroyed, and if that overlaps interpreter exit the process aborts ("terminate called
-        # without an active exception", mlx 0.32 on Linux). A daemon thread that never exits never races.
+        self._park()
+
+    @staticmethod
+    def _park() -> None:
+        """Block this thread for good instead of letting it exit.
+
+        MLX's Python binding gives a thread that used `mx.random` or `mx.compile` a thread-local whose
+        destructor takes the GIL. A Python thread that exits while the interpreter finalizes is ended
+        by `pthread_exit` when it asks for the GIL, and that forced unwind through the (noexcept)
+        destructor calls std::terminate ("terminate called without an active exception"). A daemon
+        thread blocked on a lock nobody releases never asks for the GIL again, so it never races.
+        """
         threading.Event().wait()
 
-    def _load_and_serve(self) -> None:
+    def load(self) -> None:
+        """Load the model on this thread; a failure is kept for /health and every request."""
         start = time.perf_counter()
         try:
             self.model = self._loader()
@@ -131,16 +148,53 @@ class ModelWorker:
         self.state = READY
         self.loaded.set()
         log.info("model loaded in %.1f s", time.perf_counter() - start)
+
+    def serve_jobs(self) -> None:
+        """Run submitted jobs in order on this thread until `stop()`."""
         while True:
-            job = self._jobs.get()
+            try:
+                # Wake up now and then: on the main thread, a signal handled by another thread just
+                # before an untimed wait would not interrupt it, and Ctrl-C would go unanswered.
+                job = self._jobs.get(timeout=_IDLE_POLL_S)
+            except queue.Empty:
+                continue
             if job is None:
                 return
-            if not job.cancelled.is_set():
-                self.busy = True
+            if job.cancelled.is_set() or job.client_gone():
+                job.cancel()  # its client left while it waited: it never starts
+            else:
+                self.current = job  # left set if an interrupt ends serving, so abort() can answer its client
                 self._serve(job)
-                self.busy = False
+                self.current = None
             job.done.set()
             self.recent.append(job)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting whose client is still there (a cancelled job waits only to be skipped)."""
+        with self._jobs.mutex:
+            return sum(1 for job in self._jobs.queue if job is not None and not job.cancelled.is_set())
+
+    @property
+    def speculative(self) -> bool:
+        return self.model is not None and self.model.draft is not None
+
+    def submit(self, request: GenerationRequest, *, client_gone: Callable[[], bool] = _never_gone) -> Job:
+        if self.state == LOADING:
+            raise APIError(503, "the model is still loading; retry shortly", type="server_error",
+                           code="model_loading", headers={"Retry-After": "2"})
+        if self.state == FAILED:
+            raise APIError(503, f"the model failed to load: {self.load_error}", type="server_error",
+                           code="model_load_failed")
+        job = Job(request=request, client_gone=client_gone)
+        self._jobs.put(job)
+        return job
 
     def _serve(self, job: Job) -> None:
         request = job.request
@@ -156,7 +210,10 @@ class ModelWorker:
         # The worker is the boundary of one request: a bad prompt (ValueError, a chat template's
         # own error) is the client's 400; anything else is a logged 500, and the next job still runs.
         except Exception as err:  # noqa: BLE001
-            if isinstance(err, ValueError) or type(err).__module__.startswith("jinja2"):
+            if isinstance(err, NonFiniteError):  # the model is broken, not the request
+                log.error("generation failed: %s", err)
+                job.events.put(APIError(500, str(err), type="server_error", code="non_finite_logits"))
+            elif isinstance(err, ValueError) or type(err).__module__.startswith("jinja2"):
                 job.events.put(APIError(400, str(err), code="invalid_prompt"))
             else:
                 log.exception("generation failed")

@@ -1,0 +1,236 @@
+"""Confidence-scheduled verification (DSPARK.md section 5, the DSpark paper's Alg. 1).
+
+A round verifies `[anchor, x(1..l)]`. With `a(k) = c(1) * ... * c(k)` the probability (by the draft's
+confidence head; calibrated when the draft's config carries `confidence_temperatures`, applied inside
+the head) that the first k drafts are all accepted, a round of width l yields `E(l) = 1 + a(1) + ... +
+a(l)` tokens in expectation and costs `t_draft + t_verify(1 + l)`. `scheduled_length` admits positions
+in order and stops at the first that does not raise the expected rate `E(l) / (t_draft + t_verify(1 +
+l))`. It reads only draft-side values, and `c(k)` depends on the draft's hidden state and `x(k - 1)`,
+never on `x(k)` itself: whether position k is verified is decided before x(k) is looked at, so the
+admitted prefix is an ordinary speculative block and sampling stays lossless in both drafting modes.
+
+The cost curve `t_verify(n)`, n = 1 .. block_size + 1, and `t_draft` come, in this order of preference:
+1. given (`CostCurve.flat` in tests, `CostCurve.from_file` of a benchmark's `cost_curve.json` via
+   `--cost-curve-file`): a careful measurement (context 512, 10 interleaved repeats) beats a quick one;
+2. the on-disk cache `~/.cache/mlx_dspark/cost/<key>.json`, keyed by the pair's paths and configs, the
+   weights' dtypes and the machine (host, device, MLX version, BLAS), written by
+3. `measure_cost_curve`: a quick measurement on the loaded pair at first use (3 interleaved repeats
+   after a warm-up, medians; milliseconds on a GPU, a few seconds for the scaled pair on a small CPU).
+   Costs depend on the machine, so a curve measured elsewhere would schedule for the wrong hardware.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+
+VERIFY_SCHEDULES = ("fixed", "confidence")
+COST_CACHE_DIR = Path.home() / ".cache" / "mlx_dspark" / "cost"
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Milliseconds of one draft block and of target verify forwards of 1, 2, ... tokens."""
+
+    draft_ms: float
+    verify_ms: tuple[float, ...]  # verify_ms[n - 1]: a forward of n tokens (the anchor and n - 1 drafts)
+    source: str = "given"  # where it came from, for logs and benchmark JSON
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verify_ms", tuple(float(v) for v in self.verify_ms))
+        values = (self.draft_ms, *self.verify_ms)
+        if not self.verify_ms or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError(f"a cost curve needs finite times >= 0 for a draft block and verify widths 1.., got {values}")
+        if any(b < a for a, b in zip(self.verify_ms, self.verify_ms[1:])):
+            # A wider forward never costs less; measured curves are made monotone by `from_measurements`.
+            raise ValueError(f"verify times must not decrease with the width, got {self.verify_ms}")
+
+    @classmethod
+    def flat(cls, *, max_width: int, verify_ms: float = 1.0, draft_ms: float = 0.0) -> "CostCurve":
+        """Every verify width costs the same (a GPU far from its compute limit): never cut a confident draft."""
+        return cls(draft_ms=draft_ms, verify_ms=(verify_ms,) * max_width, source="flat")
+
+    @classmethod
+    def from_measurements(cls, *, draft_ms: float, verify_ms: Sequence[float], source: str) -> "CostCurve":
+        """A measured curve with its noise bumps pooled away (isotonic regression, pool adjacent violators)."""
+        return cls(draft_ms=draft_ms, verify_ms=tuple(_nondecreasing(verify_ms)), source=source)
+
+    @property
+    def max_width(self) -> int:
+        return len(self.verify_ms)
+
+    def round_ms(self, draft_tokens: int) -> float:
+        """A round that verifies `draft_tokens` drafts: the draft block and a forward of 1 + that many tokens."""
+        return self.draft_ms + self.verify_ms[draft_tokens]
+
+    def to_json(self) -> dict:
+        """In the benchmark's `cost_curve.json` key names, so `from_file` reads both."""
+        return {
+            "draft_block_ms": self.draft_ms,
+            "verify_ms": {str(n + 1): ms for n, ms in enumerate(self.verify_ms)},
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "CostCurve":
+        """A benchmark's `cost_curve.json` (or a cached curve): `draft_block_ms` and `verify_ms` {"1": ms, ...}."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ValueError(f"cost curve file {path} does not exist") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"cost curve file {path} is not valid JSON ({err.msg} at line {err.lineno})") from None
+        verify = data.get("verify_ms") if isinstance(data, dict) else None
+        draft = data.get("draft_block_ms") if isinstance(data, dict) else None
+        widths = sorted(int(k) for k in verify) if isinstance(verify, dict) and all(str(k).isdigit() for k in verify) else []
+        if not isinstance(draft, (int, float)) or not widths or widths != list(range(1, len(widths) + 1)):
+            raise ValueError(
+                f"cost curve file {path} needs 'draft_block_ms' (a number) and 'verify_ms' ({{\"1\": ms, \"2\": ms, ...}}, "
+                "widths from 1 without gaps), as `python -m mlx_dspark.benchmark --cost-curve` writes"
+            )
+        return cls.from_measurements(draft_ms=draft, verify_ms=[verify[str(w)] for w in widths], source=str(path))
+
+
+def _nondecreasing(values: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([float(value), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
+def scheduled_length(confidence: Sequence[float], curve: CostCurve) -> int:
+    """How many of the drafts with confidences c(1..K) to verify: stop at the first that does not raise the rate.
+
+    Admitting position l + 1 raises E/T iff (E + a) / T' > E / T, i.e. a * T > E * (T' - T), written without
+    division so that on a flat curve (T' = T) every position with a(l + 1) > 0 is admitted, exactly.
+    """
+    if len(confidence) + 1 > curve.max_width:
+        raise ValueError(f"the cost curve covers verify widths up to {curve.max_width}, a round needs {len(confidence) + 1}")
+    expected, prefix = 1.0, 1.0  # E(l), a(l)
+    for length, c in enumerate(confidence):
+        prefix *= float(c)
+        cost, wider = curve.round_ms(length), curve.round_ms(length + 1)
+        if not prefix * cost > expected * (wider - cost):
+            return length
+        expected += prefix
+    return len(confidence)
+
+
+def require_confidence_head(draft: Any, *, source: Any = "the draft") -> None:
+    """The confidence schedule needs c(k): refuse a draft without a confidence head, naming the fix."""
+    if draft is not None and not getattr(draft.args, "enable_confidence_head", False):
+        raise ValueError(
+            f"verify_schedule 'confidence' needs a draft with a confidence head; {source} has none "
+            "(enable_confidence_head is false): use verify_schedule 'fixed'"
+        )
+
+
+# -- the machine's curve: measured once, cached on disk ----------------------------------------------
+
+
+def _machine() -> dict:
+    from importlib.metadata import version
+
+    maps = Path("/proc/self/maps")
+    blas = "openblas" if maps.is_file() and "libopenblas" in maps.read_text() else "default"
+    return {
+        "node": platform.node(),
+        "machine": platform.machine(),
+        "system": platform.system(),
+        "device": str(mx.default_device()),
+        "mlx": version("mlx"),
+        "blas": blas,
+    }
+
+
+def cache_key(model: Any) -> str:
+    """A hash of what the costs depend on: the pair (paths, configs, weight dtypes) and the machine."""
+    from mlx.utils import tree_flatten
+
+    dtypes = {
+        name: sorted({str(v.dtype) for _, v in tree_flatten(module.parameters())})
+        for name, module in (("target", model.target), ("draft", model.draft))
+    }
+    identity = {
+        "target": str(Path(model.target_path).resolve()),
+        "draft": str(Path(model.draft_path).resolve()) if model.draft_path else None,
+        "target_config": model.target_config,
+        "draft_config": model.draft_config,
+        "dtypes": dtypes,
+        "machine": _machine(),
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def cost_curve_for(
+    model: Any,
+    *,
+    cache_dir: Path = COST_CACHE_DIR,
+    measure: Callable[[Any, Any], CostCurve] | None = None,
+) -> CostCurve:
+    """The loaded pair's curve on this machine: read from `cache_dir`, else measured (`measure`) and written there."""
+    path = cache_dir / f"{cache_key(model)}.json"
+    if path.is_file():
+        return CostCurve.from_file(path)
+    curve = (measure or measure_cost_curve)(model.target, model.draft)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**curve.to_json(), "source": f"measured at first use, {time.strftime('%Y-%m-%d %H:%M')}"}))
+    tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    return CostCurve.from_file(path)
+
+
+def measure_cost_curve(target: Any, draft: Any, *, context: int = 256, repeats: int = 3, seed: int = 0) -> CostCurve:
+    """A quick curve: verify forwards of 1..block_size + 1 tokens and a draft block at `context` positions.
+
+    Widths are interleaved in rotating order and each forward is rolled back, so the context stays put;
+    medians over `repeats` after one untimed pass (kernel compilation, allocator growth).
+    """
+    from mlx_dspark.cache import trim_caches
+    from mlx_dspark.decode import prefill
+    from mlx_dspark.propose import DraftProposer
+
+    block = int(draft.args.block_size)
+    rng = random.Random(seed)
+    vocab = target.args.vocab_size
+    proposer = DraftProposer(draft, target, greedy=True, temperature=1.0)
+    cache = target.make_cache()
+    logits = prefill(target, cache, [rng.randrange(vocab) for _ in range(context)], tap_ids=proposer.tap_ids, proposer=proposer)
+    anchor = mx.argmax(logits).astype(mx.int32).reshape(1)
+    mx.eval(anchor)
+    candidates = mx.array([[rng.randrange(vocab) for _ in range(block + 1)]], dtype=mx.int32)
+    widths = list(range(1, block + 2))
+    samples: dict[int, list[float]] = {w: [] for w in [0, *widths]}  # 0: the draft block
+    for repeat in range(repeats + 1):
+        rotation = repeat % len(widths)
+        for width in [0, *widths[rotation:], *widths[:rotation]]:
+            start = time.perf_counter()
+            if width == 0:
+                out = proposer.propose(anchor, position=context, num_tokens=block)
+                mx.eval(out.tokens, *([] if out.confidence is None else [out.confidence]))
+            else:
+                verify_logits, features = target(candidates[:, :width], cache=cache, tap_ids=proposer.tap_ids)
+                mx.eval(mx.argmax(verify_logits, axis=-1), features)
+                trim_caches(cache, width)
+            if repeat:
+                samples[width].append(1000 * (time.perf_counter() - start))
+    return CostCurve.from_measurements(
+        draft_ms=statistics.median(samples[0]),
+        verify_ms=[statistics.median(samples[w]) for w in widths],
+        source="measured at first use",
+    )
