@@ -440,3 +440,15 @@ def test_convert_cli_reports_a_bad_gguf_in_one_line(bad_drafts, tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "missing tensor(s) ['blk.1.ffn_up.weight']" in lines[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_convert_keeps_float_shared_copies_and_refuses_quantized_ones(tiny_qwen3_pair, tmp_path):
+    target, draft = tiny_qwen3_pair
+    gguf = write_gguf_draft(draft, tmp_path / "d.gguf", target_path=target)
+    out = convert(gguf, tmp_path / "kept", keep_shared=True, log=_quiet)
+    assert {"embed_tokens.weight", "lm_head.weight"} <= set(mx.load(str(out / "model.safetensors")))
+    assert _same_proposals(mlx_dspark.load(target, draft=out), mlx_dspark.load(target, draft=gguf))
+    copies = {"token_embd.weight": "Q8_0", "output.weight": "Q8_0"}
+    quantized = write_gguf_draft(draft, tmp_path / "q.gguf", target_path=target, tensor_types=copies)
+    with pytest.raises(ValueError, match=r"--keep-shared keeps .* \['embed_tokens.weight \(Q8_0\)', 'lm_head.weight \(Q8_0\)'\]"):
+        convert(quantized, tmp_path / "q", keep_shared=True, log=_quiet)
