@@ -15,6 +15,7 @@ import typer
 
 from mlx_dspark import cli_common as flags
 from mlx_dspark.cli_common import fail, flag_errors
+from mlx_dspark.serve.cache_pool import PromptCacheBudget, parse_bytes
 from mlx_dspark.serve.protocol import SERVER_DEFAULTS
 
 app = typer.Typer(add_completion=False, help="Serve a target and its DSpark draft over an OpenAI-compatible API.")
@@ -36,6 +37,13 @@ def serve(
                                                     help="Model id clients use (default: the --model value)."),
     max_tokens_default: int = typer.Option(SERVER_DEFAULTS.max_tokens, "--max-tokens-default", help="max_tokens when a request gives none."),
     max_body_bytes: int = typer.Option(8 * 1024 * 1024, "--max-body-bytes", help="Larger request bodies get a 413."),
+    prompt_cache_size: int = typer.Option(
+        PromptCacheBudget.conversations, "--prompt-cache-size",
+        help="Conversations whose caches are kept for reuse by later requests (0 = off).",
+    ),
+    prompt_cache_bytes: str = typer.Option(
+        "2GB", "--prompt-cache-bytes", help="Memory budget of the kept caches, e.g. 2GB, 512MB (least recently used go first).",
+    ),
     temp: flags.Temp = flags.SAMPLING.temperature,
     top_p: flags.TopP = flags.SAMPLING.top_p,
     top_k: flags.TopK = flags.SAMPLING.top_k,
@@ -63,6 +71,7 @@ def serve(
         if max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
         defaults = flags.generation_options(ctx.params, max_tokens=max_tokens_default)  # the shared flags, by name
+        prompt_cache = _prompt_cache_budget(prompt_cache_size, prompt_cache_bytes)
 
     model_id = served_model_name or model or DEMO_MODEL_ID
     if model is None:
@@ -71,7 +80,7 @@ def serve(
     loader = functools.partial(load, model, draft=None if no_draft else draft, quantize=quantize)
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
-                             max_body_bytes=max_body_bytes)
+                             max_body_bytes=max_body_bytes, prompt_cache=prompt_cache)
     except OSError as err:
         fail(f"cannot listen on {host}:{port}: {err.strerror or err}")
     if host not in LOOPBACK_HOSTS and api_key is None:
@@ -96,6 +105,15 @@ def serve(
     except KeyboardInterrupt:
         typer.echo("[mlx_dspark] shutting down", err=True)
     server.close(wait_s=0)
+
+
+def _prompt_cache_budget(size: int, nbytes: str) -> PromptCacheBudget:
+    if size < 0:
+        raise ValueError(f"--prompt-cache-size must be >= 0 (0 turns reuse off), got {size}")
+    try:
+        return PromptCacheBudget(conversations=size, nbytes=parse_bytes(nbytes))
+    except ValueError as err:
+        raise ValueError(f"--prompt-cache-bytes: {err}") from None
 
 
 def main() -> None:

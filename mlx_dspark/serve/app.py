@@ -19,6 +19,7 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from mlx_dspark.options import GenerationOptions
+from mlx_dspark.serve.cache_pool import PromptCacheBudget
 from mlx_dspark.serve.protocol import SERVER_DEFAULTS, APIError, Envelope, GenerationRequest, Tally, parse_request
 from mlx_dspark.serve.worker import READY, Job, ModelWorker
 
@@ -98,13 +99,14 @@ def make_server(
     defaults: GenerationOptions = SERVER_DEFAULTS,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    prompt_cache: PromptCacheBudget = PromptCacheBudget(),
 ) -> DSparkHTTPServer:
     """Bind the socket (port 0 picks a free one); call `.start()` to load and serve."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     return DSparkHTTPServer(
         (host, port),
-        worker=ModelWorker(loader),
+        worker=ModelWorker(loader, prompt_cache=prompt_cache),
         model_id=model_id,
         defaults=defaults,
         api_key=api_key,
