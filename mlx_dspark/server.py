@@ -42,7 +42,7 @@ def serve(
         help="Conversations whose caches are kept for reuse by later requests (0 = off).",
     ),
     prompt_cache_bytes: str = typer.Option(
-        "2GB", "--prompt-cache-bytes", help="Memory budget of the kept caches, e.g. 2GB, 512MB (least recently used go first).",
+        f"{PromptCacheBudget.nbytes // 10**9}GB", "--prompt-cache-bytes", help="Memory budget of the kept caches, e.g. 2GB, 512MB (least recently used go first).",
     ),
     temp: flags.Temp = flags.SAMPLING.temperature,
     top_p: flags.TopP = flags.SAMPLING.top_p,
