@@ -32,7 +32,7 @@ class StepResponse:
     verified: bool  # this step was a speculative verify round
     finish_reason: str | None  # "stop", "length" or None while generating
     prompt_tokens: int
-    prompt_tps: float
+    prompt_tps: float  # prefilled tokens (prompt_tokens - cached_tokens) per second of time to first token
     generation_tokens: int  # tokens generated so far, this step's included
     generation_tps: float
     peak_memory_gb: float
@@ -229,6 +229,7 @@ def _stream(
         now = time.perf_counter()
         if first_token_time is None:
             first_token_time = now
+            cached = 0 if prompt_cache is None else prompt_cache.cached_tokens  # the resume just happened
         finish_reason = None
         tokens: list[int] = []
         for token in step.tokens:
@@ -259,11 +260,11 @@ def _stream(
             verified=step.verified,
             finish_reason=finish_reason,
             prompt_tokens=len(prompt_ids),
-            prompt_tps=len(prompt_ids) / max(first_token_time - start, 1e-9),
+            prompt_tps=(len(prompt_ids) - cached) / max(first_token_time - start, 1e-9),  # prefilled tokens only
             generation_tokens=generated,
             generation_tps=(generated - 1) / elapsed if generated > 1 and elapsed > 0 else 0.0,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
-            cached_tokens=0 if prompt_cache is None else prompt_cache.cached_tokens,
+            cached_tokens=cached,
         )
         if finish_reason is not None:
             return

@@ -17,6 +17,7 @@ import typer
 from mlx_dspark import cli_common as flags
 from mlx_dspark.cli_common import fail, flag_errors
 from mlx_dspark.options import GenerationOptions
+from mlx_dspark.serve.cache_pool import PromptCacheBudget, parse_bytes
 from mlx_dspark.serve.protocol import SERVER_DEFAULTS
 
 app = typer.Typer(add_completion=False, help="Serve a target and its DSpark draft over an OpenAI-compatible API.")
@@ -39,6 +40,13 @@ def serve(
                                                     help="Model id clients use (default: the --model value)."),
     max_tokens_default: int = typer.Option(SERVER_DEFAULTS.max_tokens, "--max-tokens-default", help="max_tokens when a request gives none."),
     max_body_bytes: int = typer.Option(8 * 1024 * 1024, "--max-body-bytes", help="Larger request bodies get a 413."),
+    prompt_cache_size: int = typer.Option(
+        PromptCacheBudget.conversations, "--prompt-cache-size",
+        help="Conversations whose caches are kept for reuse by later requests (0 = off).",
+    ),
+    prompt_cache_bytes: str = typer.Option(
+        f"{PromptCacheBudget.nbytes // 10**9}GB", "--prompt-cache-bytes", help="Memory budget of the kept caches, e.g. 2GB, 512MB (least recently used go first).",
+    ),
     temp: flags.Temp = flags.SAMPLING.temperature,
     top_p: flags.TopP = flags.SAMPLING.top_p,
     top_k: flags.TopK = flags.SAMPLING.top_k,
@@ -69,6 +77,7 @@ def serve(
         if max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
         defaults = flags.generation_options(ctx.params, max_tokens=max_tokens_default)  # the shared flags, by name
+        prompt_cache = _prompt_cache_budget(prompt_cache_size, prompt_cache_bytes)
 
     model_id = served_model_name or model or DEMO_MODEL_ID
     if model is None:
@@ -80,7 +89,8 @@ def serve(
     )
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
-                             max_body_bytes=max_body_bytes, allow_origins=allow_origin)
+                             max_body_bytes=max_body_bytes, allow_origins=allow_origin,
+                             prompt_cache=prompt_cache)
     except ValueError as err:
         fail(str(err))
     except OSError as err:
@@ -132,6 +142,15 @@ def run_until_interrupted(server, defaults: GenerationOptions) -> None:
     finally:
         if signal.getsignal(signal.SIGTERM) is signal.default_int_handler:
             signal.signal(signal.SIGTERM, previous_term)
+
+
+def _prompt_cache_budget(size: int, nbytes: str) -> PromptCacheBudget:
+    if size < 0:
+        raise ValueError(f"--prompt-cache-size must be >= 0 (0 turns reuse off), got {size}")
+    try:
+        return PromptCacheBudget(conversations=size, nbytes=parse_bytes(nbytes))
+    except ValueError as err:
+        raise ValueError(f"--prompt-cache-bytes: {err}") from None
 
 
 def main() -> None:

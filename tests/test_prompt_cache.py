@@ -354,3 +354,14 @@ def test_api_prompt_cache_reuses_a_conversation_and_reports_cached_tokens(tiny_s
     assert cold.cached_tokens == 0
     steps = list(mlx_dspark.stream_generate(model, second_prompt, max_tokens=4, prompt_cache=cache))
     assert all(s.cached_tokens == len(second_prompt) - 1 for s in steps)
+
+
+def test_prompt_tps_counts_only_the_prefilled_tokens(tiny_spark_pair):
+    model = mlx_dspark.load(str(tiny_spark_pair[0]), draft=str(tiny_spark_pair[1]))
+    cache = mlx_dspark.make_prompt_cache(model)
+    prompt = model.tokenizer.encode("A prompt re-sent as it was: only its last token is prefilled again.")
+    mlx_dspark.generate(model, prompt, max_tokens=4, prompt_cache=cache)
+    again = mlx_dspark.generate(model, prompt, max_tokens=4, prompt_cache=cache)
+    assert again.cached_tokens == len(prompt) - 1 > 20
+    # prompt_tps x time to first token is the number of tokens it counted: 1 here, not the whole prompt.
+    assert again.prompt_tps * again.time_to_first_token == pytest.approx(1, rel=0.5)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from mlx_dspark.options import GenerationOptions
+from mlx_dspark.serve.cache_pool import PromptCacheBudget
 from mlx_dspark.serve.protocol import SERVER_DEFAULTS, APIError, Envelope, GenerationRequest, Tally, parse_request
 from mlx_dspark.serve.worker import READY, Job, ModelWorker
 
@@ -253,6 +254,7 @@ def make_server(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     allow_origins: Sequence[str] = (),
+    prompt_cache: PromptCacheBudget = PromptCacheBudget(),
 ) -> DSparkHTTPServer:
     """Bind the socket (port 0 picks a free one); call `.start()` to load and serve."""
     if max_body_bytes < 1:
@@ -263,7 +265,7 @@ def make_server(
         raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
     return DSparkHTTPServer(
         (host, port),
-        worker=ModelWorker(loader),
+        worker=ModelWorker(loader, prompt_cache=prompt_cache),
         model_id=model_id,
         defaults=defaults,
         api_key=api_key,

@@ -246,11 +246,17 @@ class Tally(ResultCollector):
     def completion_tokens(self) -> int:
         return self.last.generation_tokens if self.last else 0
 
+    @property
+    def cached_tokens(self) -> int:
+        return self.last.cached_tokens if self.last else 0
+
     def usage(self) -> dict:
+        """OpenAI's usage; `cached_tokens`: prompt tokens reused from a prompt cache instead of prefilled."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def stats(self) -> dict:

@@ -5,7 +5,8 @@ or interleave their steps, and the HTTP threads only pass events. The command li
 on the main thread (`load()` then `serve_jobs()`); `start()` runs it on a background thread for
 in-process use (tests, notebooks). A handler cancels its job when its client goes away; the worker
 checks between steps and closes the step generator (whose `finally` blocks leave the caches valid),
-and never starts a job whose client has already left.
+and never starts a job whose client has already left. Each job takes its prompt cache out of the worker's pool
+(`cache_pool.py`) and gives it back when it ends.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from mlx_dspark.api import StepResponse, stream_generate
+from mlx_dspark.api import StepResponse, encode_prompt, stream_generate
 from mlx_dspark.finite import NonFiniteError
+from mlx_dspark.serve.cache_pool import PromptCacheBudget, PromptCachePool
 from mlx_dspark.serve.protocol import APIError, GenerationRequest
 
 log = logging.getLogger("mlx_dspark.server")
@@ -74,8 +76,12 @@ class Job:
 class ModelWorker:
     """Loads the model with `loader()`, then serves submitted jobs in order, on one thread."""
 
-    def __init__(self, loader: Callable[[], Any], *, history: int = 32) -> None:
+    def __init__(
+        self, loader: Callable[[], Any], *, history: int = 32, prompt_cache: PromptCacheBudget = PromptCacheBudget()
+    ) -> None:
         self._loader = loader
+        self._cache_budget = prompt_cache
+        self.prompt_caches: PromptCachePool | None = None  # built with the model
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self.state = LOADING
@@ -145,6 +151,7 @@ class ModelWorker:
             self.state = FAILED
             self.loaded.set()
             return
+        self.prompt_caches = PromptCachePool(self.model, self._cache_budget)
         self.state = READY
         self.loaded.set()
         log.info("model loaded in %.1f s", time.perf_counter() - start)
@@ -198,8 +205,14 @@ class ModelWorker:
 
     def _serve(self, job: Job) -> None:
         request = job.request
-        steps = stream_generate(self.model, request.prompt, options=request.options)
+        cache, steps, failed = None, None, True
         try:
+            prompt = encode_prompt(
+                self.model.tokenizer, request.prompt, chat_template_kwargs=request.options.chat_template_kwargs
+            )
+            speculative = request.options.speculation.speculative and self.speculative
+            cache = self.prompt_caches.checkout(prompt, speculative=speculative)
+            steps = stream_generate(self.model, prompt, options=request.options, prompt_cache=cache)
             for step in steps:
                 job.steps += 1
                 job.generated_tokens = step.generation_tokens
@@ -207,6 +220,7 @@ class ModelWorker:
                 job.events.put(step)
                 if step.finish_reason is not None or job.cancelled.is_set():
                     break
+            failed = False
         # The worker is the boundary of one request: a bad prompt (ValueError, a chat template's
         # own error) is the client's 400; anything else is a logged 500, and the next job still runs.
         except Exception as err:  # noqa: BLE001
@@ -219,7 +233,9 @@ class ModelWorker:
                 log.exception("generation failed")
                 job.events.put(APIError(500, f"generation failed: {type(err).__name__}: {err}", type="server_error"))
         finally:
-            steps.close()
+            if steps is not None:
+                steps.close()
+            self.prompt_caches.checkin(cache, reusable=not failed)  # a failed generation's caches are dropped
         log.info(
             "%s request: %d generated tokens, finish=%s%s",
             request.kind, job.generated_tokens, job.finish_reason, " (client gone, stopped)" if job.cancelled.is_set() else "",

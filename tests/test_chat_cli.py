@@ -1,0 +1,71 @@
+"""`python -m mlx_dspark.chat`, fed through stdin in a subprocess, on the tiny spark pair (greedy)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_dspark.api import generate
+from mlx_dspark.load import load
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEM = "You answer briefly."
+MAX_TOKENS = 12
+STATS = re.compile(r"^\[prompt (\d+) tokens, (\d+) cached, .* tok/s \| reply (\d+) tokens, .*\]$")
+
+
+def run_chat(pair, stdin: str, *extra: str) -> subprocess.CompletedProcess:
+    target, draft = pair
+    command = [sys.executable, "-m", "mlx_dspark.chat", "--model", str(target), "--draft", str(draft),
+               "--system", SYSTEM, "--max-tokens", str(MAX_TOKENS), *extra]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONIOENCODING": "utf-8"}
+    # bytes, not text: a reply of the random model may hold a "\r" that universal newlines would rewrite
+    return subprocess.run(command, input=stdin.encode(), capture_output=True, timeout=120, env=env)
+
+
+def stats(stderr: bytes) -> list[tuple[int, int, int]]:
+    lines = [STATS.match(line) for line in stderr.decode().splitlines()]
+    return [tuple(int(g) for g in m.groups()) for m in lines if m]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_spark_pair):
+    target, draft = tiny_spark_pair
+    return load(target, draft=draft)
+
+
+def test_a_chat_keeps_its_cache_between_turns_and_replies_as_cold_generations(tiny_spark_pair, pair):
+    proc = run_chat(tiny_spark_pair, "Tell me about the sea.\nAnd then?\n/reset\nHello\n")
+    assert proc.returncode == 0, proc.stderr.decode()
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about the sea."}]
+    first = generate(pair, messages, max_tokens=MAX_TOKENS)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
+    second = generate(pair, messages, max_tokens=MAX_TOKENS)
+    after_reset = generate(pair, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}],
+                           max_tokens=MAX_TOKENS)  # fmt: skip
+    assert proc.stdout.decode() == f"{first.text}\n{second.text}\n{after_reset.text}\n"
+    turns = stats(proc.stderr)
+    assert [t[0] for t in turns] == [first.prompt_tokens, second.prompt_tokens, after_reset.prompt_tokens]
+    assert turns[0][1] == 0 and turns[1][1] > 0 and turns[2][1] == 0  # /reset: a new, empty cache
+    assert turns[1][1] >= first.prompt_tokens - 1
+    assert [t[2] for t in turns] == [len(first.tokens), len(second.tokens), len(after_reset.tokens)]
+
+
+def test_exit_quits_and_plain_decoding_gives_the_same_replies(tiny_spark_pair, pair):
+    proc = run_chat(tiny_spark_pair, "Hello\n/exit\nnever read\n", "--no-draft")
+    assert proc.returncode == 0, proc.stderr.decode()
+    want = generate(pair, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}],
+                    max_tokens=MAX_TOKENS)  # fmt: skip
+    assert proc.stdout.decode() == f"{want.text}\n"
+    assert len(stats(proc.stderr)) == 1 and "mean acceptance length" not in proc.stderr.decode()
+
+
+def test_a_bad_flag_is_one_error_line(tiny_spark_pair):
+    proc = run_chat(tiny_spark_pair, "", "--temp", "-1")
+    assert proc.returncode == 2
+    assert proc.stderr.decode().startswith("error: --temp") and len(proc.stderr.decode().strip().splitlines()) == 1
