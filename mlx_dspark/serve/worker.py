@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from mlx_dspark.api import StepResponse, stream_generate
+from mlx_dspark.api import ContextLengthError, GenerationCancelled, StepResponse, stream_generate
 from mlx_dspark.finite import NonFiniteError
 from mlx_dspark.serve.protocol import APIError, GenerationRequest
 
@@ -198,7 +198,9 @@ class ModelWorker:
 
     def _serve(self, job: Job) -> None:
         request = job.request
-        steps = stream_generate(self.model, request.prompt, options=request.options)
+        # The job's cancel event stops the prefill between chunks too: a client that left mid-prompt
+        # frees the worker within one prefill chunk.
+        steps = stream_generate(self.model, request.prompt, options=request.options, cancel=job.cancelled)
         try:
             for step in steps:
                 job.steps += 1
@@ -209,8 +211,13 @@ class ModelWorker:
                     break
         # The worker is the boundary of one request: a bad prompt (ValueError, a chat template's
         # own error) is the client's 400; anything else is a logged 500, and the next job still runs.
+        except GenerationCancelled:
+            pass  # its client left (or the server is shutting down): nobody waits for an answer
         except Exception as err:  # noqa: BLE001
-            if isinstance(err, NonFiniteError):  # the model is broken, not the request
+            if isinstance(err, ContextLengthError):  # before any model work
+                param = "max_tokens" if err.field == "max_tokens" else ("messages" if request.kind == "chat" else "prompt")
+                job.events.put(APIError(400, str(err), param=param, code="context_length_exceeded"))
+            elif isinstance(err, NonFiniteError):  # the model is broken, not the request
                 log.error("generation failed: %s", err)
                 job.events.put(APIError(500, str(err), type="server_error", code="non_finite_logits"))
             elif isinstance(err, ValueError) or type(err).__module__.startswith("jinja2"):
