@@ -90,7 +90,9 @@ def context_length(model: Any, options: GenerationOptions) -> tuple[int | None, 
     return (context, "the target's max_position_embeddings") if isinstance(context, int) and context > 0 else (None, "")
 
 
-def fit_max_tokens(prompt_tokens: int, options: GenerationOptions, context: int | None, source: str = "max_context / --max-context") -> int:
+def fit_max_tokens(
+    prompt_tokens: int, options: GenerationOptions, context: int | None, source: str = "max_context / --max-context"
+) -> int:
     """max_tokens for this prompt: as given when it fits, the room left when `clamp_max_tokens`, else an error.
 
     OpenAI's rules: a max_tokens the caller chose that does not fit is refused, naming the numbers; a

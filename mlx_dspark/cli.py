@@ -70,7 +70,8 @@ def generate(
     with flag_errors():
         flags.check_quantize(quantize)
         # Without --max-tokens, a long prompt shortens the default to the context left (as OpenAI does).
-        options = flags.generation_options(ctx.params, max_tokens=flags.DEFAULT_OPTIONS.max_tokens if max_tokens is None else max_tokens)
+        default_max_tokens = flags.DEFAULT_OPTIONS.max_tokens
+        options = flags.generation_options(ctx.params, max_tokens=default_max_tokens if max_tokens is None else max_tokens)
         options = dataclasses.replace(options, clamp_max_tokens=max_tokens is None)
         text = read_prompt(prompt)  # before the (slow) load, so a bad prompt is told at once
         if system is not None:

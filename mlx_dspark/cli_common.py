@@ -139,7 +139,9 @@ def text_flag(flag: str, value: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise ValueError(f"{flag} is not valid UTF-8 text (an undecodable byte or lone surrogate at character {err.start})") from None
+        raise ValueError(
+            f"{flag} is not valid UTF-8 text (an undecodable byte or lone surrogate at character {err.start})"
+        ) from None
     return value
 
 

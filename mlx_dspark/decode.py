@@ -3,7 +3,8 @@
 Each yields one `Round` per target forward after the prefill: the committed tokens, how many draft
 tokens were verified and how many were accepted. The consumer decides when to stop (stop tokens,
 strings, max tokens); a `cancel` event stops them from another thread, checked between prefill chunks
-and between rounds (they raise GenerationCancelled). The caches live in a `PromptCache`: a fresh one per call, or the caller's, which
+and between rounds (they raise GenerationCancelled).
+The caches live in a `PromptCache`: a fresh one per call, or the caller's, which
 then resumes from the longest prefix it can serve and stays reusable at every yield (so stopping early
 leaves it valid).
 

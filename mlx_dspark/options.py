@@ -127,7 +127,9 @@ class GenerationOptions:
         if not isinstance(self.clamp_max_tokens, bool):
             raise OptionError("clamp_max_tokens", self.clamp_max_tokens, "true or false")
         if self.max_context is not None and not (_is_int(self.max_context) and self.max_context >= 2):
-            raise OptionError("max_context", self.max_context, "an integer >= 2 (a prompt token and a generated one), or none for the model's")
+            raise OptionError(
+                "max_context", self.max_context, "an integer >= 2 (a prompt token and a generated one), or none for the model's"
+            )
         if not (_is_int(self.prefill_step_size) and self.prefill_step_size >= 1):
             raise OptionError("prefill_step_size", self.prefill_step_size, "an integer >= 1")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
