@@ -1,8 +1,8 @@
 """mlx-lm's own plain generation on the same weights: the baseline that keeps ours honest.
 
 qwen3 and spark2_5 targets (mlx-lm 0.32 ships both models) are loaded by `mlx_lm.load` with mlx-lm's own
-model, cast to `--dtype` and, for `--quantize`, quantized with the same layers, bits and group size as our
-loader; a checkpoint stored quantized or another family runs our target module under mlx-lm's
+model, cast to `--dtype` and, for `--quantize`, quantized by mlx-lm's own `quantize_model` (the same layers as our
+loader uses); a checkpoint stored quantized or another family runs our target module under mlx-lm's
 `generate_step` through `LogitsOnly`, so the loop is mlx-lm's and only the model is ours.
 """
 
@@ -45,17 +45,16 @@ def make_mlx_lm_baseline(loaded: Any, *, dtype: str | None, quantize: int | None
     """mlx-lm's own model for float checkpoints of the families it ships; our target through `LogitsOnly` otherwise."""
     family = loaded.target_config.get("model_type")
     if family in MLX_LM_FAMILIES and "quantization" not in loaded.target_config:
-        import mlx.nn as nn
         import mlx_lm
-
-        from mlx_dspark.precision import quantizable
+        from mlx_lm.utils import quantize_model
 
         # Only the model is used; the tokenizer must not run the checkpoint's custom code (spark's auto_map).
         model, _ = mlx_lm.load(str(Path(loaded.target_path)), tokenizer_config={"trust_remote_code": False})
         if dtype is not None:
             model.set_dtype(getattr(mx, dtype))
         if quantize is not None:
-            nn.quantize(model, q_group_size, quantize, class_predicate=lambda path, m: quantizable(path, m, group_size=q_group_size))
+            # mlx-lm's own choice of layers (its spark2_5 keeps g_proj in float), as our loader follows it
+            model, _ = quantize_model(model, {}, q_group_size, quantize)
         mx.eval(model.parameters())
         return MlxLmBaseline(model=model, kind="mlx_lm.load")
     return MlxLmBaseline(model=LogitsOnly(loaded.target), kind="our target under mlx_lm.generate_step")
