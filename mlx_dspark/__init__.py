@@ -8,7 +8,15 @@ API function.
 
 from __future__ import annotations
 
-from mlx_dspark.api import GenerationResult, StepResponse, generate, make_prompt_cache, stream_generate
+from mlx_dspark.api import (
+    ContextLengthError,
+    GenerationCancelled,
+    GenerationResult,
+    StepResponse,
+    generate,
+    make_prompt_cache,
+    stream_generate,
+)
 from mlx_dspark.prompt_cache import PromptCache
 from mlx_dspark.load import LoadedModel, load
 from mlx_dspark.options import GenerationOptions, OptionError, SamplingOptions, SpeculationOptions
@@ -16,7 +24,9 @@ from mlx_dspark.schedule import CostCurve
 
 __version__ = "0.1.0"
 __all__ = [
+    "ContextLengthError",
     "CostCurve",
+    "GenerationCancelled",
     "GenerationOptions",
     "GenerationResult",
     "LoadedModel",

@@ -8,13 +8,14 @@ plain and the speculative path share exactly the same rules.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.decode import Round, plain_steps, speculative_steps
+from mlx_dspark.decode import GenerationCancelled, Round, plain_steps, speculative_steps
 from mlx_dspark.options import DEFAULT_OPTIONS, GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.prompt_cache import PromptCache
 from mlx_dspark.propose import DraftProposer, Proposer
@@ -65,6 +66,71 @@ class GenerationResult:
         return len(self.acceptance_lengths)
 
 
+class ContextLengthError(ValueError):
+    """The prompt, or the prompt plus max_tokens, does not fit in the context: checked before any model work.
+
+    `field` is "prompt" (the prompt alone leaves no room) or "max_tokens" (lower it to `room`).
+    """
+
+    def __init__(self, message: str, *, field: str, prompt_tokens: int, max_tokens: int, context: int) -> None:
+        super().__init__(message)
+        self.field = field
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context = context
+        self.room = max(0, context - prompt_tokens)
+
+
+def context_length(model: Any, options: GenerationOptions) -> tuple[int | None, str]:
+    """The context a generation must fit in, and where the number comes from (for errors)."""
+    if options.max_context is not None:
+        return options.max_context, "max_context / --max-context"
+    config = getattr(model, "target_config", None) or {}
+    context = config.get("max_position_embeddings")
+    return (context, "the target's max_position_embeddings") if isinstance(context, int) and context > 0 else (None, "")
+
+
+def fit_max_tokens(
+    prompt_tokens: int, options: GenerationOptions, context: int | None, source: str = "max_context / --max-context"
+) -> int:
+    """max_tokens for this prompt: as given when it fits, the room left when `clamp_max_tokens`, else an error.
+
+    OpenAI's rules: a max_tokens the caller chose that does not fit is refused, naming the numbers; a
+    default one is shortened to the room left; a prompt that leaves no room at all is always refused.
+    """
+    max_tokens = options.max_tokens
+    if context is None:
+        return max_tokens
+    room = context - prompt_tokens
+    numbers = dict(prompt_tokens=prompt_tokens, max_tokens=max_tokens, context=context)
+    if room < 1:
+        raise ContextLengthError(
+            f"the prompt is {prompt_tokens} tokens, and the context is {context} tokens ({source}): "
+            "it must leave room for at least one generated token; shorten the prompt",
+            field="prompt", **numbers,
+        )  # fmt: skip
+    if max_tokens <= room:
+        return max_tokens
+    if options.clamp_max_tokens:
+        return room
+    raise ContextLengthError(
+        f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {prompt_tokens + max_tokens} tokens, "
+        f"over the context of {context} tokens ({source}): lower max_tokens to at most {room} or shorten the prompt",
+        field="max_tokens", **numbers,
+    )  # fmt: skip
+
+
+def _check_text(text: str, what: str) -> None:
+    """A lone surrogate (from JSON's "\\ud800", or undecodable bytes under surrogateescape) is not text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{what} holds an unpaired surrogate ({text[err.start]!r} at character {err.start}): it is not valid "
+            "Unicode text (send valid UTF-8, or UTF-16 pairs in JSON escapes)"
+        ) from None
+
+
 def encode_prompt(
     tokenizer: Any,
     prompt: str | Sequence[int] | Sequence[dict],
@@ -73,6 +139,7 @@ def encode_prompt(
 ) -> list[int]:
     """A string is used as is, token ids as given, chat messages through the chat template."""
     if isinstance(prompt, str):
+        _check_text(prompt, "the prompt")
         bos = getattr(tokenizer, "bos_token", None)
         add_special = bos is None or not prompt.startswith(bos)
         return list(tokenizer.encode(prompt, add_special_tokens=add_special))
@@ -85,6 +152,8 @@ def encode_prompt(
         for i, message in enumerate(items):
             if "role" not in message or "content" not in message:
                 raise ValueError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(message)}")
+            if isinstance(message["content"], str):
+                _check_text(message["content"], f"chat message {i}")
         if not getattr(tokenizer, "has_chat_template", True):
             raise ValueError("the tokenizer has no chat template: pass the prompt as a string")
         ids = tokenizer.apply_chat_template(items, add_generation_prompt=True, **(chat_template_kwargs or {}))
@@ -98,14 +167,17 @@ def _steps(
     options: GenerationOptions,
     proposer: Proposer | None,
     prompt_cache: PromptCache | None,
+    cancel: threading.Event | None,
 ) -> Iterator[Round]:
     vocab = model.target.args.vocab_size
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
     sampling, speculation = options.sampling, options.speculation
+    step_size = options.prefill_step_size
     if not speculation.speculative:
-        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache)
+        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
+                           prefill_step_size=step_size, cancel=cancel)
     if proposer is None and model.draft is not None:
         proposer = DraftProposer(
             model.draft,
@@ -115,7 +187,8 @@ def _steps(
             context=None if prompt_cache is None else prompt_cache.draft_context,
         )
     if proposer is None:
-        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache)
+        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
+                           prefill_step_size=step_size, cancel=cancel)
     if speculation.verify_schedule == "confidence":
         if isinstance(proposer, DraftProposer):
             require_confidence_head(proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
@@ -129,6 +202,8 @@ def _steps(
         speculation=speculation,
         max_tokens=options.max_tokens,
         prompt_cache=prompt_cache,
+        prefill_step_size=step_size,
+        cancel=cancel,
     )
 
 
@@ -153,7 +228,10 @@ def stream_generate(
     options: GenerationOptions | None = None,
     proposer: Proposer | None = None,
     prompt_cache: PromptCache | None = None,
+    cancel: threading.Event | None = None,
     max_tokens: int = DEFAULT_OPTIONS.max_tokens,
+    max_context: int | None = DEFAULT_OPTIONS.max_context,
+    prefill_step_size: int = DEFAULT_OPTIONS.prefill_step_size,
     temperature: float = _SAMPLING.temperature,
     top_p: float = _SAMPLING.top_p,
     top_k: int = _SAMPLING.top_k,
@@ -177,11 +255,18 @@ def stream_generate(
     error. `proposer` replaces the loaded draft (tests and benchmarks plug in controlled proposers).
     `prompt_cache` (from `make_prompt_cache`) keeps a conversation warm: the prompt's prefix that it
     already holds is not prefilled again (`cached_tokens`).
+    The prompt plus `max_tokens` must fit in `max_context` (default: the target's
+    `max_position_embeddings`): a `ContextLengthError` (a ValueError naming the numbers) before any
+    model work otherwise. `cancel`, a `threading.Event` another thread may set, stops the generation
+    between prefill chunks (of `prefill_step_size` tokens) or rounds: the stream raises
+    `GenerationCancelled`.
     `verify_schedule="confidence"` needs a draft with a confidence head (an error otherwise) and uses
     `cost_curve`, or else this machine's curve for the pair (schedule.py: measured once, cached on disk).
     """
     built = GenerationOptions(
         max_tokens=max_tokens,
+        max_context=max_context,
+        prefill_step_size=prefill_step_size,
         stop=stop or (),
         stop_token_ids=stop_token_ids or (),
         chat_template_kwargs=chat_template_kwargs,
@@ -200,7 +285,7 @@ def stream_generate(
         options = built
     elif built != DEFAULT_OPTIONS:
         raise ValueError("give the generation options either as `options=` or as keywords, not both")
-    return _stream(model, prompt, options, proposer, prompt_cache)
+    return _stream(model, prompt, options, proposer, prompt_cache, cancel)
 
 
 def _stream(
@@ -209,12 +294,15 @@ def _stream(
     options: GenerationOptions,
     proposer: Proposer | None,
     prompt_cache: PromptCache | None,
+    cancel: threading.Event | None,
 ) -> Iterator[StepResponse]:
     tokenizer = model.tokenizer
     stops = options.stop
     stop_ids = set(tokenizer.eos_token_ids) | set(options.stop_token_ids)
-    max_tokens = options.max_tokens
     prompt_ids = encode_prompt(tokenizer, prompt, chat_template_kwargs=options.chat_template_kwargs)
+    max_tokens = fit_max_tokens(len(prompt_ids), options, *context_length(model, options))
+    if max_tokens != options.max_tokens:
+        options = dataclasses.replace(options, max_tokens=max_tokens)
 
     if options.sampling.seed is not None:
         mx.random.seed(options.sampling.seed)
@@ -225,7 +313,7 @@ def _stream(
     generated = 0
     start = time.perf_counter()
     first_token_time = None
-    for step in _steps(model, prompt_ids, options, proposer, prompt_cache):
+    for step in _steps(model, prompt_ids, options, proposer, prompt_cache, cancel):
         now = time.perf_counter()
         if first_token_time is None:
             first_token_time = now
@@ -339,7 +427,10 @@ def generate(
     options: GenerationOptions | None = None,
     proposer: Proposer | None = None,
     prompt_cache: PromptCache | None = None,
+    cancel: threading.Event | None = None,
     max_tokens: int = DEFAULT_OPTIONS.max_tokens,
+    max_context: int | None = DEFAULT_OPTIONS.max_context,
+    prefill_step_size: int = DEFAULT_OPTIONS.prefill_step_size,
     temperature: float = _SAMPLING.temperature,
     top_p: float = _SAMPLING.top_p,
     top_k: int = _SAMPLING.top_k,
@@ -367,7 +458,10 @@ def generate(
         options=options,
         proposer=proposer,
         prompt_cache=prompt_cache,
+        cancel=cancel,
         max_tokens=max_tokens,
+        max_context=max_context,
+        prefill_step_size=prefill_step_size,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,

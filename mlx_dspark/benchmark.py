@@ -111,6 +111,7 @@ def main(
     max_draft_tokens: flags.MaxDraftTokens = flags.SPECULATION.max_draft_tokens,
     verify_schedule: flags.VerifySchedule = flags.SPECULATION.verify_schedule,
     cost_curve_file: flags.CostCurveFile = None,
+    max_context: flags.MaxContext = None,
     repeats: int = typer.Option(1, "--repeats", help="Timed repeats per prompt and mode (medians)."),
     seed: flags.Seed = 0,
     out: Path = typer.Option(Path("benchmark-results"), "--out", help="Directory for results.json, results.md, plots."),

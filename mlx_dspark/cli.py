@@ -6,6 +6,7 @@ path, not of output quality). Errors a user can fix are one line on stderr and a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Optional
@@ -13,16 +14,27 @@ from typing import Optional
 import typer
 
 from mlx_dspark import cli_common as flags
-from mlx_dspark.cli_common import fail, flag_errors, resolve_cost_curve
+from mlx_dspark.cli_common import exit_on_interrupt, fail, flag_errors, resolve_cost_curve
 
 app = typer.Typer(add_completion=False, help="Generate text with a target and its DSpark draft.")
 
 
 def read_prompt(prompt: str) -> str:
-    return sys.stdin.read() if prompt == "-" else prompt
+    """The --prompt text, or standard input for "-", as valid UTF-8 (else a ValueError naming the byte)."""
+    if prompt != "-":
+        return flags.text_flag("--prompt", prompt)
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"--prompt -: standard input is not valid UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start}); "
+            "convert it first, e.g. with iconv"
+        ) from None
 
 
 @app.command()
+@exit_on_interrupt()
 def generate(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", help=flags.MODEL_HELP),
@@ -30,7 +42,10 @@ def generate(
     draft_tap_ids: flags.DraftTapIds = None,
     prompt: str = typer.Option("Write a short poem about the sea.", "--prompt", "-p", help="Prompt text, or - for stdin."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
-    max_tokens: int = typer.Option(flags.DEFAULT_OPTIONS.max_tokens, "--max-tokens", "-m"),
+    max_tokens: Optional[int] = typer.Option(
+        None, "--max-tokens", "-m",
+        help=f"The most tokens to generate [default: {flags.DEFAULT_OPTIONS.max_tokens}, or what the context has left].",
+    ),  # fmt: skip
     temp: flags.Temp = flags.SAMPLING.temperature,
     top_p: flags.TopP = flags.SAMPLING.top_p,
     top_k: flags.TopK = flags.SAMPLING.top_k,
@@ -46,6 +61,7 @@ def generate(
     chat_template_args: flags.ChatTemplateArgs = None,
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Use the prompt as raw text."),
     quantize: flags.Quantize = None,
+    max_context: flags.MaxContext = None,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the result instead of streaming."),
 ) -> None:
     """Stream a completion to stdout; a summary goes to stderr."""
@@ -55,7 +71,13 @@ def generate(
     with flag_errors():
         flags.check_quantize(quantize)
         tap_ids = flags.parse_tap_ids(draft_tap_ids, draft=draft, model=model)
-        options = flags.generation_options(ctx.params, max_tokens=max_tokens)  # the shared flags, read by name
+        # Without --max-tokens, a long prompt shortens the default to the context left (as OpenAI does).
+        default_max_tokens = flags.DEFAULT_OPTIONS.max_tokens
+        options = flags.generation_options(ctx.params, max_tokens=default_max_tokens if max_tokens is None else max_tokens)
+        options = dataclasses.replace(options, clamp_max_tokens=max_tokens is None)
+        text = read_prompt(prompt)  # before the (slow) load, so a bad prompt is told at once
+        if system is not None:
+            flags.text_flag("--system", system)
 
     if model is None:
         model, default_draft = (str(p) for p in flags.demo_pair())
@@ -71,7 +93,6 @@ def generate(
             options = resolve_cost_curve(pair, options)
         typer.echo(f"[mlx_dspark] verify schedule: confidence, cost curve: {options.speculation.cost_curve.source}", err=True)
 
-    text = read_prompt(prompt)
     if no_chat_template or not pair.tokenizer.has_chat_template:
         request = text
     else:

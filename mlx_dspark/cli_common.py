@@ -37,6 +37,7 @@ DEMO_DIR = Path.home() / ".cache" / "mlx_dspark" / "tiny-spark-pair"
 # The flag that sets each option field, for error lines (a command may name max_tokens differently).
 FLAGS = {
     "max_tokens": "--max-tokens",
+    "max_context": "--max-context",
     "temperature": "--temp",
     "top_p": "--top-p",
     "top_k": "--top-k",
@@ -92,6 +93,13 @@ ChatTemplateArgs = Annotated[
     Optional[str],
     typer.Option("--chat-template-args", help="JSON object for the chat template, e.g. '{\"enable_thinking\": false}'."),
 ]
+MaxContext = Annotated[
+    Optional[int],
+    typer.Option(
+        "--max-context",
+        help="Tokens the prompt and the completion must fit in (default: the target's max_position_embeddings).",
+    ),
+]
 Quantize = Annotated[Optional[int], typer.Option("--quantize", help="Quantize the target at load time: 4 or 8 bits.")]
 MODEL_HELP = "Target: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
 DRAFT_HELP = "DSpark draft: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
@@ -123,16 +131,42 @@ def flag_errors(flags: Mapping[str, str] = FLAGS) -> Iterator[None]:
         fail(str(err))
 
 
+@contextmanager
+def exit_on_interrupt() -> Iterator[None]:
+    """Ctrl-C (during the load or the generation): exit status 130, the shell's for SIGINT, no traceback.
+
+    Also a decorator: `@exit_on_interrupt()` under `@app.command()`.
+    """
+    try:
+        yield
+    except KeyboardInterrupt:
+        typer.echo("\n[mlx_dspark] interrupted", err=True)
+        raise typer.Exit(code=130) from None
+
+
+def text_flag(flag: str, value: str) -> str:
+    """A text flag's value, refused when it is not valid Unicode (argv bytes that are not UTF-8 arrive
+    as lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{flag} is not valid UTF-8 text (an undecodable byte or lone surrogate at character {err.start})"
+        ) from None
+    return value
+
+
 def generation_options(flags: Mapping[str, Any], *, max_tokens: int) -> GenerationOptions:
     """The options a command's parsed flags (its `ctx.params`) set, by the parameter names above.
 
-    `seed`, `no_draft`, `chat_template_args`, `verify_schedule` and `cost_curve_file` are optional: a command
-    without them gets the defaults.
+    `seed`, `no_draft`, `chat_template_args`, `verify_schedule`, `cost_curve_file` and `max_context` are
+    optional: a command without them gets the defaults.
     """
     curve_file = flags.get("cost_curve_file")  # a bad file is a ValueError naming it
     cost_curve = None if curve_file is None else CostCurve.from_file(curve_file)
     return GenerationOptions(
         max_tokens=max_tokens,
+        max_context=flags.get("max_context"),
         chat_template_kwargs=parse_template_args(flags.get("chat_template_args")),
         sampling=SamplingOptions(
             temperature=flags["temp"],

@@ -2,7 +2,9 @@
 
 Each yields one `Round` per target forward after the prefill: the committed tokens, how many draft
 tokens were verified and how many were accepted. The consumer decides when to stop (stop tokens,
-strings, max tokens). The caches live in a `PromptCache`: a fresh one per call, or the caller's, which
+strings, max tokens); a `cancel` event stops them from another thread, checked between prefill chunks
+and between rounds (they raise GenerationCancelled).
+The caches live in a `PromptCache`: a fresh one per call, or the caller's, which
 then resumes from the longest prefix it can serve and stays reusable at every yield (so stopping early
 leaves it valid).
 
@@ -13,6 +15,7 @@ caches -> give the draft the features of the committed positions -> the bonus is
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -21,13 +24,16 @@ import mlx.core as mx
 from mlx_dspark.accept import accept_greedy, accept_sampled
 from mlx_dspark.cache import trim_caches
 from mlx_dspark.finite import check_finite_logits
-from mlx_dspark.options import SpeculationOptions
+from mlx_dspark.options import PREFILL_STEP_SIZE, SpeculationOptions
 from mlx_dspark.prompt_cache import PromptCache
 from mlx_dspark.propose import Proposal, Proposer
 from mlx_dspark.sample import Sampler
 from mlx_dspark.schedule import CostCurve, scheduled_length
 
-PREFILL_STEP_SIZE = 512  # prompt tokens per prefill forward: bounds the memory of long prompts
+
+
+class GenerationCancelled(Exception):
+    """The caller's cancel event was set: the generation stopped between prefill chunks or rounds."""
 
 
 @dataclass
@@ -38,6 +44,11 @@ class Round:
     verified: bool = False  # a speculative verify round (False: prefill token or plain decoding)
 
 
+def _check_cancel(cancel: threading.Event | None, where: str = "between rounds") -> None:
+    if cancel is not None and cancel.is_set():
+        raise GenerationCancelled(f"generation cancelled {where}")
+
+
 def prefill(
     target: Any,
     cache: list,
@@ -46,15 +57,19 @@ def prefill(
     tap_ids: Sequence[int] = (),
     proposer: Proposer | None = None,
     step_size: int = PREFILL_STEP_SIZE,
+    cancel: threading.Event | None = None,
 ) -> mx.array:
     """Run the prompt through the target in chunks; returns the logits (V,) at the last position.
 
     Chunking bounds the memory of long prompts; each chunk's tapped features go to the proposer.
+    `cancel`, when set, stops the prefill before its next chunk (GenerationCancelled): a long prompt
+    nobody waits for any more costs at most the chunk in flight.
     """
     if len(prompt) == 0:
         raise ValueError("the prompt is empty: give at least one token")
     tokens = mx.array(prompt, dtype=mx.int32)[None]
     for start in range(0, len(prompt), step_size):
+        _check_cancel(cancel, f"during the prefill, after {start} of {len(prompt)} prompt tokens")
         chunk = tokens[:, start : start + step_size]
         is_last = start + step_size >= len(prompt)
         logits, features = target(chunk, cache=cache, tap_ids=tap_ids, last_only=True)
@@ -75,7 +90,8 @@ def prefill_cached(
     *,
     tap_ids: Sequence[int] = (),
     proposer: Proposer | None = None,
-    step_size: int = 512,
+    step_size: int = PREFILL_STEP_SIZE,
+    cancel: threading.Event | None = None,
 ) -> mx.array:
     """Resume `prompt_cache` on `prompt` and prefill the tokens it does not hold; returns the last logits (V,).
 
@@ -85,7 +101,9 @@ def prefill_cached(
     start = prompt_cache.resume(target, prompt, proposer=proposer)
     for end in prompt_cache.prefill_stops(start, len(prompt)):
         chunk = prompt[start:end]
-        logits = prefill(target, prompt_cache.target_cache, chunk, tap_ids=tap_ids, proposer=proposer, step_size=step_size)
+        logits = prefill(
+            target, prompt_cache.target_cache, chunk, tap_ids=tap_ids, proposer=proposer, step_size=step_size, cancel=cancel
+        )
         prompt_cache.record(chunk)
         if end < len(prompt):
             prompt_cache.snapshot()
@@ -100,14 +118,16 @@ def plain_steps(
     sampler: Sampler,
     prefill_step_size: int = PREFILL_STEP_SIZE,
     prompt_cache: PromptCache | None = None,
+    cancel: threading.Event | None = None,
 ) -> Iterator[Round]:
     """Plain autoregressive decoding with the target alone: the baseline, one token per Round."""
     prompt_cache = PromptCache(target, max_snapshots=0) if prompt_cache is None else prompt_cache
-    logits = prefill_cached(target, prompt_cache, prompt, step_size=prefill_step_size)
+    logits = prefill_cached(target, prompt_cache, prompt, step_size=prefill_step_size, cancel=cancel)
     lease, cache = prompt_cache.lease, prompt_cache.target_cache
     token = sampler.sample(logits)
     mx.async_eval(token)
     while True:
+        _check_cancel(cancel)  # before the claim: a cancelled generation leaves the cache reusable
         prompt_cache.claim(lease)
         # Queue the next step before reading this one, so the device never waits on the host.
         next_logits, _ = target(token.reshape(1, 1), cache=cache)
@@ -129,6 +149,7 @@ def speculative_steps(
     max_tokens: int | None = None,
     prefill_step_size: int = PREFILL_STEP_SIZE,
     prompt_cache: PromptCache | None = None,
+    cancel: threading.Event | None = None,
 ) -> Iterator[Round]:
     """Lossless speculative decoding: yields the prefill's token, then one Round per verify forward.
 
@@ -146,7 +167,7 @@ def speculative_steps(
     prompt_cache = PromptCache(target, max_snapshots=0) if prompt_cache is None else prompt_cache
     tap_ids = tuple(proposer.tap_ids)
     logits = prefill_cached(
-        target, prompt_cache, prompt, tap_ids=tap_ids, proposer=proposer, step_size=prefill_step_size
+        target, prompt_cache, prompt, tap_ids=tap_ids, proposer=proposer, step_size=prefill_step_size, cancel=cancel
     )
     lease, cache = prompt_cache.lease, prompt_cache.target_cache
     anchor = sampler.sample(logits).astype(mx.int32).reshape(1)
@@ -157,6 +178,7 @@ def speculative_steps(
     yield Round(tokens=[anchor_id])
 
     while True:
+        _check_cancel(cancel)
         prompt_cache.claim(lease)
         num_tokens = draft_length
         if max_tokens is not None:

@@ -17,6 +17,7 @@ from mlx_dspark.sample import Sampler
 from mlx_dspark.schedule import VERIFY_SCHEDULES, CostCurve
 
 DRAFT_SAMPLING_MODES = ("greedy", "sample")
+PREFILL_STEP_SIZE = 512  # prompt tokens per prefill forward: bounds the memory of long prompts
 SEED_MAX = 2**64 - 1  # MLX seeds its generator with an unsigned 64-bit integer
 
 
@@ -107,6 +108,13 @@ class GenerationOptions:
     """Everything one generation request sets, beside the prompt and the model."""
 
     max_tokens: int = 256
+    # True: max_tokens is a default the caller did not choose (a server request without one): a prompt
+    # that leaves less room in the context shortens it to the room left, as OpenAI does; False: a prompt
+    # plus max_tokens over the context is refused
+    clamp_max_tokens: bool = False
+    # The tokens the prompt and the completion must fit in; None: the target's max_position_embeddings
+    max_context: int | None = None
+    prefill_step_size: int = PREFILL_STEP_SIZE  # prompt tokens per prefill forward (cancellation is checked between them)
     stop: tuple[str, ...] = ()  # stop strings; a single string is accepted too
     stop_token_ids: tuple[int, ...] = ()  # stop tokens beside the tokenizer's end-of-sequence ids
     chat_template_kwargs: Mapping[str, Any] | None = None  # switches for the chat template
@@ -116,6 +124,14 @@ class GenerationOptions:
     def __post_init__(self) -> None:
         if not (_is_int(self.max_tokens) and self.max_tokens >= 1):
             raise OptionError("max_tokens", self.max_tokens, "an integer >= 1")
+        if not isinstance(self.clamp_max_tokens, bool):
+            raise OptionError("clamp_max_tokens", self.clamp_max_tokens, "true or false")
+        if self.max_context is not None and not (_is_int(self.max_context) and self.max_context >= 2):
+            raise OptionError(
+                "max_context", self.max_context, "an integer >= 2 (a prompt token and a generated one), or none for the model's"
+            )
+        if not (_is_int(self.prefill_step_size) and self.prefill_step_size >= 1):
+            raise OptionError("prefill_step_size", self.prefill_step_size, "an integer >= 1")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
             raise OptionError("stop", self.stop, "a string or a list of strings")

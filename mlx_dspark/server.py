@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 
 from mlx_dspark import cli_common as flags
-from mlx_dspark.cli_common import fail, flag_errors
+from mlx_dspark.cli_common import exit_on_interrupt, fail, flag_errors
 from mlx_dspark.options import GenerationOptions
 from mlx_dspark.serve.cache_pool import PromptCacheBudget, parse_bytes
 from mlx_dspark.serve.protocol import SERVER_DEFAULTS
@@ -27,6 +27,7 @@ DEMO_MODEL_ID = "tiny-spark-demo"
 
 
 @app.command()
+@exit_on_interrupt()  # Ctrl-C before serving starts; once it runs, run_until_interrupted exits 0
 def serve(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", help=flags.MODEL_HELP),
@@ -60,9 +61,15 @@ def serve(
     cost_curve_file: flags.CostCurveFile = None,
     chat_template_args: flags.ChatTemplateArgs = None,
     quantize: flags.Quantize = None,
+    max_context: flags.MaxContext = None,
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
     allow_origin: list[str] = typer.Option([], "--allow-origin",
                                            help="Let web pages from this origin call the server (repeatable; '*' for any)."),
+    allow_template_kwarg: list[str] = typer.Option(
+        [], "--allow-template-kwarg",
+        help="Let clients set this chat template switch in chat_template_kwargs (repeatable; "
+        "enable_thinking, thinking_effort and reasoning_effort are always allowed).",
+    ),  # fmt: skip
 ) -> None:
     """Bind, load the pair in the background, and serve until interrupted."""
     from mlx_dspark.load import load
@@ -90,7 +97,8 @@ def serve(
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
                              max_body_bytes=max_body_bytes, allow_origins=allow_origin,
-                             prompt_cache=prompt_cache)
+                             prompt_cache=prompt_cache,
+                             allow_template_kwargs=allow_template_kwarg)
     except ValueError as err:
         fail(str(err))
     except OSError as err:

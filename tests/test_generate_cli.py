@@ -126,3 +126,79 @@ def test_python_dash_m_entry_point_runs(tiny_spark_pair):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "generation:" in proc.stderr
+
+
+# -- input that is not text, the context, Ctrl-C ----------------------------------------------------------
+
+
+def one_error_line(result, message: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+
+
+def test_invalid_utf8_on_stdin_is_one_line_and_exit_2(tiny_spark_pair):
+    target, draft = tiny_spark_pair
+    result = runner.invoke(app, ["--model", str(target), "--draft", str(draft), "--prompt", "-"], input=b"ok \xff\xfe")
+    one_error_line(result, "standard input is not valid UTF-8 (byte 0xff at offset 3)")
+
+
+def test_a_lone_surrogate_in_the_prompt_or_system_is_one_line_and_exit_2(tiny_spark_pair):
+    target, draft = tiny_spark_pair
+    # what Python makes of argv bytes that are not UTF-8 (surrogateescape)
+    one_error_line(run_cli("--model", str(target), "--prompt", "a\udced\udca0b"), "--prompt is not valid UTF-8")
+    one_error_line(run_cli("--model", str(target), "--system", "\ud800"), "--system is not valid UTF-8")
+
+
+def test_the_context_is_enforced_and_a_default_max_tokens_is_clamped_to_it(tiny_spark_pair):
+    target, draft = tiny_spark_pair
+    args = ["--model", str(target), "--draft", str(draft), "--prompt", "Hi", "--max-context", "12", "--json"]
+    one_error_line(run_cli(*args, "--max-tokens", "100"), "lower max_tokens to at most 7")  # the prompt is 5 tokens
+    result = run_cli(*args)  # no --max-tokens: the default 256 is shortened to the 7 left
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data["prompt_tokens"] == 5 and data["generation_tokens"] <= 7
+    one_error_line(run_cli(*args, "--max-context", "1"), "--max-context: max_context must be an integer >= 2")
+
+
+@pytest.mark.parametrize("where", ["load", "generation"])
+def test_ctrl_c_during_load_or_generation_exits_130_without_a_traceback(tiny_spark_pair, monkeypatch, where):
+    import importlib
+
+    load_module = importlib.import_module("mlx_dspark.load")  # the package attribute `load` is the function
+    api_module = importlib.import_module("mlx_dspark.api")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def interrupted_stream(*args, **kwargs):
+        yield from []
+        raise KeyboardInterrupt
+
+    if where == "load":
+        monkeypatch.setattr(load_module, "load", interrupted)
+    else:
+        monkeypatch.setattr(api_module, "stream_generate", interrupted_stream)
+    target, draft = tiny_spark_pair
+    result = run_cli("--model", str(target), "--draft", str(draft), "--prompt", "Hi")
+    assert result.exit_code == 130 and "interrupted" in result.stderr and "Traceback" not in result.output
+
+
+def test_sigint_during_generation_exits_130_without_a_traceback(tiny_spark_pair):
+    import signal
+
+    target, draft = tiny_spark_pair
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_dspark.generate", "--model", str(target), "--draft", str(draft),
+         "--prompt", "Count to ten", "--max-tokens", "3000"],  # the tiny pair writes ~1000 tokens to it
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout.read(1)  # generating
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr.decode()
+    assert b"Traceback" not in stderr and b"interrupted" in stderr

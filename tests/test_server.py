@@ -237,7 +237,7 @@ ERROR_CASES = [
     ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "stop": 5}).encode(), 400, "stop"),
     ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "stream": "yes"}).encode(), 400, "stream"),
     ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "logprobs": True}).encode(), 400, "logprobs"),
-    ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "chat_template_kwargs": {"tokenize": False}}).encode(), 400, "chat_template_kwargs"),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "chat_template_kwargs": {"tokenize": False}}).encode(), 400, "chat_template_kwargs.tokenize"),
     ("POST", "/v1/completions", json.dumps({"prompt": ""}).encode(), 400, "prompt"),
     ("POST", "/v1/completions", json.dumps({"prompt": [10**6]}).encode(), 400, None),  # raised by the engine
     ("POST", "/v1/chat/completions", json.dumps({"model": "gpt-4", "messages": MESSAGES}).encode(), 404, "model"),

@@ -23,7 +23,16 @@ from urllib.parse import urlsplit
 
 from mlx_dspark.options import GenerationOptions
 from mlx_dspark.serve.cache_pool import PromptCacheBudget
-from mlx_dspark.serve.protocol import SERVER_DEFAULTS, APIError, Envelope, GenerationRequest, Tally, parse_request
+from mlx_dspark.serve.protocol import (
+    CLIENT_TEMPLATE_KWARGS,
+    SERVER_DEFAULTS,
+    APIError,
+    Envelope,
+    GenerationRequest,
+    Tally,
+    check_template_kwarg_names,
+    parse_request,
+)
 from mlx_dspark.serve.worker import READY, Job, ModelWorker
 
 log = logging.getLogger("mlx_dspark.server")
@@ -62,6 +71,7 @@ class DSparkHTTPServer(ThreadingHTTPServer):
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         allow_origins: Sequence[str] = (),
+        template_kwargs: frozenset[str] = CLIENT_TEMPLATE_KWARGS,
     ) -> None:
         self.worker = worker
         self.model_id = model_id
@@ -71,6 +81,7 @@ class DSparkHTTPServer(ThreadingHTTPServer):
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
         self.allow_origins = frozenset(allow_origins)
+        self.template_kwargs = template_kwargs  # the chat template switches clients may set
         self.created = int(time.time())
         self._serving: threading.Thread | None = None
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -255,14 +266,19 @@ def make_server(
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     allow_origins: Sequence[str] = (),
     prompt_cache: PromptCacheBudget = PromptCacheBudget(),
+    allow_template_kwargs: Sequence[str] = (),
 ) -> DSparkHTTPServer:
-    """Bind the socket (port 0 picks a free one); call `.start()` to load and serve."""
+    """Bind the socket (port 0 picks a free one); call `.start()` to load and serve.
+
+    `allow_template_kwargs` names chat template switches clients may set beside the built-in ones.
+    """
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if max_connections < 1:
         raise ValueError(f"max_connections must be >= 1, got {max_connections}")
     if not idle_timeout_s > 0:
         raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
+    template_kwargs = check_template_kwarg_names(allow_template_kwargs)
     return DSparkHTTPServer(
         (host, port),
         worker=ModelWorker(loader, prompt_cache=prompt_cache),
@@ -273,6 +289,7 @@ def make_server(
         max_connections=max_connections,
         idle_timeout_s=idle_timeout_s,
         allow_origins=[normalize_origin(o) for o in allow_origins],
+        template_kwargs=template_kwargs,
     )
 
 
@@ -538,7 +555,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _generate(self, kind: str) -> None:
         body = self._json_body()
-        request = parse_request(kind, body, defaults=self.server.defaults)
+        request = parse_request(kind, body, defaults=self.server.defaults, template_kwargs=self.server.template_kwargs)
         model = body.get("model")
         if model is not None and model != self.server.model_id:
             raise self._unknown_model(model)

@@ -21,6 +21,14 @@ from mlx_dspark.options import GenerationOptions, OptionError
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # apply_chat_template arguments the server sets itself, or that change what it returns
 RESERVED_TEMPLATE_KWARGS = ("conversation", "add_generation_prompt", "tokenize", "return_dict", "return_tensors")
+# The chat template switches a client may set (`chat_template_kwargs`): the thinking switches of the
+# targets' templates (Qwen3's enable_thinking, Spark's thinking_effort) and OpenAI's reasoning_effort.
+# Anything else, `chat_template` above all (it replaces the operator's template: `{{ 'x' * 2000000 }}`
+# renders a 2M-token prompt), is a 400; `--allow-template-kwarg NAME` extends the list.
+CLIENT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking_effort", "reasoning_effort"})
+# Names an operator cannot open to clients: the reserved ones, and the template itself.
+NEVER_CLIENT_TEMPLATE_KWARGS = frozenset(RESERVED_TEMPLATE_KWARGS) | {"chat_template", "tools", "documents"}
+MAX_TEMPLATE_VALUE_CHARS = 64
 MAX_STOP_SEQUENCES = 16
 # What a request gets for the fields it leaves out, unless the command line says otherwise.
 SERVER_DEFAULTS = GenerationOptions(max_tokens=512)
@@ -127,20 +135,49 @@ def _reject_unsupported(body: dict) -> None:
                        param="response_format", code="unsupported_value")
 
 
-def _options(body: dict, defaults: GenerationOptions) -> GenerationOptions:
+def check_template_kwarg_names(names: Any) -> frozenset[str]:
+    """The operator's extra client template switches (`--allow-template-kwarg`), checked at startup."""
+    for name in names:
+        if not (isinstance(name, str) and name.isidentifier()):
+            raise ValueError(f"--allow-template-kwarg must be a template variable name, got {name!r}")
+        if name in NEVER_CLIENT_TEMPLATE_KWARGS:
+            raise ValueError(f"--allow-template-kwarg {name}: this argument cannot come from clients "
+                             f"(never: {', '.join(sorted(NEVER_CLIENT_TEMPLATE_KWARGS))})")
+    return CLIENT_TEMPLATE_KWARGS | frozenset(names)
+
+
+def _template_kwargs(body: dict, allowed: frozenset[str]) -> dict:
+    """`chat_template_kwargs`: only the allowed switches, each true/false or a short string."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad("chat_template_kwargs", "an object", value)
+    for name, item in value.items():
+        param = f"chat_template_kwargs.{name}"
+        if name not in allowed:
+            raise APIError(
+                400, f"'{param}' is not a template switch clients may set (allowed: {', '.join(sorted(allowed))}; "
+                "the server's operator can allow more with --allow-template-kwarg)",
+                param=param, code="template_kwarg_not_allowed",
+            )  # fmt: skip
+        if not (isinstance(item, bool) or (isinstance(item, str) and len(item) <= MAX_TEMPLATE_VALUE_CHARS)):
+            raise _bad(param, f"true, false or a string of at most {MAX_TEMPLATE_VALUE_CHARS} characters",
+                       item if not isinstance(item, str) else f"a string of {len(item)} characters")
+    return value
+
+
+def _options(body: dict, defaults: GenerationOptions, allowed_template_kwargs: frozenset[str]) -> GenerationOptions:
     """The request's knobs over the server defaults, validated by the options object (a 400 naming the field)."""
     max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    template_kwargs = body.get("chat_template_kwargs")
-    if template_kwargs is not None and not isinstance(template_kwargs, dict):
-        raise _bad("chat_template_kwargs", "an object", template_kwargs)
-    reserved = sorted(set(template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
-    if reserved:
-        raise _bad("chat_template_kwargs", "free of the keys the server sets", reserved)
+    template_kwargs = _template_kwargs(body, allowed_template_kwargs)
     sampling = defaults.sampling
     try:
         return dataclasses.replace(
             defaults,
             max_tokens=_integer(body, max_tokens_field, defaults.max_tokens),
+            # without max_tokens the server's default is shortened to the context a long prompt leaves (as OpenAI does)
+            clamp_max_tokens=body.get(max_tokens_field) is None,
             stop=_stop(body),
             chat_template_kwargs={**(defaults.chat_template_kwargs or {}), **(template_kwargs or {})} or None,
             sampling=dataclasses.replace(
@@ -217,14 +254,17 @@ def _completion_prompt(body: dict) -> str | list[int]:
     raise _bad("prompt", "a non-empty string or list of token ids (one prompt per request)", prompt)
 
 
-def parse_request(kind: str, body: Any, *, defaults: GenerationOptions) -> GenerationRequest:
-    """Validate a /v1/chat/completions (kind "chat") or /v1/completions ("text") body."""
+def parse_request(
+    kind: str, body: Any, *, defaults: GenerationOptions, template_kwargs: frozenset[str] = CLIENT_TEMPLATE_KWARGS
+) -> GenerationRequest:
+    """Validate a /v1/chat/completions (kind "chat") or /v1/completions ("text") body; `template_kwargs` are
+    the chat template switches a client may set."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
     _reject_unsupported(body)
     prompt = _messages(body) if kind == "chat" else _completion_prompt(body)
     stream, include_usage = _stream_flags(body)
-    return GenerationRequest(kind=kind, prompt=prompt, options=_options(body, defaults), stream=stream,
+    return GenerationRequest(kind=kind, prompt=prompt, options=_options(body, defaults, template_kwargs), stream=stream,
                              include_usage=include_usage)
 
 

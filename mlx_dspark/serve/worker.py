@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from mlx_dspark.api import StepResponse, encode_prompt, stream_generate
+from mlx_dspark.api import ContextLengthError, GenerationCancelled, StepResponse, encode_prompt, stream_generate
 from mlx_dspark.finite import NonFiniteError
 from mlx_dspark.serve.cache_pool import PromptCacheBudget, PromptCachePool
 from mlx_dspark.serve.protocol import APIError, GenerationRequest
@@ -212,7 +212,9 @@ class ModelWorker:
             )
             speculative = request.options.speculation.speculative and self.speculative
             cache = self.prompt_caches.checkout(prompt, speculative=speculative)
-            steps = stream_generate(self.model, prompt, options=request.options, prompt_cache=cache)
+            # The job's cancel event stops the prefill between chunks too: a client that left mid-prompt
+            # frees the worker within one prefill chunk.
+            steps = stream_generate(self.model, prompt, options=request.options, prompt_cache=cache, cancel=job.cancelled)
             for step in steps:
                 job.steps += 1
                 job.generated_tokens = step.generation_tokens
@@ -223,8 +225,14 @@ class ModelWorker:
             failed = False
         # The worker is the boundary of one request: a bad prompt (ValueError, a chat template's
         # own error) is the client's 400; anything else is a logged 500, and the next job still runs.
+        except GenerationCancelled:
+            failed = False  # its client left (or the server is shutting down); the caches stay valid
         except Exception as err:  # noqa: BLE001
-            if isinstance(err, NonFiniteError):  # the model is broken, not the request
+            if isinstance(err, ContextLengthError):  # before any model work: the cache is untouched
+                failed = False
+                param = "max_tokens" if err.field == "max_tokens" else ("messages" if request.kind == "chat" else "prompt")
+                job.events.put(APIError(400, str(err), param=param, code="context_length_exceeded"))
+            elif isinstance(err, NonFiniteError):  # the model is broken, not the request
                 log.error("generation failed: %s", err)
                 job.events.put(APIError(500, str(err), type="server_error", code="non_finite_logits"))
             elif isinstance(err, ValueError) or type(err).__module__.startswith("jinja2"):
