@@ -48,6 +48,7 @@ class DraftArgs:
     layer_types: list[str]
     sliding_window: Optional[int]  # the window of sliding layers, None when no layer slides
     rope: dict[str, tuple[float, int]]  # layer type -> (theta, rotary dims)
+    confidence_temperatures: Optional[list[float]] = None  # per block position, fitted by calibration
 
     @classmethod
     def from_dict(cls, config: dict, *, source: str = "config.json") -> "DraftArgs":
@@ -114,6 +115,17 @@ class DraftArgs:
                     f"{config.get('gate_attn_act_mode')!r}, headwise_attn_output_gate {config.get('headwise_attn_output_gate')!r}"
                 )
         rope = _rope_by_layer_type(config, family=family, head_dim=head_dim, layer_types=layer_types, source=source)
+        temperatures = config.get("confidence_temperatures")
+        if temperatures is not None and (
+            not confidence
+            or not isinstance(temperatures, list)
+            or len(temperatures) != block_size
+            or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in temperatures)
+        ):
+            raise ValueError(
+                f"{source}: field 'confidence_temperatures' must be a list of {block_size} positive numbers "
+                f"(one per block position) on a draft with a confidence head, got {temperatures!r}"
+            )
         act = config.get("hidden_act")
         expected_act = {"qwen3": "silu", "spark2_5": "gelu"}[family]
         if act is not None and act != expected_act:
@@ -139,6 +151,7 @@ class DraftArgs:
             layer_types=list(layer_types),
             sliding_window=window,
             rope=rope,
+            confidence_temperatures=None if temperatures is None else [float(t) for t in temperatures],
         )
 
     def layer_window(self, layer: int) -> Optional[int]:
@@ -300,7 +313,7 @@ class DSparkDraft(nn.Module):
             self.markov_head = markov
         if args.enable_confidence_head:
             extra = args.markov_rank if args.confidence_head_with_markov else 0
-            self.confidence_head = ConfidenceHead(hidden + extra)
+            self.confidence_head = ConfidenceHead(hidden + extra, temperatures=args.confidence_temperatures)
 
     # -- loading ---------------------------------------------------------------------------------
 
