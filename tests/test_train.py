@@ -135,6 +135,22 @@ def test_a_few_training_steps_lower_the_loss(tiny_qwen3_pair, corpus):
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
 
 
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_spark_pair, corpus):
+    pair = mlx_dspark.load(*map(str, tiny_spark_pair))
+    chunks = load_chunks([corpus["train"]], pair.tokenizer, seq_len=48)
+    batch = Batches(chunks, batch_size=2, seed=0, pad_id=0)(0)
+    grads = []
+    for checkpoint in (False, True):
+        trainer = Trainer(
+            pair.draft, pair.target, pair.draft_config, Batches(chunks, batch_size=2, seed=0, pad_id=0),
+            small_options(grad_checkpoint=checkpoint), out_dir=Path("unused"), fingerprint={},
+        )  # fmt: skip
+        _, g = trainer.loss_and_grads(batch, np.random.default_rng(5))
+        grads.append(dict(tree_flatten(g)))
+    for name, value in grads[0].items():
+        np.testing.assert_allclose(np.array(grads[1][name]), np.array(value), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
 def test_fine_tuning_starts_from_the_existing_draft(tiny_qwen3_pair, corpus, tmp_path):
     target, draft = tiny_qwen3_pair
     original = params(mlx_dspark.load(str(target), draft=str(draft)).draft)

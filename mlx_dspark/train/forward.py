@@ -99,8 +99,8 @@ class _AnchorContext:
 
 
 def _layer_over_blocks(
-    layer: nn.Module, *, window: Optional[int], num_context: int
-) -> Callable[[mx.array, mx.array, mx.array, mx.array], mx.array]:
+    layer: nn.Module, *, seq: mx.array, pos: mx.array, window: Optional[int], num_context: int
+) -> Callable[[mx.array, mx.array], mx.array]:
     """One draft layer over all blocks: the only code that knows how a draft layer takes its context.
 
     It uses the layer's own pieces: `self_attn.key_values(x, offset)` for the context K/V of the
@@ -109,7 +109,8 @@ def _layer_over_blocks(
     (positions p-num_context .. p-1, masked where < 0 or outside the window).
     """
 
-    def run(h: mx.array, context: mx.array, seq: mx.array, pos: mx.array) -> mx.array:
+    # The anchors are constants of the closure: a checkpointed function differentiates all its inputs.
+    def run(h: mx.array, context: mx.array) -> mx.array:
         N, size = h.shape[:2]
         B, S = context.shape[:2]
         view = _AnchorContext(pos, None, None)
@@ -164,10 +165,10 @@ def draft_forward(
         window = args.layer_window(i)
         # rows a block may see: window - 1 before its anchor, or every earlier position for full attention
         num_context = last_anchor if window is None else min(window - 1, last_anchor)
-        run = _layer_over_blocks(layer, window=window, num_context=num_context)
+        run = _layer_over_blocks(layer, seq=seq, pos=pos, window=window, num_context=num_context)
         if checkpoint:
             run = nn.utils.checkpoint(layer, run)
-        h = run(h, context, seq, pos)
+        h = run(h, context)
     hidden = draft.norm(h)  # o(1..bs), (N, bs, H)
     base = target.lm_head_logits(hidden.astype(target_dtype)).astype(mx.float32)  # z(1..bs)
 
