@@ -338,3 +338,11 @@ def test_jsonl_records_set_the_loss_mask(tiny_qwen3_pair, tmp_path):
     path.write_text('{"text": "ok"}\n{"question": "no"}\n')
     with pytest.raises(ValueError, match=r"data.jsonl:2: a record needs"):
         load_chunks([path], tok, seq_len=256)
+
+
+def test_calibration_draws_a_reliability_plot(trained, tiny_qwen3_target, corpus, tmp_path):
+    pytest.importorskip("matplotlib")
+    pair = mlx_dspark.load(str(tiny_qwen3_target), draft=str(trained))
+    chunks = load_chunks([corpus["valid"]], pair.tokenizer, seq_len=64)
+    calibrate_draft(pair.draft, pair.target, chunks, batch_size=2, anchors=8, plot=tmp_path / "reliability.png")
+    assert (tmp_path / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -91,7 +91,11 @@ def _build_draft(
         draft, config = load_draft_for_training(
             resolve_path(init_draft, role="draft"), target_path=pair.target_path, target_config=pair.target_config, dtype=dtype
         )
+        # an old calibration does not describe the fine-tuned head: recalibrate (--calibrate)
         config = {k: v for k, v in config.items() if k not in ("confidence_temperatures", "quantization", "quantization_config")}
+        if getattr(draft, "confidence_head", None) is not None:
+            draft.confidence_head.temperatures = None
+            draft.args.confidence_temperatures = None
         return draft, config
     shape = shape or DraftShape()
     mask_id = shape.mask_token_id if shape.mask_token_id is not None else mask_token_id(pair.tokenizer)
