@@ -11,8 +11,8 @@ every 20th file is held out. Steps, each seeded:
 2. the target: Qwen3ForCausalLM, 6 layers, hidden 128, 2 x 64 query heads, 1 KV head, tied embeddings,
    trained with next-token cross-entropy on random windows of the training files;
 3. the draft: 3 sliding-window layers (window 128), taps spread over the target, block 7, vanilla
-   Markov head, confidence head, trained with `mlx_dspark.train` on the training files plus the target's
-   own continuations of training-file prefixes (DeepSpec trains on the target's generations too), then
+   Markov head, confidence head, trained with `mlx_dspark.train` on a quarter of the training files plus
+   the target's own continuations of training-file prefixes (DeepSpec trains on the target's generations), then
    calibrated (greedy acceptance) on held-out files;
 4. greedy and T=1 mean acceptance lengths with `mlx_dspark.generate` on prefixes of held-out files.
 Both checkpoints are written in the Hugging Face / DeepSpec layouts in float16.
@@ -218,7 +218,7 @@ def measure(target_dir: Path, draft_dir: Path, files: list[Path], *, prompt_toke
     """Mean acceptance length (accepted drafts + 1 per verify round) over prefixes of held-out files."""
     import mlx_dspark
 
-    pair = mlx_dspark.load(str(target_dir), draft=str(draft_dir))
+    pair = mlx_dspark.load(str(target_dir), draft=str(draft_dir), dtype="float32")
     results = {}
     for name, options in {
         "greedy": dict(temperature=0.0),
@@ -252,7 +252,7 @@ def main() -> None:
     parser.add_argument("--target-batch", type=int, default=8)
     parser.add_argument("--target-seq-len", type=int, default=256)
     parser.add_argument("--target-lr", type=float, default=3e-3)
-    parser.add_argument("--continuations", type=int, default=512, help="target continuations added to the draft's data")
+    parser.add_argument("--continuations", type=int, default=1024, help="target continuations added to the draft's data")
     parser.add_argument("--draft-steps", type=int, default=600)
     parser.add_argument("--draft-window", type=int, default=128)
     parser.add_argument("--measure-files", type=int, default=16)
@@ -299,7 +299,8 @@ def main() -> None:
             target_dir,
             draft_dir,
             data=DataOptions(
-                train=[str(p) for p in train_files] + [str(generated)],
+                # a quarter of the training files plus the target's continuations (about a fifth of the chunks)
+                train=[str(p) for p in train_files[::4]] + [str(generated)],
                 valid=[str(p) for p in held_out],
                 seq_len=256,
                 batch_size=8,
@@ -308,7 +309,7 @@ def main() -> None:
             shape=DraftShape(
                 num_layers=3, num_taps=3, sliding_window=args.draft_window, markov_rank=64, markov_head_type="vanilla"
             ),
-            precision=Precision(save_dtype="float16"),
+            precision=Precision(target_dtype="float32", save_dtype="float16"),  # float16 matmuls are slow on CPUs
             force=True,
             calibrate="greedy",
         )
