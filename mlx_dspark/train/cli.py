@@ -22,7 +22,7 @@ import typer
 
 from mlx_dspark.precision import DTYPES, Q_BITS
 
-train_app = typer.Typer(add_completion=False, help=__doc__, rich_markup_mode=None)
+train_app = typer.Typer(add_completion=False)
 calibrate_app = typer.Typer(add_completion=False, help="Calibrate a DSpark draft's confidence head on held-out data.")
 
 
@@ -41,7 +41,11 @@ def _ids(text: Optional[str], flag: str) -> Optional[list[int]]:
     return None
 
 
-@train_app.command()
+# --help ends with the memory guide of the docstring above
+_MEMORY_HELP = __doc__[__doc__.index("Memory") :].replace("\n", " ").replace(".  ", ".\n\n")
+
+
+@train_app.command(epilog=_MEMORY_HELP)
 def train(
     target: str = typer.Option(..., "--target", help="The frozen target: local directory or Hugging Face repo id."),
     data: list[str] = typer.Option(..., "--data", help="Training text files, .jsonl files or directories (repeatable)."),
