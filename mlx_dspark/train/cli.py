@@ -42,7 +42,7 @@ def _ids(text: Optional[str], flag: str) -> Optional[list[int]]:
 
 
 # --help ends with the memory guide of the docstring above
-_MEMORY_HELP = __doc__[__doc__.index("Memory") :].replace("\n", " ").replace(".  ", ".\n\n")
+_MEMORY_HELP = " ".join(__doc__[__doc__.index("Memory") :].split())
 
 
 @train_app.command(epilog=_MEMORY_HELP)
