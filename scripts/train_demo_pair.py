@@ -185,6 +185,7 @@ def save_target(model, tokenizer_dir: Path, directory: Path, eos: int) -> None:
 def continuations(model, tokenizer, files: list[Path], *, count: int, prompt_len: int, new_tokens: int, seed: int) -> list[dict]:
     """prompt/completion records: the target's continuations (half greedy, half T=1) of training-file prefixes."""
     rng = np.random.default_rng(seed)
+    mx.random.seed(seed)  # the T=1 draws
     encoded = [e.ids for e in tokenizer.encode_batch([read(p) for p in files])]
     candidates = [ids for ids in encoded if len(ids) > prompt_len + 1]
     records = []
