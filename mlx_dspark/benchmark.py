@@ -94,8 +94,8 @@ def parse_floats(text: str, *, option: str) -> list[float]:
 @app.command()
 def main(
     ctx: typer.Context,
-    model: str = typer.Option(..., "--model", help="Target directory or Hugging Face repo id."),
-    draft: str = typer.Option(..., "--draft", help="DSpark draft directory or repo id."),
+    model: Optional[str] = typer.Option(None, "--model", help="Target directory or Hugging Face repo id (default: the demo pair)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="DSpark draft directory or repo id (required with --model)."),
     datasets: Optional[list[str]] = typer.Option(None, "--datasets", help="Built-in sets (comma-separated or repeated); default all."),
     dataset_files: Optional[list[str]] = typer.Option(None, "--dataset", help="NAME=FILE.jsonl (repeatable)."),
     prompts_per_dataset: Optional[int] = typer.Option(None, "--prompts-per-dataset", help="Use at most N prompts of each set."),
@@ -139,6 +139,16 @@ def main(
         reexec_with_openblas()
     from mlx_dspark.bench import session
     from mlx_dspark.bench.runner import RunSettings
+
+    if model is None:
+        try:
+            demo = flags.demo_pair()
+        except FileNotFoundError as err:
+            fail(str(err))
+        typer.echo(f"[mlx_dspark] {demo.note}", err=True)
+        model, draft, dtype = str(demo.target), draft or str(demo.draft), dtype or demo.dtype
+    elif draft is None:
+        fail("--draft: the DSpark draft of --model is required (without --model, the demo pair is used)")
 
     taus = parse_floats(controlled_acceptance, option="--controlled-acceptance") if controlled_acceptance else []
     names = [part.strip() for item in (datasets or []) for part in item.split(",") if part.strip()]

@@ -1,7 +1,8 @@
 """The generate command line: parses flags, loads the pair, streams text to stdout.
 
-With no `--model`, it runs a tiny random spark2_5 pair generated on first use (a demo of the whole
-path, not of output quality). Errors a user can fix are one line on stderr and a non-zero exit.
+With no `--model`, it runs the trained demo pair shipped in the package (`cli_common.demo_pair`: a small
+Python-code target and its DSpark draft), on a Python prompt unless `--prompt` says otherwise. Errors a
+user can fix are one line on stderr and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from mlx_dspark.cli_common import fail, flag_errors, resolve_cost_curve
 
 app = typer.Typer(add_completion=False, help="Generate text with a target and its DSpark draft.")
 
+DEFAULT_PROMPT = "Write a short poem about the sea."  # with --model; the demo pair has its own
+
 
 def read_prompt(prompt: str) -> str:
     return sys.stdin.read() if prompt == "-" else prompt
@@ -27,7 +30,10 @@ def generate(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", help="Target: local directory or Hugging Face repo id."),
     draft: Optional[str] = typer.Option(None, "--draft", help="DSpark draft: local directory or repo id."),
-    prompt: str = typer.Option("Write a short poem about the sea.", "--prompt", "-p", help="Prompt text, or - for stdin."),
+    prompt: Optional[str] = typer.Option(
+        None, "--prompt", "-p",
+        help=f"Prompt text, or - for stdin [default: {DEFAULT_PROMPT!r}; without --model, {flags.DEMO_PROMPT!r}]",
+    ),  # fmt: skip
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
     max_tokens: int = typer.Option(flags.DEFAULT_OPTIONS.max_tokens, "--max-tokens", "-m"),
     temp: flags.Temp = flags.SAMPLING.temperature,
@@ -55,11 +61,17 @@ def generate(
         flags.check_quantize(quantize)
         options = flags.generation_options(ctx.params, max_tokens=max_tokens)  # the shared flags, read by name
 
+    dtype = None
     if model is None:
-        model, default_draft = (str(p) for p in flags.demo_pair())
-        draft = draft or default_draft
+        try:
+            demo = flags.demo_pair()
+        except FileNotFoundError as err:
+            fail(str(err))
+        model, draft, dtype = str(demo.target), draft or str(demo.draft), demo.dtype
+        prompt = demo.prompt if prompt is None else prompt
+        typer.echo(f"[mlx_dspark] {demo.note}; prompt (raw text): {prompt!r}", err=True)
     try:
-        pair = load(model, draft=None if no_draft else draft, quantize=quantize)
+        pair = load(model, draft=None if no_draft else draft, dtype=dtype, quantize=quantize)
     except (ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
 
@@ -68,7 +80,7 @@ def generate(
             options = resolve_cost_curve(pair, options)
         typer.echo(f"[mlx_dspark] verify schedule: confidence, cost curve: {options.speculation.cost_curve.source}", err=True)
 
-    text = read_prompt(prompt)
+    text = read_prompt(DEFAULT_PROMPT if prompt is None else prompt)
     if no_chat_template or not pair.tokenizer.has_chat_template:
         request = text
     else:

@@ -356,13 +356,15 @@ def test_calibration_draws_a_reliability_plot(trained, tiny_qwen3_target, corpus
 
 
 def test_the_shipped_demo_pair_drafts_well_and_stays_lossless():
-    demo = Path(mlx_dspark.__file__).parent / "demo"
-    if not (demo / "draft" / "config.json").is_file():
-        pytest.skip("no trained demo pair in this checkout (scripts/train_demo_pair.py writes it)")
-    pair = mlx_dspark.load(str(demo / "target"), draft=str(demo / "draft"), dtype="float32")
+    # The one test that reads the shipped pair (package data), the way the commands load it without --model.
+    from mlx_dspark.cli_common import demo_pair
+
+    demo = demo_pair()
+    pair = mlx_dspark.load(str(demo.target), draft=str(demo.draft), dtype=demo.dtype)
     assert len(pair.draft.confidence_head.temperatures) == pair.draft.args.block_size  # calibrated
-    prompt = "import os\nimport sys\n\n\ndef main(argv):\n    "
-    plain = mlx_dspark.generate(pair, prompt, max_tokens=48, speculative=False)
-    spec = mlx_dspark.generate(pair, prompt, max_tokens=48)
-    assert spec.tokens == plain.tokens
-    assert spec.mean_acceptance_length > 2.0  # a trained draft, not a random one (about 1.0)
+    assert not pair.tokenizer.has_chat_template  # the commands send it raw text
+    for prompt in (demo.prompt, "import os\nimport sys\n\n\ndef main(argv):\n    "):
+        plain = mlx_dspark.generate(pair, prompt, max_tokens=48, speculative=False)
+        spec = mlx_dspark.generate(pair, prompt, max_tokens=48)
+        assert spec.tokens == plain.tokens
+        assert spec.mean_acceptance_length > 2.0  # a trained draft, not a random one (about 1.0)
