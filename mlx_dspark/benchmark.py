@@ -94,8 +94,9 @@ def parse_floats(text: str, *, option: str) -> list[float]:
 @app.command()
 def main(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", help="Target directory or Hugging Face repo id (default: the demo pair)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="DSpark draft directory or repo id (required with --model)."),
+    model: Optional[str] = typer.Option(None, "--model", help=flags.MODEL_HELP + " Default: the demo pair."),
+    draft: Optional[str] = typer.Option(None, "--draft", help=flags.DRAFT_HELP + " Required with --model."),
+    draft_tap_ids: flags.DraftTapIds = None,
     datasets: Optional[list[str]] = typer.Option(None, "--datasets", help="Built-in sets (comma-separated or repeated); default all."),
     dataset_files: Optional[list[str]] = typer.Option(None, "--dataset", help="NAME=FILE.jsonl (repeatable)."),
     prompts_per_dataset: Optional[int] = typer.Option(None, "--prompts-per-dataset", help="Use at most N prompts of each set."),
@@ -154,11 +155,13 @@ def main(
     names = [part.strip() for item in (datasets or []) for part in item.split(",") if part.strip()]
     with flag_errors():
         flags.check_quantize(quantize)
+        tap_ids = flags.parse_tap_ids(draft_tap_ids, draft=draft, model=model)
         generation = flags.generation_options(ctx.params, max_tokens=max_tokens)  # the shared flags, by name
         settings = RunSettings(generation=generation, repeats=repeats, ignore_eos=ignore_eos)
     options = session.Options(
         model=model,
         draft=draft,
+        draft_tap_ids=tap_ids,
         out=out,
         settings=settings,
         datasets=names,

@@ -2,8 +2,9 @@
 
 `read_checkpoint(path)` is the one reading entry point: it returns a `Checkpoint` (config dict, lazy
 weights under the checkpoint's names, the file each came from), the form `load.build_target` /
-`load.build_draft` take, whatever the files were (a GGUF reader returns the same form).
-Reading is lazy (`mx.load` maps tensors without reading their data) and every problem with the files
+`load.build_draft` take, whatever the files were: a `.gguf` file goes to `gguf_checkpoint.read_gguf`,
+which returns the same form (plus the tokenizer material, storage types and compute dtype of the file).
+Safetensors reading is lazy (`mx.load` maps tensors without reading their data) and every problem with the files
 is a `ValueError` / `FileNotFoundError` naming the file. Writing goes shard by shard
 (`ShardWriter`), so a converter never holds more than one output shard in memory.
 """
@@ -15,7 +16,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
@@ -45,10 +46,23 @@ class Checkpoint:
     origin: dict[str, str]  # name -> the file it came from (for messages)
     path: Path  # the checkpoint directory or file (for messages)
     config_source: str  # where the config was read from (for messages naming a field)
+    # GGUF only: the tokenizer of its `tokenizer.ggml.*` keys (a gguf_tokenizer.GGUFTokenizer, or None)
+    tokenizer: Any = None
+    # GGUF only: tensor name -> the GGUF type it was stored as ("BF16", "Q8_0", ...), for the shared-tensor check
+    storage: dict[str, str] = field(default_factory=dict)
+    # the compute dtype when the user gives none (None: the weights as stored); see `gguf_compute_dtype`
+    default_dtype: Optional[mx.Dtype] = None
 
 
-def read_checkpoint(directory: Path) -> Checkpoint:
-    """A safetensors checkpoint directory (HF or MLX layout, sharded or not), read lazily."""
+def read_checkpoint(path: Path, *, role: Optional[str] = None, tap_ids: Optional[Sequence[int]] = None) -> Checkpoint:
+    """A safetensors checkpoint directory (HF or MLX layout, sharded or not, read lazily) or a GGUF file.
+
+    role ("target" / "draft") and tap_ids (a draft's tapped target layers as Hugging Face layer ids,
+    replacing the file's `target_layers`) apply to GGUF files, which say in their metadata what they
+    are; a safetensors draft's taps are replaced by `load.build_draft(tap_ids=)`."""
+    if is_gguf(path):
+        return _read_gguf_checkpoint(path, role=role, tap_ids=tap_ids)
+    directory = path
     config = read_config(directory)
     weights, origin = load_weights(directory)
     return Checkpoint(
@@ -86,6 +100,39 @@ def resolve_path(path_or_repo: str | Path, *, role: str = "model") -> Path:
 
 def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def _read_gguf_checkpoint(path: Path, *, role: Optional[str], tap_ids: Optional[Sequence[int]]) -> Checkpoint:
+    from mlx_dspark.gguf_checkpoint import read_gguf
+
+    ck = read_gguf(path, role=role, tap_ids=None if tap_ids is None else list(tap_ids))
+    return Checkpoint(
+        config=ck.config,
+        weights=ck.weights,
+        origin=dict.fromkeys(ck.weights, path.name),
+        path=path,
+        config_source=str(path),  # the config is the file's metadata
+        tokenizer=ck.tokenizer,
+        storage=dict(ck.tensor_types),
+        default_dtype=gguf_compute_dtype(ck.config, ck.weights),
+    )
+
+
+def gguf_compute_dtype(config: dict[str, Any], weights: dict[str, mx.array]) -> mx.Dtype:
+    """The dtype a GGUF model computes in when the user gives none.
+
+    GGUF keeps 1-D tensors (norms) in F32 beside BF16 / F16 matrices; computing in the matrices' dtype
+    gives the same model as the Hugging Face checkpoint in that dtype (the norms were that dtype's values
+    before conversion). A quantized file (MLX scales and biases in float16) computes in bfloat16: its
+    scales are rounded to bfloat16 (a relative change of at most 2**-9 per group, well below the
+    quantization step), because float16 activations can overflow on real models and float16 scales
+    with bfloat16 activations would promote everything to float32. dtype="float32" computes with the
+    file's values exactly, dtype="float16" keeps the float16 scales exact.
+    """
+    if "quantization" in config:
+        return mx.bfloat16
+    kinds = {v.dtype for k, v in weights.items() if v.ndim >= 2 and mx.issubdtype(v.dtype, mx.floating)}
+    return kinds.pop() if len(kinds) == 1 else mx.float32  # mixed matrix types: the one that holds them all
 
 
 def _single_gguf(directory: Path, *, role: str) -> Path | None:

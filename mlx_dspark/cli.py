@@ -28,8 +28,9 @@ def read_prompt(prompt: str) -> str:
 @app.command()
 def generate(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", help="Target: local directory or Hugging Face repo id."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="DSpark draft: local directory or repo id."),
+    model: Optional[str] = typer.Option(None, "--model", help=flags.MODEL_HELP),
+    draft: Optional[str] = typer.Option(None, "--draft", help=flags.DRAFT_HELP),
+    draft_tap_ids: flags.DraftTapIds = None,
     prompt: Optional[str] = typer.Option(
         None, "--prompt", "-p",
         help=f"Prompt text, or - for stdin [default: {DEFAULT_PROMPT!r}; without --model, {flags.DEMO_PROMPT!r}]",
@@ -59,6 +60,7 @@ def generate(
 
     with flag_errors():
         flags.check_quantize(quantize)
+        tap_ids = flags.parse_tap_ids(draft_tap_ids, draft=draft, model=model)
         options = flags.generation_options(ctx.params, max_tokens=max_tokens)  # the shared flags, read by name
 
     dtype = None
@@ -71,7 +73,11 @@ def generate(
         prompt = demo.prompt if prompt is None else prompt
         typer.echo(f"[mlx_dspark] {demo.note}; prompt (raw text): {prompt!r}", err=True)
     try:
-        pair = load(model, draft=None if no_draft else draft, dtype=dtype, quantize=quantize)
+        speculative = draft is not None and not no_draft
+        pair = load(
+            model, draft=draft if speculative else None, dtype=dtype, quantize=quantize,
+            draft_tap_ids=tap_ids if speculative else None,
+        )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
 

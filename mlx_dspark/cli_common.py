@@ -5,7 +5,8 @@ here) under the same parameter names, and `generation_options(ctx.params, ...)` 
 `GenerationOptions`; inside `flag_errors()` a bad value is `error: --flag: ...` and exit status 2.
 Without `--model` they run the trained demo pair shipped in the package (`demo_pair()`).
 llama-server's names for the model card's recipe (`--spec-draft-n-max`, `--spec-draft-p-min`,
-`--spec-draft-sampling`) are aliases.
+`--spec-draft-sampling`) are aliases. `--model` / `--draft` take what `load()` takes (directories, repo
+ids, `.gguf` files, `owner/name:FILE.gguf`); `--draft-tap-ids` overrides a draft's tapped layers.
 """
 
 from __future__ import annotations
@@ -99,6 +100,16 @@ ChatTemplateArgs = Annotated[
     typer.Option("--chat-template-args", help="JSON object for the chat template, e.g. '{\"enable_thinking\": false}'."),
 ]
 Quantize = Annotated[Optional[int], typer.Option("--quantize", help="Quantize the target at load time: 4 or 8 bits.")]
+MODEL_HELP = "Target: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
+DRAFT_HELP = "DSpark draft: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
+DraftTapIds = Annotated[
+    Optional[str],
+    typer.Option(
+        "--draft-tap-ids",
+        help="The target layers the draft reads, as Hugging Face layer ids (e.g. 2,10,18,25,33), replacing the draft's "
+        "own; for GGUF drafts from converters that wrote target_layers without upstream's +1.",
+    ),
+]
 
 
 def fail(message: str) -> NoReturn:
@@ -172,6 +183,22 @@ def parse_template_args(text: Optional[str]) -> Optional[dict]:
     if not isinstance(value, dict):
         raise ValueError("--chat-template-args must be a JSON object, e.g. '{\"enable_thinking\": false}'")
     return value
+
+
+def parse_tap_ids(text: Optional[str], *, draft: Optional[str], model: Optional[str]) -> Optional[list[int]]:
+    """`--draft-tap-ids`: comma-separated layer ids, or None when the flag is absent. It needs a draft
+    (the demo pair's, without --model)."""
+    if text is None:
+        return None
+    if draft is None and model is not None:
+        raise ValueError("--draft-tap-ids applies to a draft: pass --draft as well")
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--draft-tap-ids expects comma-separated layer ids, e.g. 2,10,18,25,33; got {text!r}") from None
+    if not ids:
+        raise ValueError(f"--draft-tap-ids expects at least one layer id, e.g. 2,10,18,25,33; got {text!r}")
+    return ids
 
 
 def check_quantize(bits: Optional[int]) -> None:

@@ -1,5 +1,8 @@
 """Hugging Face -> MLX converter: `python -m mlx_dspark.convert --hf-path SRC --mlx-path DST [-q]`.
 
+SRC may also be a GGUF file (a target or a DSpark draft; `gguf_convert.py` writes it through the
+loader's own reading, so the converted directory loads as the GGUF does).
+
 Converts a target of either family or a DSpark draft (either layer family, any packaging the loader
 reads; written back under DeepSpec's tensor names) shard by shard: each
 source file is read lazily, renamed by the model's `sanitize`, checked against the model built from
@@ -13,14 +16,24 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import typer
 from mlx.utils import tree_flatten
 
-from mlx_dspark.checkpoint import INDEX_FILE, ShardWriter, load_file, read_config, read_header, resolve_path, weight_files
+from mlx_dspark.checkpoint import (
+    INDEX_FILE,
+    ShardWriter,
+    is_gguf,
+    load_file,
+    read_config,
+    read_header,
+    resolve_path,
+    weight_files,
+)
+from mlx_dspark.cli_common import parse_tap_ids
 from mlx_dspark.models import target_module
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_name, canonical_names, is_draft_config, layer_family
@@ -84,16 +97,32 @@ def convert(
     dtype: Optional[str] = None,
     force: bool = False,
     keep_shared: bool = False,
+    draft_tap_ids: Optional[Sequence[int]] = None,
     max_shard_bytes: Optional[int] = None,
     log: Callable[[str], None] = _log,
 ) -> Path:
-    """Convert the checkpoint at `hf_path` into an MLX directory at `mlx_path`; returns its path."""
+    """Convert the checkpoint at `hf_path` into an MLX directory at `mlx_path`; returns its path.
+
+    draft_tap_ids (GGUF drafts only): the tapped target layers as Hugging Face ids, replacing the file's
+    `target_layers` (see `load(draft_tap_ids=)`); written into the converted config."""
     if quantize:
         check_quantize_options(bits=q_bits, group_size=q_group_size)
     mx_dtype = parse_dtype(dtype)
     src = resolve_path(hf_path, role="source")
     dst = Path(mlx_path).expanduser()
     _check_destination(src, dst, force=force)
+    if is_gguf(src):
+        from mlx_dspark.gguf_convert import convert_gguf
+
+        return convert_gguf(
+            src, dst, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, dtype=mx_dtype,
+            keep_shared=keep_shared, tap_ids=draft_tap_ids, max_shard_bytes=max_shard_bytes, log=log,
+        )  # fmt: skip
+    if draft_tap_ids is not None:
+        raise ValueError(
+            f"{src}: draft_tap_ids applies to GGUF drafts (whose target_layers convention varies); a safetensors "
+            "draft's config.json states target_layer_ids (pass draft_tap_ids to load() to override them)"
+        )
     config = read_config(src)
     source = str(src / "config.json")
     if quantize and "quantization" in config:
@@ -177,7 +206,9 @@ app = typer.Typer(add_completion=False, help="Convert a Hugging Face target or D
 
 @app.command()
 def cli(
-    hf_path: str = typer.Option(..., "--hf-path", help="source: a local directory or a Hugging Face repo id"),
+    hf_path: str = typer.Option(
+        ..., "--hf-path", help="source: a local directory, a Hugging Face repo id, FILE.gguf or owner/name:FILE.gguf"
+    ),
     mlx_path: Path = typer.Option(..., "--mlx-path", help="destination directory (must be empty unless --force)"),
     quantize: bool = typer.Option(False, "-q", "--quantize", help="quantize linear and embedding layers"),
     q_bits: Optional[int] = typer.Option(None, "--q-bits", help="bits per weight with -q: 4 or 8 (default 4)"),
@@ -185,6 +216,9 @@ def cli(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="cast floating weights: bfloat16, float16 or float32"),
     force: bool = typer.Option(False, "--force", help="overwrite a non-empty destination"),
     keep_shared: bool = typer.Option(False, "--keep-shared", help="keep a draft's copies of the target's embedding / LM head"),
+    draft_tap_ids: Optional[str] = typer.Option(
+        None, "--draft-tap-ids", help="GGUF drafts: the tapped target layers as Hugging Face ids (e.g. 2,10,18,25,33)"
+    ),
 ) -> None:
     def fail(message: str, code: int) -> None:
         typer.echo(f"error: {message}", err=True)
@@ -199,6 +233,10 @@ def cli(
     if dtype is not None and dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(sorted(DTYPES))}, got {dtype!r}", 2)
     try:
+        tap_ids = parse_tap_ids(draft_tap_ids, draft=hf_path, model=None)
+    except ValueError as e:
+        fail(str(e), 2)
+    try:
         convert(
             hf_path,
             mlx_path,
@@ -208,6 +246,7 @@ def cli(
             dtype=dtype,
             force=force,
             keep_shared=keep_shared,
+            draft_tap_ids=tap_ids,
         )
     except (ValueError, FileNotFoundError) as e:
         fail(str(e), 1)

@@ -325,11 +325,11 @@ def _family_fields(meta: Metadata, arch: str, family: str, sizes: dict[str, Any]
         }
     rope = {"full_attention": {"rope_theta": theta, "partial_rotary_factor": dims / head_dim}}
     if "sliding_attention" in layer_types:
-        for key in ("rope.freq_base_swa", "rope.dimension_count_swa"):
-            meta.require(p + key, why="the spark2_5 sliding layers have their own RoPE")
+        # as llama.cpp's loader: the sliding layers' RoPE keys default to the full layers' (a Spark-style draft
+        # converted from a copy of a Qwen3 config has one RoPE for every layer)
         rope["sliding_attention"] = {
-            "rope_theta": meta.number(p + "rope.freq_base_swa"),
-            "partial_rotary_factor": meta.integer(p + "rope.dimension_count_swa", low=1) / head_dim,
+            "rope_theta": meta.number(p + "rope.freq_base_swa", theta),
+            "partial_rotary_factor": meta.integer(p + "rope.dimension_count_swa", dims, low=1) / head_dim,
         }
     return {
         "model_type": "spark2_5",

@@ -2,9 +2,11 @@
 `Checkpoint` (config dict + lazy weights), whatever file format it was read from.
 
 `load(target, draft=None, *, dtype=None, quantize=None, q_group_size=64, draft_tap_ids=None)` returns
-a `LoadedModel`. Weights are checked strictly against the model built from the config (`weights.py`);
-the pair is validated and the draft's frozen copies of the target's embedding / LM head are compared
-with the target's and dropped (`pair.py`).
+a `LoadedModel`. Either path may be a checkpoint directory, a Hugging Face repo id, a `.gguf` file, a
+directory holding one GGUF, or one GGUF file of a repo (`owner/name:FILE.gguf`); `read_checkpoint`
+turns each into the same `Checkpoint`, so everything below is format-blind. Weights are checked
+strictly against the model built from the config (`weights.py`); the pair is validated and the draft's
+frozen copies of the target's embedding / LM head are compared with the target's and dropped (`pair.py`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class LoadedModel:
 
 
 def build_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) -> nn.Module:
-    """The target model of a checkpoint, its (lazy) weights in place."""
+    """The target model of a checkpoint, its (lazy) weights in place; dtype None: the checkpoint's
+    `default_dtype` (a GGUF's compute dtype), else the weights as stored."""
     config, source = checkpoint.config, checkpoint.config_source
     if is_draft_config(config):
         raise ValueError(f"{source}: this is a DSpark draft (it has target_layer_ids); pass it as draft=, with its target")
@@ -47,7 +50,7 @@ def build_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) ->
     model = module.Model(module.ModelArgs.from_dict(config, source=source))
     return fill_model(
         model, config, dict(checkpoint.weights), checkpoint.origin,
-        source=str(checkpoint.path), what="target", dtype=dtype, config_name=Path(source).name,
+        source=str(checkpoint.path), what="target", dtype=checkpoint.default_dtype if dtype is None else dtype, config_name=Path(source).name,
     )  # fmt: skip
 
 
@@ -85,7 +88,7 @@ def build_draft(
     shared = {k: v for k, v in weights.items() if k.startswith(SHARED_PREFIXES)}
     model = fill_model(
         DSparkDraft(args), config, weights, origin,
-        source=source, what="draft", dtype=dtype, config_name=Path(config_source).name,
+        source=source, what="draft", dtype=checkpoint.default_dtype if dtype is None else dtype, config_name=Path(config_source).name,
     )  # fmt: skip
     return model, shared
 
@@ -99,12 +102,24 @@ def load(
     q_group_size: int = 64,
     draft_tap_ids: Optional[Sequence[int]] = None,
 ) -> LoadedModel:
-    """Load a target and optionally its DSpark draft (local checkpoints or Hugging Face repo ids).
+    """Load a target and optionally its DSpark draft.
 
-    dtype: cast floating weights ("bfloat16", "float16", "float32"); quantize: 4 or 8 bits at load
-    time, the layers mlx-lm would quantize (input dim a multiple of `q_group_size`; norms and the
-    family's source-precision layers, e.g. spark2_5's `g_proj`, stay in float); draft_tap_ids: the
-    target layers the draft reads, replacing its config's `target_layer_ids`.
+    target / draft: a checkpoint directory (Hugging Face or MLX layout), a Hugging Face repo id, a
+      `.gguf` file (llama.cpp: a spark2_5 / qwen3 target, a `dflash` / `dspark` draft), a directory
+      holding one GGUF, or `owner/name:FILE.gguf` (downloads only that file). A GGUF target's tokenizer
+      is the tokenizer.json (+ tokenizer_config.json) beside the file when there is one, else the one
+      its `tokenizer.ggml.*` keys describe; its eos ids come from the GGUF.
+    dtype: cast floating weights ("bfloat16", "float16", "float32"). None: as stored, except that a
+      GGUF computes in its matrices' dtype (its F32 norms cast to it) and a quantized GGUF in bfloat16
+      (its float16 scales rounded; see `checkpoint.gguf_compute_dtype`).
+    quantize: 4 or 8 bits at load time, the layers mlx-lm would quantize (input dim a multiple of
+      `q_group_size`; norms and the family's source-precision layers, e.g. spark2_5's `g_proj`, stay
+      in float).
+    draft_tap_ids: the target layers the draft reads, as Hugging Face layer ids (the output of layer
+      i; -1 is the embedding), replacing the draft's `target_layer_ids` or its GGUF `target_layers`.
+      A GGUF's `target_layers` is read as upstream llama.cpp's current converters write it, HF id + 1;
+      a file from an older converter that wrote the HF ids unchanged needs this override, e.g.
+      `draft_tap_ids=[2, 10, 18, 25, 33]` for the Spark-X2.6-4B draft (the ids its model card lists).
     """
     mx_dtype = parse_dtype(dtype)
     if quantize is not None:
@@ -112,7 +127,7 @@ def load(
     if draft_tap_ids is not None and draft is None:
         raise ValueError("draft_tap_ids only applies with a draft; pass draft= as well")
     target_path = resolve_path(target, role="target")
-    target_checkpoint = read_checkpoint(target_path)
+    target_checkpoint = read_checkpoint(target_path, role="target")
     target_model = build_target(target_checkpoint, dtype=mx_dtype)
     check_finite_weights(target_model, what=f"target ({target_path})")
     if quantize is not None and "quantization" in target_checkpoint.config:
@@ -120,19 +135,19 @@ def load(
             f"{target_checkpoint.config_source}: the checkpoint is already quantized "
             f"({target_checkpoint.config['quantization']}); load it without quantize="
         )
-    tokenizer = load_tokenizer(target_path, target_checkpoint.config)
+    tokenizer = load_tokenizer(target_path, target_checkpoint.config, gguf_tokenizer=target_checkpoint.tokenizer)
 
     draft_model = draft_config = draft_path = None
     if draft is not None:
         draft_path = resolve_path(draft, role="draft")
-        draft_checkpoint = read_checkpoint(draft_path)
+        draft_checkpoint = read_checkpoint(draft_path, role="draft", tap_ids=draft_tap_ids)
         draft_config = draft_checkpoint.config
         draft_model, shared = build_draft(
             draft_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
             dtype=mx_dtype, tap_ids=draft_tap_ids,
         )  # fmt: skip
         check_finite_weights(draft_model, what=f"draft ({draft_path})")  # before the shared copies are compared
-        check_shared_tensors(shared, target_model, draft_source=str(draft_path))
+        check_shared_tensors(shared, target_model, draft_source=str(draft_path), storage=draft_checkpoint.storage)
     target_config = target_checkpoint.config
     del target_checkpoint  # the raw (uncast, unsanitized) weights are no longer needed
 

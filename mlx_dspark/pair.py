@@ -47,15 +47,40 @@ def validate_pair(
         )
 
 
-def check_shared_tensors(shared: dict[str, mx.array], target: Any, *, draft_source: str) -> None:
+# A GGUF draft's quantized copy of a target tensor (read dequantized) is within one step of the source in
+# each group of its type: (group size, how the step is read off the group's values, grid levels). Symmetric
+# types map the group's largest |weight| to the grid's end (step = amax / levels), affine ones spread the
+# group's range over the grid (step = (max - min) / levels).
+GGUF_COPY_STEPS = {
+    "Q8_0": (32, "amax", 127), "Q5_0": (32, "amax", 16), "Q4_0": (32, "amax", 8),
+    "Q5_1": (32, "range", 31), "Q4_1": (32, "range", 15),
+    "Q6_K": (16, "amax", 32), "Q5_K": (32, "range", 31), "Q4_K": (32, "range", 15),
+    "Q3_K": (16, "amax", 4), "Q2_K": (16, "range", 3),
+}  # fmt: skip
+FLOAT_STORAGE = ("F32", "F16", "BF16")
+
+
+def check_shared_tensors(
+    shared: dict[str, mx.array], target: Any, *, draft_source: str, storage: Optional[dict[str, str]] = None
+) -> None:
     """The draft's copies of the embedding / LM head must be the target's (up to storage precision).
 
     `target` is the built target model (before any load-time quantization; stored quantization is
-    compared through its dequantized values)."""
+    compared through its dequantized values). `storage`: name -> the GGUF type a copy was stored as
+    (a GGUF draft's; absent: the array's own dtype); a quantized copy may differ from the target's by
+    one step of its type, on top of the target's own storage precision."""
+    storage = storage or {}
     for name, array in shared.items():
         kind = "head" if name.startswith("lm_head.") else "embed"
         if not name.endswith(".weight"):
             raise ValueError(f"{draft_source}: shared tensor {name!r} is not a plain weight (quantized copies are not supported)")
+        stored = storage.get(name)
+        if stored is not None and stored not in FLOAT_STORAGE and stored not in GGUF_COPY_STEPS:
+            raise ValueError(
+                f"{draft_source}: draft tensor {name!r} is stored as {stored}; a copy of the target's {kind} in that "
+                f"type cannot be compared with the target's (supported: {', '.join(FLOAT_STORAGE + tuple(GGUF_COPY_STEPS))}); "
+                "use a draft file without the copy or with it in BF16"
+            )
         module = target.lm_head if kind == "head" and not target.args.tie_word_embeddings else target.embedding
         quant = _quantization(module)
         reference = module.weight
@@ -65,9 +90,10 @@ def check_shared_tensors(shared: dict[str, mx.array], target: Any, *, draft_sour
                 f"{draft_source}: draft tensor {name!r} has shape {tuple(array.shape)} but the target's is {ref_shape}; "
                 "the draft was trained for another target"
             )
-        if not _same_tensor(array, reference, quant):
+        if not _same_tensor(array, reference, quant, copy_step=GGUF_COPY_STEPS.get(stored or "")):
+            stored_as = f" (stored as {stored})" if stored else ""
             raise ValueError(
-                f"{draft_source}: draft tensor {name!r} differs from the target's {kind} weights; "
+                f"{draft_source}: draft tensor {name!r}{stored_as} differs from the target's {kind} weights; "
                 "the draft was trained for another target (or another revision of it)"
             )
 
@@ -79,7 +105,21 @@ def _quantization(module: nn.Module) -> Optional[tuple]:
     return module.scales, getattr(module, "biases", None), module.group_size, module.bits
 
 
-def _same_tensor(draft: mx.array, target: mx.array, quant: Optional[tuple], *, rows: int = 8192) -> bool:
+def _copy_tolerance(draft: mx.array, copy_step: tuple[int, str, int]) -> mx.array:
+    """One quantization step of the draft's copy, per weight (rows, cols), read off its own groups."""
+    group, how, levels = copy_step
+    rows, cols = draft.shape
+    groups = draft.reshape(rows, cols // group, group)
+    if how == "amax":
+        span = mx.max(mx.abs(groups), axis=-1, keepdims=True)
+    else:
+        span = mx.max(groups, axis=-1, keepdims=True) - mx.min(groups, axis=-1, keepdims=True)
+    return mx.broadcast_to(1.01 * span / levels, groups.shape).reshape(rows, cols)
+
+
+def _same_tensor(
+    draft: mx.array, target: mx.array, quant: Optional[tuple], *, copy_step: Optional[tuple] = None, rows: int = 8192
+) -> bool:
     # Row chunks in float32, so a large vocabulary never needs a full float32 copy.
     low_precision = draft.dtype != mx.float32 or (quant is None and target.dtype != mx.float32)
     for start in range(0, draft.shape[0], rows):
@@ -94,6 +134,8 @@ def _same_tensor(draft: mx.array, target: mx.array, quant: Optional[tuple], *, r
             # MLX's affine quantization is off by up to one step; plus the draft's own storage rounding
             step = mx.repeat(mx.abs(s.astype(mx.float32)), group_size, axis=-1)  # scales may be negative
             tol = 1.01 * step + 1e-2 * mx.abs(t) + 1e-5
+        if copy_step is not None:
+            tol = tol + _copy_tolerance(d, copy_step)
         if not mx.all(mx.abs(d - t) <= tol).item():
             return False
     return True

@@ -29,8 +29,9 @@ DEMO_MODEL_ID = "mlx-dspark-demo"
 @app.command()
 def serve(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", help="Target: local directory or Hugging Face repo id."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="DSpark draft: local directory or repo id."),
+    model: Optional[str] = typer.Option(None, "--model", help=flags.MODEL_HELP),
+    draft: Optional[str] = typer.Option(None, "--draft", help=flags.DRAFT_HELP),
+    draft_tap_ids: flags.DraftTapIds = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 exposes the server to the network."),
     port: int = typer.Option(8080, "--port", help="Port to bind (0 picks a free one)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MLX_DSPARK_API_KEY",
@@ -65,6 +66,7 @@ def serve(
     # The same checks a request gets, at startup, so a bad flag is one line instead of a 400 per request.
     with flag_errors({**flags.FLAGS, "max_tokens": "--max-tokens-default"}):
         flags.check_quantize(quantize)
+        tap_ids = flags.parse_tap_ids(draft_tap_ids, draft=draft, model=model)
         if max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
         defaults = flags.generation_options(ctx.params, max_tokens=max_tokens_default)  # the shared flags, by name
@@ -78,7 +80,11 @@ def serve(
             fail(str(err))
         typer.echo(f"[mlx_dspark] {demo.note}; it has no chat template: use /v1/completions", err=True)
         model, draft, dtype = str(demo.target), draft or str(demo.draft), demo.dtype
-    loader = functools.partial(load, model, draft=None if no_draft else draft, dtype=dtype, quantize=quantize)
+    speculative = draft is not None and not no_draft
+    loader = functools.partial(
+        load, model, draft=draft if speculative else None, dtype=dtype, quantize=quantize,
+        draft_tap_ids=tap_ids if speculative else None,
+    )  # fmt: skip
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
                              max_body_bytes=max_body_bytes, allow_origins=allow_origin)

@@ -1,11 +1,16 @@
-"""The target's tokenizer (mlx-lm's `TokenizerWrapper`) with the eos ids of its config files."""
+"""The target's tokenizer (mlx-lm's `TokenizerWrapper`) with the eos ids of its config files.
+
+For a GGUF target: the tokenizer files beside the GGUF when there are any (a file converted from a
+model whose pre-tokenizer the GGUF metadata cannot describe needs them), else the Hugging Face files
+its `tokenizer.ggml.*` keys describe (`gguf_tokenizer.GGUFTokenizer.directory()`); eos ids from the GGUF.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from mlx_dspark.checkpoint import read_json
+from mlx_dspark.checkpoint import is_gguf, read_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -25,18 +30,49 @@ def eos_token_ids(path: Path, config: dict) -> list[int]:
     return ids
 
 
-def load_tokenizer(path: Path, config: dict):
+def _has_tokenizer_files(directory: Path) -> bool:
+    return any((directory / f).is_file() for f in TOKENIZER_FILES)
+
+
+def tokenizer_directory(path: Path, *, gguf_tokenizer: Any = None) -> Path:
+    """The directory holding the target's Hugging Face tokenizer files (see the module docstring).
+
+    gguf_tokenizer: the GGUF's `GGUFTokenizer` (None when the file has no tokenizer keys)."""
+    if not is_gguf(path):
+        if not _has_tokenizer_files(path):
+            raise FileNotFoundError(
+                f"{path}: no tokenizer files (expected one of {list(TOKENIZER_FILES)}); the target directory must carry its tokenizer"
+            )
+        return path
+    if _has_tokenizer_files(path.parent):
+        return path.parent
+    if gguf_tokenizer is None:
+        raise FileNotFoundError(
+            f"{path}: no tokenizer: the GGUF has no tokenizer.ggml.* keys and there is no tokenizer.json beside it; "
+            "put the model's tokenizer.json and tokenizer_config.json beside the GGUF file"
+        )
+    return gguf_tokenizer.directory()  # ValueError naming the fix when the metadata describes no supported tokenizer
+
+
+def load_tokenizer(path: Path, config: dict, *, gguf_tokenizer: Any = None):
+    """The tokenizer of the target at `path` (a checkpoint directory or a GGUF file)."""
     from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise FileNotFoundError(
-            f"{path}: no tokenizer files (expected one of {list(TOKENIZER_FILES)}); the target directory must carry its tokenizer"
-        )
+    directory = tokenizer_directory(path, gguf_tokenizer=gguf_tokenizer)
+    eos: list[int] = list(gguf_tokenizer.eos_token_ids) if gguf_tokenizer is not None else []
+    eos += [i for i in eos_token_ids(directory, config) if i not in eos]
     # A Spark config names custom code (auto_map): we never run it. trust_remote_code=False keeps
-    # transformers from stopping to ask; a blank model config keeps it from reading config.json at all.
+    # transformers from stopping to ask; a blank model config keeps it from reading config.json at all
+    # (beside a GGUF there may be none; a config converted from a GGUF names a family transformers lacks).
     extra: dict[str, Any] = {"trust_remote_code": False}
-    if "auto_map" in config:
+    if "auto_map" in config or is_gguf(path) or not _transformers_knows(config.get("model_type")):
         from transformers import PretrainedConfig
 
         extra["config"] = PretrainedConfig()
-    return mlx_lm_load_tokenizer(path, extra, eos_token_ids=eos_token_ids(path, config) or None)
+    return mlx_lm_load_tokenizer(directory, extra, eos_token_ids=eos or None)
+
+
+def _transformers_knows(model_type: Any) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING

@@ -2,8 +2,9 @@
 
 qwen3 and spark2_5 targets (mlx-lm 0.32 ships both models) are loaded by `mlx_lm.load` with mlx-lm's own
 model, cast to `--dtype` and, for `--quantize`, quantized by mlx-lm's own `quantize_model` (the same layers as our
-loader uses); a checkpoint stored quantized or another family runs our target module under mlx-lm's
-`generate_step` through `LogitsOnly`, so the loop is mlx-lm's and only the model is ours.
+loader uses); a checkpoint stored quantized, a GGUF file (mlx-lm's loader reads directories) or another
+family runs our target module under mlx-lm's `generate_step` through `LogitsOnly`, so the loop is mlx-lm's
+and only the model is ours.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ MLX_LM_FAMILIES = ("qwen3", "spark2_5")
 def make_mlx_lm_baseline(loaded: Any, *, dtype: str | None, quantize: int | None, q_group_size: int = 64) -> MlxLmBaseline:
     """mlx-lm's own model for float checkpoints of the families it ships; our target through `LogitsOnly` otherwise."""
     family = loaded.target_config.get("model_type")
-    if family in MLX_LM_FAMILIES and "quantization" not in loaded.target_config:
+    from_gguf = Path(loaded.target_path).suffix.lower() == ".gguf"
+    if family in MLX_LM_FAMILIES and "quantization" not in loaded.target_config and not from_gguf:
         import mlx_lm
         from mlx_lm.utils import quantize_model
 

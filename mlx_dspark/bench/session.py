@@ -23,6 +23,7 @@ class Options:
     model: str
     draft: str
     out: Path
+    draft_tap_ids: Optional[list[int]] = None  # --draft-tap-ids
     settings: runner.RunSettings = runner.RunSettings()  # how every timed run generates
     datasets: list[str] = field(default_factory=list)
     dataset_files: list[str] = field(default_factory=list)
@@ -82,7 +83,9 @@ def run(options: Options, *, meta: dict) -> dict:
     settings = options.settings
     if options.controlled_acceptance and not settings.ignore_eos:
         _note("note: controlled-acceptance runs always ignore stop tokens (they follow a fixed greedy reference)")
-    loaded = mlx_dspark.load(options.model, draft=options.draft, dtype=options.dtype, quantize=options.quantize)
+    loaded = mlx_dspark.load(
+        options.model, draft=options.draft, dtype=options.dtype, quantize=options.quantize, draft_tap_ids=options.draft_tap_ids
+    )
     if loaded.draft is None:
         raise ValueError("the benchmark needs a draft: pass --draft")
     settings.generation.speculation.draft_length(int(loaded.draft.args.block_size))  # before any long run

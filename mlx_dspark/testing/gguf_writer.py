@@ -125,8 +125,13 @@ def tokenizer_metadata(directory: Path) -> dict[str, Any]:
     return meta
 
 
-def add_tokenizer(writer: Any, directory: Path, *, mask_key: Optional[str] = "tokenizer.ggml.mask_token_id") -> dict[str, Any]:
+def add_tokenizer(
+    writer: Any, directory: Path, *, mask_key: Optional[str] = "tokenizer.ggml.mask_token_id", pre: Optional[str] = None
+) -> dict[str, Any]:
+    """pre: the `tokenizer.ggml.pre` name to write instead of the one the directory's tokenizer has."""
     meta = tokenizer_metadata(directory)
+    if pre is not None:
+        meta["pre"] = pre
     writer.add_tokenizer_model(meta["model"])
     writer.add_tokenizer_pre(meta["pre"])
     writer.add_token_list(meta["tokens"])
@@ -195,12 +200,15 @@ def write_gguf_target(
     tensor_types: Optional[dict[str, str]] = None,
     separate_qkv: bool = False,
     tokenizer: bool = True,
+    tokenizer_pre: Optional[str] = None,
     seed: int = 0,
 ) -> Path:
     """A target GGUF (architecture = the family) from the tiny Hugging Face target at `source`.
 
     tensor_type: the type of every 2-D tensor; tensor_types: per-GGUF-name overrides; separate_qkv:
-    a spark2_5 target's fused q_k_v_proj stored as attn_q / attn_k / attn_v."""
+    a spark2_5 target's fused q_k_v_proj stored as attn_q / attn_k / attn_v; tokenizer: write the
+    `tokenizer.ggml.*` keys; tokenizer_pre: another `tokenizer.ggml.pre` name (as a vendor's converter
+    may write for its own pre-tokenizer)."""
     from gguf import GGUFWriter
 
     source, path = Path(source), Path(path)
@@ -209,7 +217,7 @@ def write_gguf_target(
     writer = GGUFWriter(path, arch)
     _add_sizes(writer, arch, config)
     if tokenizer:
-        add_tokenizer(writer, source, mask_key=None)
+        add_tokenizer(writer, source, mask_key=None, pre=tokenizer_pre)
     tensors = {}
     for name, array in _read_hf_weights(source).items():
         gname = gguf_name(name, layer_prefix="model.layers.", globals_=_TARGET)

@@ -120,13 +120,13 @@ def load_draft_for_training(
     (the pair, finite weights, its copies of the shared tensors), in `dtype`, without its old calibration.
 
     Returns the draft and the config to save it with."""
-    checkpoint = read_checkpoint(draft_path)
+    checkpoint = read_checkpoint(draft_path, role="draft")
     if "quantization" in checkpoint.config:
         raise ValueError(f"{checkpoint.config_source}: a quantized draft cannot be trained; start from a float checkpoint")
     checkpoint.config = {k: v for k, v in checkpoint.config.items() if k not in _STALE_FIELDS}
     draft, shared = build_draft(checkpoint, target=target, target_source=target_source, dtype=dtype)
     check_finite_weights(draft, what=f"draft ({draft_path})")
-    check_shared_tensors(shared, target, draft_source=str(draft_path))
+    check_shared_tensors(shared, target, draft_source=str(draft_path), storage=checkpoint.storage)
     mx.eval(draft.parameters())
     return draft, checkpoint.config
 
