@@ -94,8 +94,8 @@ def parse_floats(text: str, *, option: str) -> list[float]:
 @app.command()
 def main(
     ctx: typer.Context,
-    model: str = typer.Option(..., "--model", help=flags.MODEL_HELP),
-    draft: str = typer.Option(..., "--draft", help=flags.DRAFT_HELP),
+    model: Optional[str] = typer.Option(None, "--model", help=flags.MODEL_HELP + " Default: the demo pair."),
+    draft: Optional[str] = typer.Option(None, "--draft", help=flags.DRAFT_HELP + " Required with --model."),
     draft_tap_ids: flags.DraftTapIds = None,
     datasets: Optional[list[str]] = typer.Option(None, "--datasets", help="Built-in sets (comma-separated or repeated); default all."),
     dataset_files: Optional[list[str]] = typer.Option(None, "--dataset", help="NAME=FILE.jsonl (repeatable)."),
@@ -141,6 +141,16 @@ def main(
         reexec_with_openblas()
     from mlx_dspark.bench import session
     from mlx_dspark.bench.runner import RunSettings
+
+    if model is None:
+        try:
+            demo = flags.demo_pair()
+        except FileNotFoundError as err:
+            fail(str(err))
+        typer.echo(f"[mlx_dspark] {demo.note}", err=True)
+        model, draft, dtype = str(demo.target), draft or str(demo.draft), dtype or demo.dtype
+    elif draft is None:
+        fail("--draft: the DSpark draft of --model is required (without --model, the demo pair is used)")
 
     taus = parse_floats(controlled_acceptance, option="--controlled-acceptance") if controlled_acceptance else []
     names = [part.strip() for item in (datasets or []) for part in item.split(",") if part.strip()]

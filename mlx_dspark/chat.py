@@ -98,9 +98,9 @@ def chat(
         flags.check_quantize(quantize)
         options = flags.generation_options(ctx.params, max_tokens=max_tokens)  # the shared flags, read by name
 
-    if model is None:
-        model, default_draft = (str(p) for p in flags.demo_pair())
-        draft = draft or default_draft
+    if model is None:  # the shipped demo pair is a raw-text code model: it has no chat template
+        fail("chat needs --model (a target with a chat template); the demo pair has none: try "
+             "`python -m mlx_dspark.generate` for it")
     try:
         pair = load(model, draft=None if no_draft else draft, quantize=quantize)
     except (ValueError, FileNotFoundError, OSError) as err:

@@ -1,7 +1,8 @@
 """The generate command line: parses flags, loads the pair, streams text to stdout.
 
-With no `--model`, it runs a tiny random spark2_5 pair generated on first use (a demo of the whole
-path, not of output quality). Errors a user can fix are one line on stderr and a non-zero exit.
+With no `--model`, it runs the trained demo pair shipped in the package (`cli_common.demo_pair`: a small
+Python-code target and its DSpark draft), on a Python prompt unless `--prompt` says otherwise. Errors a
+user can fix are one line on stderr and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from mlx_dspark import cli_common as flags
 from mlx_dspark.cli_common import exit_on_interrupt, fail, flag_errors, resolve_cost_curve
 
 app = typer.Typer(add_completion=False, help="Generate text with a target and its DSpark draft.")
+
+DEFAULT_PROMPT = "Write a short poem about the sea."  # with --model; the demo pair has its own
 
 
 def read_prompt(prompt: str) -> str:
@@ -40,7 +43,10 @@ def generate(
     model: Optional[str] = typer.Option(None, "--model", help=flags.MODEL_HELP),
     draft: Optional[str] = typer.Option(None, "--draft", help=flags.DRAFT_HELP),
     draft_tap_ids: flags.DraftTapIds = None,
-    prompt: str = typer.Option("Write a short poem about the sea.", "--prompt", "-p", help="Prompt text, or - for stdin."),
+    prompt: Optional[str] = typer.Option(
+        None, "--prompt", "-p",
+        help=f"Prompt text, or - for stdin [default: {DEFAULT_PROMPT!r}; without --model, {flags.DEMO_PROMPT!r}]",
+    ),  # fmt: skip
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
     max_tokens: Optional[int] = typer.Option(
         None, "--max-tokens", "-m",
@@ -75,16 +81,25 @@ def generate(
         default_max_tokens = flags.DEFAULT_OPTIONS.max_tokens
         options = flags.generation_options(ctx.params, max_tokens=default_max_tokens if max_tokens is None else max_tokens)
         options = dataclasses.replace(options, clamp_max_tokens=max_tokens is None)
-        text = read_prompt(prompt)  # before the (slow) load, so a bad prompt is told at once
+        text = None if prompt is None else read_prompt(prompt)  # before the (slow) load: a bad prompt is told at once
         if system is not None:
             flags.text_flag("--system", system)
 
+    dtype = None
     if model is None:
-        model, default_draft = (str(p) for p in flags.demo_pair())
-        draft = draft or default_draft
+        try:
+            demo = flags.demo_pair()
+        except FileNotFoundError as err:
+            fail(str(err))
+        model, draft, dtype = str(demo.target), draft or str(demo.draft), demo.dtype
+        prompt = demo.prompt if prompt is None else prompt
+        typer.echo(f"[mlx_dspark] {demo.note}; prompt (raw text): {prompt!r}", err=True)
     try:
         speculative = draft is not None and not no_draft
-        pair = load(model, draft=draft if speculative else None, quantize=quantize, draft_tap_ids=tap_ids if speculative else None)
+        pair = load(
+            model, draft=draft if speculative else None, dtype=dtype, quantize=quantize,
+            draft_tap_ids=tap_ids if speculative else None,
+        )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
 
@@ -93,6 +108,8 @@ def generate(
             options = resolve_cost_curve(pair, options)
         typer.echo(f"[mlx_dspark] verify schedule: confidence, cost curve: {options.speculation.cost_curve.source}", err=True)
 
+    if text is None:  # no --prompt: the demo's own prompt (set above) or the default one
+        text = DEFAULT_PROMPT if prompt is None else prompt
     if no_chat_template or not pair.tokenizer.has_chat_template:
         request = text
     else:

@@ -3,6 +3,7 @@
 `generate`, `server` and `benchmark` declare the flags below (names, aliases and help written once
 here) under the same parameter names, and `generation_options(ctx.params, ...)` builds their one
 `GenerationOptions`; inside `flag_errors()` a bad value is `error: --flag: ...` and exit status 2.
+Without `--model` they run the trained demo pair shipped in the package (`demo_pair()`).
 llama-server's names for the model card's recipe (`--spec-draft-n-max`, `--spec-draft-p-min`,
 `--spec-draft-sampling`) are aliases. `--model` / `--draft` take what `load()` takes (directories, repo
 ids, `.gguf` files, `owner/name:FILE.gguf`); `--draft-tap-ids` overrides a draft's tapped layers.
@@ -32,7 +33,13 @@ from mlx_dspark.schedule import CostCurve
 # The flags' defaults are the options' own.
 SAMPLING, SPECULATION = DEFAULT_OPTIONS.sampling, DEFAULT_OPTIONS.speculation
 
-DEMO_DIR = Path.home() / ".cache" / "mlx_dspark" / "tiny-spark-pair"
+# The trained demo pair shipped in the package (scripts/train_demo_pair.py; benchmarks/RESULTS.md section 7).
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+# Stored float16 to stay small (5 MB); loaded float32: exact for float16 weights, fast on every backend
+# (MLX's float16 matmuls are very slow on Linux CPUs), and the dtype its acceptance was measured in.
+DEMO_DTYPE = "float32"
+# Its target learned Python source only (no chat template): a raw-text prompt, the start of a method.
+DEMO_PROMPT = "class Request:\n    def __init__(self, url, data=None):\n        self.url = url\n        "
 
 # The flag that sets each option field, for error lines (a command may name max_tokens differently).
 FLAGS = {
@@ -234,12 +241,27 @@ def check_quantize(bits: Optional[int]) -> None:
         raise ValueError(f"--quantize must be one of {', '.join(map(str, Q_BITS))}, got {bits}")
 
 
-def demo_pair() -> tuple[Path, Path]:
-    """The tiny random spark2_5 pair used when no model is given, written once."""
-    from mlx_dspark.testing.tiny import write_tiny_pair
+@dataclasses.dataclass(frozen=True)
+class DemoPair:
+    """What a command runs when no `--model` is given."""
 
+    target: Path
+    draft: Path
+    dtype: str = DEMO_DTYPE
+    prompt: str = DEMO_PROMPT
+    note: str = (
+        f"no --model given: the demo pair in {DEMO_DIR} (a 1.4M-parameter qwen3 target trained on Python's "
+        "standard library and its DSpark draft; it writes Python-like text)"
+    )
+
+
+def demo_pair() -> DemoPair:
+    """The trained demo pair shipped in mlx_dspark/demo/; FileNotFoundError naming the fix when it is absent."""
     target, draft = DEMO_DIR / "target", DEMO_DIR / "draft"
-    if not (target / "config.json").exists() or not (draft / "config.json").exists():
-        typer.echo(f"[mlx_dspark] no --model given: writing a tiny random spark2_5 pair to {DEMO_DIR}", err=True)
-        write_tiny_pair(DEMO_DIR, family="spark2_5", seed=0)
-    return target, draft
+    missing = [str(d / "config.json") for d in (target, draft) if not (d / "config.json").is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the demo pair is not installed ({', '.join(missing)} missing): reinstall mlx_dspark with its package "
+            "data, rebuild it with `python scripts/train_demo_pair.py --out mlx_dspark/demo`, or pass --model"
+        )
+    return DemoPair(target=target, draft=draft)

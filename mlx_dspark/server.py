@@ -2,7 +2,8 @@
 
 Parses flags, binds the socket, loads the pair in the background (requests get 503 until it is
 ready) and serves `/v1/chat/completions`, `/v1/completions`, `/v1/models` and `/health`. The pieces
-live in `mlx_dspark.serve`; see docs/SERVER.md. With no `--model` it serves the tiny random demo pair.
+live in `mlx_dspark.serve`; see docs/SERVER.md. With no `--model` it serves the trained demo pair
+shipped in the package (a Python-code model without a chat template: use /v1/completions).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from mlx_dspark.serve.protocol import SERVER_DEFAULTS
 app = typer.Typer(add_completion=False, help="Serve a target and its DSpark draft over an OpenAI-compatible API.")
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-DEMO_MODEL_ID = "tiny-spark-demo"
+DEMO_MODEL_ID = "mlx-dspark-demo"
 
 
 @app.command()
@@ -87,13 +88,19 @@ def serve(
         prompt_cache = _prompt_cache_budget(prompt_cache_size, prompt_cache_bytes)
 
     model_id = served_model_name or model or DEMO_MODEL_ID
+    dtype = None
     if model is None:
-        model, default_draft = (str(p) for p in flags.demo_pair())
-        draft = draft or default_draft
+        try:
+            demo = flags.demo_pair()
+        except FileNotFoundError as err:
+            fail(str(err))
+        typer.echo(f"[mlx_dspark] {demo.note}; it has no chat template: use /v1/completions", err=True)
+        model, draft, dtype = str(demo.target), draft or str(demo.draft), demo.dtype
     speculative = draft is not None and not no_draft
     loader = functools.partial(
-        load, model, draft=draft if speculative else None, quantize=quantize, draft_tap_ids=tap_ids if speculative else None
-    )
+        load, model, draft=draft if speculative else None, dtype=dtype, quantize=quantize,
+        draft_tap_ids=tap_ids if speculative else None,
+    )  # fmt: skip
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
                              max_body_bytes=max_body_bytes, allow_origins=allow_origin,

@@ -219,6 +219,12 @@ def test_benchmark_cli_reports_a_bad_dataset_line(tiny_spark_pair, tmp_path):
     assert "bad.jsonl:1: not valid JSON" in result.output
 
 
+def test_benchmark_needs_the_draft_of_a_given_model(tiny_spark_pair, tmp_path):
+    result = CliRunner().invoke(app, ["--model", str(tiny_spark_pair[0]), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert "--draft: the DSpark draft of --model is required" in result.output
+
+
 def test_openblas_flag_refuses_to_run_in_process_without_the_preload(tiny_spark_pair, tmp_path):
     # Inside another program (here pytest) the flag cannot re-execute the process: it must refuse
     # rather than silently benchmark with the bundled BLAS. (Tests never preload OpenBLAS.)

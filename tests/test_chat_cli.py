@@ -69,3 +69,10 @@ def test_a_bad_flag_is_one_error_line(tiny_spark_pair):
     proc = run_chat(tiny_spark_pair, "", "--temp", "-1")
     assert proc.returncode == 2
     assert proc.stderr.decode().startswith("error: --temp") and len(proc.stderr.decode().strip().splitlines()) == 1
+
+
+def test_without_a_model_it_says_the_demo_pair_cannot_chat():
+    result = subprocess.run([sys.executable, "-m", "mlx_dspark.chat"], input=b"hi\n", capture_output=True, timeout=120)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.decode().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: chat needs --model"), lines

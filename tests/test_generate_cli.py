@@ -202,3 +202,22 @@ def test_sigint_during_generation_exits_130_without_a_traceback(tiny_spark_pair)
             proc.kill()
     assert proc.returncode == 130, stderr.decode()
     assert b"Traceback" not in stderr and b"interrupted" in stderr
+
+
+def test_without_a_model_it_runs_the_shipped_demo_pair_on_its_python_prompt():
+    result = run_cli("--max-tokens", "24", "--json")
+    assert result.exit_code == 0, result.output
+    assert "no --model given: the demo pair" in result.stderr and "class Request:" in result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["speculative"] is True and out["generation_tokens"] == 24
+    assert out["mean_acceptance_length"] > 1.5  # a trained draft (a random one gives about 1.0)
+
+
+def test_a_missing_demo_pair_is_one_clear_line(monkeypatch, tmp_path):
+    from mlx_dspark import cli_common
+
+    monkeypatch.setattr(cli_common, "DEMO_DIR", tmp_path / "demo")
+    result = run_cli("--max-tokens", "4")
+    assert result.exit_code == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: the demo pair is not installed") and "--model" in lines[0]

@@ -77,7 +77,7 @@ class DSparkDraft(nn.Module):
             self.markov_head = markov
         if args.enable_confidence_head:
             extra = args.markov_rank if args.confidence_head_with_markov else 0
-            self.confidence_head = ConfidenceHead(hidden + extra)
+            self.confidence_head = ConfidenceHead(hidden + extra, temperatures=args.confidence_temperatures)
 
     # -- loading ---------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -29,6 +30,7 @@ DSPARK_FIELDS = (
     "enable_confidence_head",
     "confidence_head_with_markov",
     "num_target_layers",
+    "confidence_temperatures",
 )
 NESTED_FIELDS = "dflash_config"
 MODEL_PREFIX = "model."
@@ -96,6 +98,24 @@ def _int_field(name: str, value: Any, *, low: int, source: str) -> int:
     return value
 
 
+def _confidence_temperatures(value: Any, *, block_size: int, confidence: bool, source: str) -> Optional[tuple[float, ...]]:
+    """The confidence head's calibration: one positive temperature per block position, or None."""
+    if value is None:
+        return None
+    ok = (
+        confidence
+        and isinstance(value, list)
+        and len(value) == block_size
+        and all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in value)
+    )
+    if not ok:
+        raise ValueError(
+            f"{source}: field 'confidence_temperatures' must be a list of {block_size} positive numbers "
+            f"(one per block position) on a draft with a confidence head, got {value!r}"
+        )
+    return tuple(float(t) for t in value)
+
+
 @dataclass(frozen=True)
 class DraftArgs:
     family: str  # the layer family ("qwen3" / "spark2_5"), read from the draft's tensors
@@ -108,6 +128,8 @@ class DraftArgs:
     enable_confidence_head: bool
     confidence_head_with_markov: bool
     num_target_layers: Optional[int]  # the depth of the target it was trained on, when the config says
+    # per block position, fitted by calibration after training (mlx_dspark.train.calibrate); None: T = 1
+    confidence_temperatures: Optional[tuple[float, ...]] = None
 
     @classmethod
     def from_dict(
@@ -141,10 +163,12 @@ class DraftArgs:
         num_target_layers = fields.get("num_target_layers")
         if num_target_layers is not None:
             num_target_layers = _int_field("num_target_layers", num_target_layers, low=1, source=source)
+        block_size = _int_field("block_size", fields["block_size"], low=1, source=source)
+        temperatures = _confidence_temperatures(fields.get("confidence_temperatures"), block_size=block_size, confidence=confidence, source=source)
         return cls(
             family=family,
             layers=layers,
-            block_size=_int_field("block_size", fields["block_size"], low=1, source=source),
+            block_size=block_size,
             target_layer_ids=tuple(ids),
             mask_token_id=_int_field("mask_token_id", fields["mask_token_id"], low=0, source=source),
             markov_rank=markov_rank,
@@ -152,6 +176,7 @@ class DraftArgs:
             enable_confidence_head=confidence,
             confidence_head_with_markov=with_markov,
             num_target_layers=num_target_layers,
+            confidence_temperatures=temperatures,
         )
 
     @property

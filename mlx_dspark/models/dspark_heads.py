@@ -9,7 +9,7 @@ Attribute names mirror DeepSpec's checkpoints (`markov_head.*`, `confidence_head
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -84,14 +84,26 @@ def make_markov_head(
 
 
 class ConfidenceHead(nn.Module):
-    """c(k) = sigmoid(proj([o(k); W1[x(k-1)]])) (or of o(k) alone): P(draft k survives | 1..k-1 did)."""
+    """c(k) = sigmoid(proj([o(k); W1[x(k-1)]]) / T(k)) (or of o(k) alone): P(draft k survives | 1..k-1 did).
 
-    def __init__(self, input_dim: int):
+    `temperatures` (one per block position, from config.json's `confidence_temperatures`) are the
+    calibration fitted after training; without them T(k) = 1. They are config, not parameters.
+    """
+
+    def __init__(self, input_dim: int, *, temperatures: Optional[Sequence[float]] = None):
         super().__init__()
         self.proj = nn.Linear(input_dim, 1)
+        self.temperatures = None if temperatures is None else tuple(float(t) for t in temperatures)
+
+    def logits(self, features: mx.array) -> mx.array:
+        """Uncalibrated logits (..., K) of features (..., K, input_dim); training fits these."""
+        return self.proj(features).squeeze(-1).astype(mx.float32)
 
     def __call__(self, features: mx.array) -> mx.array:
-        return mx.sigmoid(self.proj(features).squeeze(-1).astype(mx.float32))
+        logits = self.logits(features)  # (B, K): position k-1 is draft token k
+        if self.temperatures is not None:
+            logits = logits / mx.array(self.temperatures[: logits.shape[-1]], dtype=mx.float32)
+        return mx.sigmoid(logits)
 
 
 @dataclass

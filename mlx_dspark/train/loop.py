@@ -1,0 +1,226 @@
+"""The training loop: AdamW with linear warmup and cosine decay, gradient clipping, checkpoints, exact resume.
+
+A step's batch and anchors are pure functions of (seed, step), so `--resume` from the checkpoint of
+step s continues exactly as the uninterrupted run (same batches, same anchors, same optimizer state).
+Checkpoints live in `out/checkpoints/step-NNNNNN/`: a loadable draft directory (config.json,
+model.safetensors) plus `optimizer/state.safetensors` and `trainer_state.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlx_dspark.checkpoint import read_checkpoint
+from mlx_dspark.train.data import Batch, Batches, Chunk, sequential_batches
+from mlx_dspark.train.drafts import replace_directory, save_draft
+from mlx_dspark.train.forward import block_targets, draft_forward, sample_anchors, target_pass
+from mlx_dspark.train.losses import LossWeights, dspark_loss
+from mlx_dspark.weights import fill_model
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass
+class TrainOptions:
+    steps: int
+    anchors: int = 64  # anchors sampled per sequence
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 0  # 0: only the final draft
+    keep_checkpoints: int = 2
+    grad_checkpoint: bool = False  # recompute each draft layer in the backward pass (mx.checkpoint)
+    losses: LossWeights = field(default_factory=LossWeights)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.anchors < 1:
+            raise ValueError(f"anchors must be >= 1, got {self.anchors}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            raise ValueError("checkpoint_every must be >= 0 and keep_checkpoints >= 1")
+
+
+def learning_rate_schedule(options: TrainOptions) -> Callable[[mx.array], mx.array]:
+    warmup = max(1, round(options.warmup_ratio * options.steps))
+    decay = optim.cosine_decay(options.lr, max(options.steps - warmup, 1))
+    return optim.join_schedules([optim.linear_schedule(options.lr / warmup, options.lr, warmup), decay], [warmup])
+
+
+def step_anchors_rng(seed: int, step: int) -> np.random.Generator:
+    return np.random.default_rng([seed, step, 1])
+
+
+class Trainer:
+    def __init__(
+        self,
+        draft: nn.Module,
+        target: Any,
+        config: dict,
+        batches: Batches,
+        options: TrainOptions,
+        *,
+        out_dir: Path,
+        fingerprint: dict,
+    ):
+        self.draft, self.target, self.config = draft, target, config
+        self.batches, self.options, self.out_dir = batches, options, out_dir
+        self.fingerprint = fingerprint
+        self.tap_ids = tuple(draft.args.target_layer_ids)
+        self.optimizer = optim.AdamW(learning_rate=learning_rate_schedule(options), weight_decay=options.weight_decay)
+        self.optimizer.init(draft.trainable_parameters())
+
+    # -- one step ------------------------------------------------------------------------------------
+
+    def loss_and_grads(self, batch: Batch, rng: np.random.Generator) -> tuple[dict[str, mx.array], dict]:
+        anchors = sample_anchors(batch.loss_mask, num_anchors=self.options.anchors, rng=rng)
+        tokens = mx.array(batch.tokens)
+        target_logits, features = target_pass(self.target, tokens, self.tap_ids)
+        targets = block_targets(batch, anchors, target_logits, block_size=self.draft.args.block_size)
+        mx.eval(targets.target_logits)
+        del target_logits  # only the (blocks, block_size, V) slice is kept
+
+        def loss_fn(features: mx.array, tokens: mx.array, prev: mx.array):
+            outputs = draft_forward(
+                self.draft, self.target, features, tokens, anchors, prev, checkpoint=self.options.grad_checkpoint
+            )
+            return dspark_loss(outputs, targets, self.options.losses)
+
+        (_, metrics), grads = nn.value_and_grad(self.draft, loss_fn)(features, tokens, targets.prev)
+        return metrics, grads
+
+    def step(self, step: int) -> dict[str, float]:
+        metrics, grads = self.loss_and_grads(self.batches(step), step_anchors_rng(self.options.seed, step))
+        grads, grad_norm = optim.clip_grad_norm(grads, self.options.max_grad_norm)
+        self.optimizer.update(self.draft, grads)
+        mx.eval(self.draft.parameters(), self.optimizer.state, metrics, grad_norm)
+        out = {k: v.item() for k, v in metrics.items()}
+        out["grad_norm"] = grad_norm.item()
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def checkpoint_dirs(self) -> list[Path]:
+        root = self.out_dir / CHECKPOINTS
+        return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")) if root.is_dir() else []
+
+    def save_checkpoint(self, step: int) -> Path:
+        final = self.out_dir / CHECKPOINTS / f"step-{step:06d}"
+        tmp = final.with_name(final.name + ".tmp")
+        save_draft(self.draft, self.config, tmp)
+        (tmp / "optimizer").mkdir(exist_ok=True)
+        mx.save_safetensors(str(tmp / "optimizer" / "state.safetensors"), dict(tree_flatten(self.optimizer.state)))
+        state = {"step": step, "fingerprint": self.fingerprint}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+        replace_directory(tmp, final)
+        for old in self.checkpoint_dirs()[: -self.options.keep_checkpoints]:
+            shutil.rmtree(old)
+        return final
+
+    def resume(self) -> int:
+        """Load the latest checkpoint; returns the step to continue from (0 when there is none)."""
+        dirs = self.checkpoint_dirs()
+        if not dirs:
+            return 0
+        latest = dirs[-1]
+        state = json.loads((latest / "trainer_state.json").read_text(encoding="utf-8"))
+        changed = {
+            k: (state["fingerprint"].get(k), v) for k, v in self.fingerprint.items() if state["fingerprint"].get(k) != v
+        }
+        if changed:
+            raise ValueError(
+                f"{latest}: cannot resume with other settings (checkpoint vs now): {changed}; "
+                "use the same data and options, or start in a new --out directory"
+            )
+        saved = read_checkpoint(latest)
+        fill_model(
+            self.draft, saved.config, saved.weights, saved.origin,
+            source=str(latest), what="draft checkpoint", dtype=self.draft.hidden_norm.weight.dtype,
+        )  # fmt: skip
+        self.optimizer.state = tree_unflatten(list(mx.load(str(latest / "optimizer" / "state.safetensors")).items()))
+        mx.eval(self.draft.parameters(), self.optimizer.state)
+        return int(state["step"])
+
+    # -- the run -------------------------------------------------------------------------------------
+
+    def run(self, *, start: int = 0, log: Callable[[str], None]) -> dict[str, float]:
+        from tqdm import tqdm
+
+        smoothed: dict[str, float] = {}
+        bar = tqdm(total=self.options.steps, initial=start, file=sys.stderr, disable=not self.options.progress, dynamic_ncols=True)
+        for step in range(start, self.options.steps):
+            metrics = self.step(step)
+            for k, v in metrics.items():  # running (exponential) averages for the bar
+                smoothed[k] = v if k not in smoothed else 0.9 * smoothed[k] + 0.1 * v
+            bar.set_postfix(
+                loss=f"{smoothed['loss']:.3f}",
+                tau=f"{smoothed['tau_greedy']:.2f}",
+                tau_T1=f"{smoothed['tau_sampled']:.2f}",
+                lr=f"{self.optimizer.learning_rate.item():.1e}",
+                refresh=False,
+            )
+            bar.update(1)
+            done = step + 1
+            if self.options.checkpoint_every and done % self.options.checkpoint_every == 0 and done < self.options.steps:
+                log(f"checkpoint {self.save_checkpoint(done)}")
+        bar.close()
+        return smoothed
+
+
+def evaluate(
+    draft: nn.Module,
+    target: Any,
+    chunks: list[Chunk],
+    *,
+    batch_size: int,
+    anchors: int,
+    seed: int,
+    losses: LossWeights,
+    pad_id: int,
+) -> dict[str, float]:
+    """Block-weighted mean metrics over held-out chunks (fixed anchors from `seed`)."""
+    rng = np.random.default_rng([seed, 2])
+    sums: dict[str, float] = {}
+    blocks = 0
+    tap_ids = tuple(draft.args.target_layer_ids)
+    for batch in sequential_batches(chunks, batch_size=batch_size, pad_id=pad_id):
+        picked = sample_anchors(batch.loss_mask, num_anchors=anchors, rng=rng)
+        tokens = mx.array(batch.tokens)
+        target_logits, features = target_pass(target, tokens, tap_ids)
+        targets = block_targets(batch, picked, target_logits, block_size=draft.args.block_size)
+        outputs = draft_forward(draft, target, features, tokens, picked, targets.prev)
+        _, metrics = dspark_loss(outputs, targets, losses)
+        n = len(picked.pos)
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v.item() * n
+        blocks += n
+    return {k: v / max(blocks, 1) for k, v in sums.items()}
+
+
+def run_summary(options: TrainOptions, *, start: int, wall: float, final: dict[str, float]) -> dict:
+    return {
+        "options": {k: v for k, v in asdict(options).items() if k != "progress"},
+        "resumed_from_step": start,
+        "steps": options.steps,
+        "wall_seconds": round(wall, 1),
+        "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 3),
+        "final_train_metrics": {k: round(v, 4) for k, v in final.items()},
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
