@@ -78,9 +78,7 @@ def prefill(
         if not is_last:
             # Evaluate chunk by chunk so a long prompt never builds one giant graph.
             mx.eval(logits, *([] if features is None else [features]))
-    last = logits[0, -1]
-    check_finite_logits(last, step="the first step (the end of the prompt)")  # NaN weights would decode as nonsense
-    return last
+    return logits[0, -1]
 
 
 def prefill_cached(
@@ -108,6 +106,8 @@ def prefill_cached(
         if end < len(prompt):
             prompt_cache.snapshot()
         start = end
+    # Once per prompt, on its last logits (not per prefill stop: each check is a host read)
+    check_finite_logits(logits, step="the first step (the end of the prompt)")  # NaN weights would decode as nonsense
     return logits
 
 
