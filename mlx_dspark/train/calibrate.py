@@ -24,8 +24,8 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlx_dspark.train.data import Chunk, sequential_batches
-from mlx_dspark.train.forward import block_targets, draft_forward, sample_anchors, target_pass
+from mlx_dspark.train.data import Chunk
+from mlx_dspark.train.forward import held_out_blocks
 from mlx_dspark.train.losses import CONFIDENCE_TARGETS, acceptance, confidence_labels
 
 CALIBRATION_FILE = "calibration.json"
@@ -68,13 +68,8 @@ def collect(
         raise ValueError("the draft has no confidence head (enable_confidence_head is false): nothing to calibrate")
     rng = np.random.default_rng([seed, 3])
     parts: list[tuple[np.ndarray, ...]] = []
-    tap_ids = tuple(draft.args.target_layer_ids)
-    for batch in sequential_batches(chunks, batch_size=batch_size, pad_id=pad_id):
-        picked = sample_anchors(batch.loss_mask, num_anchors=anchors, rng=rng)
-        tokens = mx.array(batch.tokens)
-        target_logits, features = target_pass(target, tokens, tap_ids)
-        targets = block_targets(batch, picked, target_logits, block_size=draft.args.block_size)
-        outputs = draft_forward(draft, target, features, tokens, picked, targets.prev)
+    blocks_of = held_out_blocks(draft, target, chunks, batch_size=batch_size, anchors=anchors, rng=rng, pad_id=pad_id)
+    for _, targets, outputs in blocks_of:
         rate, hit = acceptance(outputs.logits, targets.target_logits)
         labels = confidence_labels(rate, hit, kind=kind)
         earlier = mx.concatenate([mx.ones_like(labels[:, :1]), mx.cumprod(labels, axis=1)[:, :-1]], axis=1)

@@ -14,13 +14,13 @@ The Markov head is teacher-forced: the previous token of block position k is the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_dspark.train.data import Batch
+from mlx_dspark.train.data import Batch, Chunk, sequential_batches
 
 
 @dataclass
@@ -193,3 +193,24 @@ def draft_forward(
             head_features = mx.concatenate([hidden, mx.stack(prev_embeddings, axis=1).astype(hidden.dtype)], axis=-1)
         confidence = head.logits(head_features)
     return DraftOutputs(hidden=hidden, logits=logits, confidence_logits=confidence)
+
+
+def held_out_blocks(
+    draft: Any,
+    target: Any,
+    chunks: list[Chunk],
+    *,
+    batch_size: int,
+    anchors: int,
+    rng: np.random.Generator,
+    pad_id: int,
+) -> Iterator[tuple[Anchors, BlockTargets, DraftOutputs]]:
+    """The draft's blocks over held-out chunks, batch by batch, with anchors drawn from `rng` (no gradients):
+    what evaluation and calibration both read."""
+    tap_ids = tuple(draft.args.target_layer_ids)
+    for batch in sequential_batches(chunks, batch_size=batch_size, pad_id=pad_id):
+        picked = sample_anchors(batch.loss_mask, num_anchors=anchors, rng=rng)
+        tokens = mx.array(batch.tokens)
+        target_logits, features = target_pass(target, tokens, tap_ids)
+        targets = block_targets(batch, picked, target_logits, block_size=draft.args.block_size)
+        yield picked, targets, draft_forward(draft, target, features, tokens, picked, targets.prev)

@@ -23,9 +23,9 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_dspark.checkpoint import read_checkpoint
-from mlx_dspark.train.data import Batch, Batches, Chunk, sequential_batches
+from mlx_dspark.train.data import Batch, Batches, Chunk
 from mlx_dspark.train.drafts import replace_directory, save_draft
-from mlx_dspark.train.forward import block_targets, draft_forward, sample_anchors, target_pass
+from mlx_dspark.train.forward import block_targets, draft_forward, held_out_blocks, sample_anchors, target_pass
 from mlx_dspark.train.losses import LossWeights, dspark_loss
 from mlx_dspark.weights import fill_model
 
@@ -199,13 +199,8 @@ def evaluate(
     rng = np.random.default_rng([seed, 2])
     sums: dict[str, float] = {}
     blocks = 0
-    tap_ids = tuple(draft.args.target_layer_ids)
-    for batch in sequential_batches(chunks, batch_size=batch_size, pad_id=pad_id):
-        picked = sample_anchors(batch.loss_mask, num_anchors=anchors, rng=rng)
-        tokens = mx.array(batch.tokens)
-        target_logits, features = target_pass(target, tokens, tap_ids)
-        targets = block_targets(batch, picked, target_logits, block_size=draft.args.block_size)
-        outputs = draft_forward(draft, target, features, tokens, picked, targets.prev)
+    blocks_of = held_out_blocks(draft, target, chunks, batch_size=batch_size, anchors=anchors, rng=rng, pad_id=pad_id)
+    for picked, targets, outputs in blocks_of:
         _, metrics = dspark_loss(outputs, targets, losses)
         n = len(picked.pos)
         for k, v in metrics.items():
