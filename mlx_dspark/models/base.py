@@ -123,12 +123,13 @@ class FamilyAttention(nn.Module):
     given context K/V. A family supplies `project` (queries, keys, values with RoPE from `offset`,
     each (B, heads, L, head_dim)) and `output` (attention result (B, H, L, D) -> hidden)."""
 
-    def __init__(self, *, heads: int, kv_heads: int, head_dim: int, window: Optional[int], rope: RoPE):
+    def __init__(self, args: Any, layer_type: str):
+        # args: the family's ModelArgs (head counts, head_dim, `layer_window`, `rope` per layer type)
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.scale = head_dim**-0.5
-        self.window = window
-        self.rope = rope
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.scale = self.head_dim**-0.5
+        self.window = args.layer_window(layer_type)
+        self.rope = args.rope(layer_type)
 
     def project(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array, mx.array]:
         raise NotImplementedError

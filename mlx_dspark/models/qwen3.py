@@ -126,10 +126,7 @@ class ModelArgs:
 
 class Attention(FamilyAttention):
     def __init__(self, args: ModelArgs, layer_type: str):
-        super().__init__(
-            heads=args.num_attention_heads, kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
-            window=args.layer_window(layer_type), rope=args.rope(layer_type),
-        )  # fmt: skip
+        super().__init__(args, layer_type)
         dim, head_dim, bias = args.hidden_size, args.head_dim, args.attention_bias
         self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)

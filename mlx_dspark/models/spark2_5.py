@@ -115,10 +115,7 @@ class ModelArgs:
 
 class Attention(FamilyAttention):
     def __init__(self, args: ModelArgs, layer_type: str):
-        super().__init__(
-            heads=args.num_attention_heads, kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
-            window=args.layer_window(layer_type), rope=args.rope(layer_type),
-        )  # fmt: skip
+        super().__init__(args, layer_type)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_k_v_proj = nn.Linear(args.hidden_size, q_size + 2 * kv_size, bias=args.attention_bias)
         self.g_proj = nn.Linear(args.hidden_size, self.n_heads, bias=args.attention_bias)
