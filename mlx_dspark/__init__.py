@@ -17,10 +17,10 @@ from mlx_dspark.api import (
     make_prompt_cache,
     stream_generate,
 )
-from mlx_dspark.prompt_cache import PromptCache
-from mlx_dspark.load import LoadedModel, load
-from mlx_dspark.options import GenerationOptions, OptionError, SamplingOptions, SpeculationOptions
-from mlx_dspark.schedule import CostCurve
+from mlx_dspark.engine.prompt_cache import PromptCache
+from mlx_dspark.loading.load import LoadedModel, load
+from mlx_dspark.engine.options import GenerationOptions, OptionError, SamplingOptions, SpeculationOptions
+from mlx_dspark.engine.schedule import CostCurve
 
 __version__ = "0.1.0"
 __all__ = [

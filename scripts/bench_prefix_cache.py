@@ -60,8 +60,8 @@ def main(
 
     from mlx_dspark.api import generate, make_prompt_cache
     from mlx_dspark.bench.stats import loadavg
-    from mlx_dspark.benchmark import blas_setting
-    from mlx_dspark.load import load
+    from mlx_dspark.cli.benchmark import blas_setting
+    from mlx_dspark.loading.load import load
 
     meta = {
         "command": " ".join(["python scripts/bench_prefix_cache.py", *sys.argv[1:]]),

@@ -1,7 +1,7 @@
 """Fixed vs confidence-scheduled verification with the trained demo pair's real (calibrated) confidences.
 
 The demo pair is the only pair here whose draft predicts its target, so its confidences are real; its
-cost curve is this machine's, measured by `schedule.cost_curve_for` at first use. Runs are interleaved
+cost curve is this machine's, measured by `cost_probe.cost_curve_for` at first use. Runs are interleaved
 (fixed, confidence) per prompt and repeat; medians. Greedy output must be identical in both.
 
     LD_PRELOAD=libopenblas.so.0 OPENBLAS_NUM_THREADS=1 python scripts/bench_schedule_demo.py --out results.json
@@ -16,8 +16,8 @@ import sysconfig
 from pathlib import Path
 
 import mlx_dspark
-from mlx_dspark.cli_common import demo_pair
-from mlx_dspark.schedule import cost_curve_for
+from mlx_dspark.cli.common import demo_pair
+from mlx_dspark.engine.cost_probe import cost_curve_for
 
 
 def held_out_prompts(count: int, chars: int) -> list[str]:

@@ -287,7 +287,7 @@ def main() -> None:
             save_target(model, args.work / "tokenizer", target_dir, ids["<|endoftext|>"])
         from tokenizers import Tokenizer
 
-        from mlx_dspark.load import load
+        from mlx_dspark.loading.load import load
 
         tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
         target = load(str(target_dir), dtype="float32").target

@@ -6,10 +6,10 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.decode import plain_steps
+from mlx_dspark.engine.decode import plain_steps
 from mlx_dspark.models import qwen3, spark2_5
-from mlx_dspark.propose import Proposal
-from mlx_dspark.sample import Sampler
+from mlx_dspark.engine.propose import Proposal
+from mlx_dspark.engine.sample import Sampler
 
 
 def spark_config(*, vocab_size: int = 96, window: int = 16, tie: bool = True, layers: int = 4) -> dict:

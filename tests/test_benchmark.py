@@ -17,8 +17,8 @@ from mlx_dspark.bench.lossless import first_difference
 from mlx_dspark.bench.prompts import builtin_prompts, load_jsonl, parse_dataset_option, select_prompts
 from mlx_dspark.bench.runner import RunSettings, prepare_model
 from mlx_dspark.bench.stats import acceptance_histogram, position_acceptance
-from mlx_dspark.benchmark import app
-from mlx_dspark.propose import DraftProposer
+from mlx_dspark.cli.benchmark import app
+from mlx_dspark.engine.propose import DraftProposer
 
 MODEL_CARD_ROWS = ["AIME25", "GSM8K", "MATH500", "HumanEval", "MBPP", "Arena-Hard-v2"]
 
@@ -273,7 +273,7 @@ def test_benchmark_cli_refuses_bad_generation_flags_with_one_line(tiny_spark_pai
 
 
 def test_run_settings_give_each_run_its_mode_and_seed_over_the_shared_options():
-    from mlx_dspark.options import GenerationOptions, SamplingOptions, SpeculationOptions
+    from mlx_dspark.engine.options import GenerationOptions, SamplingOptions, SpeculationOptions
 
     generation = GenerationOptions(
         max_tokens=32, sampling=SamplingOptions(temperature=0.7, seed=3), speculation=SpeculationOptions(max_draft_tokens=4)
@@ -289,7 +289,7 @@ def test_run_settings_give_each_run_its_mode_and_seed_over_the_shared_options():
 def test_card_columns_run_both_schedules_through_the_template_switches(request, tmp_path, pair_name, columns):
     from mlx_dspark.api import encode_prompt
     from mlx_dspark.bench.card import THINKING_SWITCHES
-    from mlx_dspark.schedule import CostCurve
+    from mlx_dspark.engine.schedule import CostCurve
 
     target, draft = request.getfixturevalue(pair_name)
     loaded = mlx_dspark.load(str(target), draft=str(draft))
@@ -319,7 +319,7 @@ def test_card_columns_run_both_schedules_through_the_template_switches(request, 
 
 
 def test_schedule_ab_runs_on_the_tiny_pair_and_flat_curve_matches_fixed(tiny_spark_pair, tmp_path):
-    from mlx_dspark.schedule import CostCurve
+    from mlx_dspark.engine.schedule import CostCurve
 
     target, draft = tiny_spark_pair
     curve_file = tmp_path / "steep.json"

@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache
 
-from mlx_dspark.cache import SlidingKVCache, make_target_cache, trim_caches
+from mlx_dspark.models.cache import SlidingKVCache, make_target_cache, trim_caches
 from mlx_dspark.models import qwen3, spark2_5
 
 WINDOW, ROLLBACK = 16, 8

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mlx_dspark.api import generate
-from mlx_dspark.load import load
+from mlx_dspark.loading.load import load
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEM = "You answer briefly."

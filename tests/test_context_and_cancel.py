@@ -16,7 +16,7 @@ import pytest
 
 import mlx_dspark
 from mlx_dspark.api import ContextLengthError, GenerationCancelled, stream_generate
-from mlx_dspark.options import GenerationOptions, OptionError
+from mlx_dspark.engine.options import GenerationOptions, OptionError
 
 
 class CountingTarget:

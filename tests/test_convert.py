@@ -10,8 +10,9 @@ import pytest
 from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
-from mlx_dspark.convert import app, convert
-from mlx_dspark.load import load
+from mlx_dspark.cli.convert import app
+from mlx_dspark.loading.convert import convert
+from mlx_dspark.loading.load import load
 from mlx_dspark.testing.tiny import write_tiny_target
 
 PROMPT = mx.array([[5, 17, 42, 99, 300, 7, 11, 200, 3, 64, 128, 250, 31, 8, 90, 101, 77, 12, 140, 19, 23]])

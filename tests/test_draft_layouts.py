@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import mlx_dspark
-from mlx_dspark.checkpoint import Checkpoint, read_checkpoint
-from mlx_dspark.load import build_draft, build_target
+from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint
+from mlx_dspark.loading.load import build_draft, build_target
 from mlx_dspark.models.base import gelu
 from mlx_dspark.testing.tiny import write_tiny_draft
 

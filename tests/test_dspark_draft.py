@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_dspark.checkpoint import Checkpoint, read_checkpoint
-from mlx_dspark.draft_cache import ContextCache
-from mlx_dspark.load import build_draft
+from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint
+from mlx_dspark.models.draft_cache import ContextCache
+from mlx_dspark.loading.load import build_draft
 from mlx_dspark.models.dspark import DraftArgs, DSparkDraft
 from tests.dspark_reference import ReferenceDraft, log_softmax
 

@@ -10,8 +10,8 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_dspark.api import generate
-from mlx_dspark.finite import NonFiniteError, check_finite_logits, check_finite_weights, nonfinite_parameters
-from mlx_dspark.load import load
+from mlx_dspark.models.finite import NonFiniteError, check_finite_logits, check_finite_weights, nonfinite_parameters
+from mlx_dspark.loading.load import load
 
 
 def poison(module: nn.Module, name: str, value: float, *, index: int = 0) -> None:
@@ -62,7 +62,7 @@ def test_load_names_the_nonfinite_tensor_of_a_target_and_of_a_draft(tmp_path, ti
     """load() refuses NaN weights by tensor name, and a NaN in the draft before its shared copies are compared."""
     import shutil
 
-    from mlx_dspark.load import load
+    from mlx_dspark.loading.load import load
 
     target_dir, draft_dir = tiny_spark_pair
     for role, source in (("target", target_dir), ("draft", draft_dir)):

@@ -10,7 +10,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from mlx_dspark.cli import app
+from mlx_dspark.cli.generate import app
 
 runner = CliRunner()
 
@@ -84,7 +84,7 @@ def test_bad_inputs_give_one_clear_line_and_a_nonzero_exit(tiny_spark_pair, extr
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
 
 
-@pytest.mark.parametrize("module", ["mlx_dspark.cli", "mlx_dspark.server", "mlx_dspark.benchmark"])
+@pytest.mark.parametrize("module", ["mlx_dspark.cli.generate", "mlx_dspark.cli.server", "mlx_dspark.cli.benchmark"])
 def test_every_command_takes_the_shared_generation_flags_and_llama_server_aliases(module):
     import importlib
 
@@ -165,7 +165,7 @@ def test_the_context_is_enforced_and_a_default_max_tokens_is_clamped_to_it(tiny_
 def test_ctrl_c_during_load_or_generation_exits_130_without_a_traceback(tiny_spark_pair, monkeypatch, where):
     import importlib
 
-    load_module = importlib.import_module("mlx_dspark.load")  # the package attribute `load` is the function
+    load_module = importlib.import_module("mlx_dspark.loading.load")  # the package attribute `load` is the function
     api_module = importlib.import_module("mlx_dspark.api")
 
     def interrupted(*args, **kwargs):
@@ -214,8 +214,7 @@ def test_without_a_model_it_runs_the_shipped_demo_pair_on_its_python_prompt():
 
 
 def test_a_missing_demo_pair_is_one_clear_line(monkeypatch, tmp_path):
-    from mlx_dspark import cli_common
-
+    from mlx_dspark.cli import common as cli_common
     monkeypatch.setattr(cli_common, "DEMO_DIR", tmp_path / "demo")
     result = run_cli("--max-tokens", "4")
     assert result.exit_code == 2

@@ -13,8 +13,8 @@ import pytest
 from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 
-from mlx_dspark.checkpoint import resolve_path
-from mlx_dspark.gguf_checkpoint import read_gguf
+from mlx_dspark.loading.checkpoint import resolve_path
+from mlx_dspark.loading.gguf_checkpoint import read_gguf
 from mlx_dspark.models import target_module
 from mlx_dspark.models.dspark import DraftArgs
 from mlx_dspark.models.dspark_args import layer_family
@@ -93,7 +93,8 @@ def test_target_gguf_bf16_is_read_exactly_not_through_float16(tmp_path):
 
     w.add_tensor("x", np.array(big.view(mx.uint16)).view(np.uint8).reshape(1, 2), raw_dtype=GGMLQuantizationType.BF16)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    from mlx_dspark.gguf_checkpoint import Metadata, _read_tensor
+    from mlx_dspark.loading.gguf_metadata import Metadata
+    from mlx_dspark.loading.gguf_tensors import read_tensor as _read_tensor
 
     meta = Metadata.open(path)
     assert _bits_equal(_read_tensor(meta, meta.tensors["x"], kquant="float32").weight, big.reshape(1, 1))
@@ -122,7 +123,7 @@ def test_q8_0_q4_0_q4_1_stay_quantized_with_exactly_ggufs_values(tiny_qwen3_targ
         assert ck.config["quantization"]["model.layers.1.mlp.up_proj"] == {"group_size": 32, "bits": 8, "mode": "affine"}
     assert ck.weights["model.norm.weight"].dtype == mx.float32  # 1-D tensors stay float
     # the stored quantization loads into a model as mlx-lm's would
-    from mlx_dspark.weights import apply_stored_quantization
+    from mlx_dspark.loading.weights import apply_stored_quantization
 
     module = target_module(ck.config)
     model = module.Model(module.ModelArgs.from_dict(ck.config))

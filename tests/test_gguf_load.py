@@ -17,9 +17,9 @@ from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 import mlx_dspark
-from mlx_dspark.checkpoint import Checkpoint
-from mlx_dspark.convert import convert
-from mlx_dspark.load import build_target
+from mlx_dspark.loading.checkpoint import Checkpoint
+from mlx_dspark.loading.convert import convert
+from mlx_dspark.loading.load import build_target
 from mlx_dspark.testing.gguf_writer import gguf_name, write_gguf_draft, write_gguf_target
 from mlx_dspark.testing.tiny import _read_hf_weights, write_tiny_draft, write_tiny_target
 
@@ -318,7 +318,7 @@ def _one_error_line(result) -> str:
 
 @pytest.mark.parametrize("case", sorted(BAD_DRAFTS))
 def test_bad_gguf_draft_is_one_line_through_load_and_the_generate_command(case, bad_drafts, tiny_qwen3_pair):
-    from mlx_dspark.cli import app
+    from mlx_dspark.cli.generate import app
 
     target, _ = tiny_qwen3_pair
     path = bad_drafts[case]
@@ -331,7 +331,7 @@ def test_bad_gguf_draft_is_one_line_through_load_and_the_generate_command(case, 
 
 
 def test_bad_gguf_target_is_one_line_through_load_and_the_generate_command(tiny_qwen3_target, tmp_path):
-    from mlx_dspark.cli import app
+    from mlx_dspark.cli.generate import app
 
     for path, message in (
         (_truncated(write_gguf_target(tiny_qwen3_target, tmp_path / "cut.gguf")), "truncated"),
@@ -360,7 +360,7 @@ def older_converter_draft(tiny_spark_pair, tmp_path_factory) -> tuple[Path, Path
 
 
 def test_generate_command_reads_a_gguf_draft_with_draft_tap_ids(older_converter_draft, tiny_spark_pair):
-    from mlx_dspark.cli import app
+    from mlx_dspark.cli.generate import app
 
     target, gguf, taps = older_converter_draft
     common = ["--model", str(target), "--prompt", "Hello there", "--max-tokens", "12", "--json"]
@@ -374,7 +374,8 @@ def test_generate_command_reads_a_gguf_draft_with_draft_tap_ids(older_converter_
 
 @pytest.mark.parametrize("command", ["generate", "server", "benchmark"])
 def test_every_command_takes_draft_tap_ids_into_load(command, older_converter_draft, tmp_path):
-    from mlx_dspark import benchmark, cli, server
+    from mlx_dspark.cli import benchmark, server
+    from mlx_dspark.cli import generate as cli
 
     app = {"generate": cli.app, "server": server.app, "benchmark": benchmark.app}[command]
     extra = {"generate": ["--max-tokens", "2"], "server": ["--port", "0", "--log-level", "error"],
@@ -391,7 +392,7 @@ def test_every_command_takes_draft_tap_ids_into_load(command, older_converter_dr
 
 
 def test_draft_tap_ids_without_a_draft_is_one_line(tiny_spark_target):
-    from mlx_dspark.cli import app
+    from mlx_dspark.cli.generate import app
 
     line = _one_error_line(CliRunner().invoke(app, ["--model", str(tiny_spark_target), "--draft-tap-ids", "0,2"]))
     assert "--draft-tap-ids applies to a draft: pass --draft as well" in line
@@ -419,7 +420,7 @@ def test_converted_gguf_target_loads_as_the_gguf(tensor_type, quantize, tiny_spa
 
 
 def test_converted_gguf_draft_loads_and_proposes_as_the_gguf_through_the_cli(older_converter_draft, tmp_path):
-    from mlx_dspark.convert import app
+    from mlx_dspark.cli.convert import app
 
     target, gguf, taps = older_converter_draft
     out = tmp_path / "draft-mlx"
@@ -433,7 +434,7 @@ def test_converted_gguf_draft_loads_and_proposes_as_the_gguf_through_the_cli(old
 
 
 def test_convert_cli_reports_a_bad_gguf_in_one_line(bad_drafts, tmp_path):
-    from mlx_dspark.convert import app
+    from mlx_dspark.cli.convert import app
 
     result = CliRunner().invoke(app, ["--hf-path", str(bad_drafts["missing"]), "--mlx-path", str(tmp_path / "o")])
     assert result.exit_code != 0 and "Traceback" not in result.output

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from mlx_dspark.gguf_checkpoint import Metadata, read_gguf
-from mlx_dspark.gguf_tokenizer import QWEN2_SPLIT, GGUFTokenizer
-from mlx_dspark.tokenizer import load_tokenizer
+from mlx_dspark.loading.gguf_checkpoint import read_gguf
+from mlx_dspark.loading.gguf_metadata import Metadata
+from mlx_dspark.loading.gguf_tokenizer import QWEN2_SPLIT, GGUFTokenizer
+from mlx_dspark.loading.tokenizer import load_tokenizer
 from mlx_dspark.testing.gguf_writer import write_gguf_target
 
 _PIECES = [

@@ -8,7 +8,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_dspark import load as package_load
-from mlx_dspark.load import LoadedModel, load
+from mlx_dspark.loading.load import LoadedModel, load
 from mlx_dspark.testing.tiny import write_tiny_target
 
 PROMPT = mx.array([[5, 17, 42, 99, 300, 7, 11, 200, 3, 64, 128, 250, 31, 8, 90, 101, 77, 12, 140, 19, 23]])
@@ -40,7 +40,7 @@ def test_load_hf_target_gives_model_tokenizer_and_config(family, tiny_spark_targ
 
 def test_package_level_load_keeps_working_after_the_submodule_is_imported(tiny_qwen3_target):
     import mlx_dspark
-    import mlx_dspark.load  # noqa: F401  (rebinds the package attribute to the submodule)
+    import mlx_dspark.loading.load  # noqa: F401  (a submodule import must not rebind the package attribute `load`)
 
     first, second = package_load(tiny_qwen3_target), mlx_dspark.load(tiny_qwen3_target)
     assert isinstance(second, LoadedModel) and first.target_config == second.target_config

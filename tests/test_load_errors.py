@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from mlx_dspark.convert import convert
-from mlx_dspark.load import load
+from mlx_dspark.loading.convert import convert
+from mlx_dspark.loading.load import load
 from mlx_dspark.testing.tiny import write_tiny_draft, write_tiny_target
 
 

@@ -14,10 +14,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dspark.decode import plain_steps, speculative_steps
-from mlx_dspark.propose import Proposal
-from mlx_dspark.sample import Sampler
-from mlx_dspark.propose import DraftProposer
+from mlx_dspark.engine.decode import plain_steps, speculative_steps
+from mlx_dspark.engine.propose import Proposal
+from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.propose import DraftProposer
 from tests.engine_helpers import make_draft, make_target
 
 VOCAB = 8
@@ -200,7 +200,7 @@ def test_real_dspark_draft_sampling_matches_the_exact_target_distribution(family
 def test_p_min_with_sampled_drafting_matches_the_exact_target_distribution(target):
     """A p_min cut decided on the sampled token itself would bias the output; the draft decides it
     on the most likely token's probability, before the draw, so the cut stays lossless."""
-    from mlx_dspark.options import SpeculationOptions
+    from mlx_dspark.engine.options import SpeculationOptions
 
     draft = make_draft(target, seed=6, markov_head_type="vanilla")
     sampler = SAMPLERS["temperature"]

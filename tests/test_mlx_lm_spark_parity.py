@@ -8,7 +8,7 @@ import pytest
 import mlx_dspark
 from mlx_dspark.bench.mlx_lm_baseline import make_mlx_lm_baseline, run_mlx_lm
 from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.options import SamplingOptions
+from mlx_dspark.engine.options import SamplingOptions
 
 PROMPT = [1, 5, 9, 20, 33, 7, 100, 250, 3, 64]
 

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 import mlx_dspark
-from mlx_dspark.options import (
+from mlx_dspark.engine.options import (
     DEFAULT_OPTIONS,
     SEED_MAX,
     GenerationOptions,
@@ -16,7 +16,7 @@ from mlx_dspark.options import (
     SamplingOptions,
     SpeculationOptions,
 )
-from mlx_dspark.sample import Sampler
+from mlx_dspark.engine.sample import Sampler
 
 BAD_VALUES = [
     (SamplingOptions, "temperature", -1.0),

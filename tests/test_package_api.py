@@ -8,13 +8,13 @@ import mlx_dspark
 
 
 def test_api_names_stay_functions_after_their_modules_are_imported():
-    for module in ("mlx_dspark.load", "mlx_dspark.api", "mlx_dspark.options", "mlx_dspark.cli", "mlx_dspark.cli_common"):
+    for module in ("mlx_dspark.loading.load", "mlx_dspark.api", "mlx_dspark.engine.options", "mlx_dspark.cli.generate", "mlx_dspark.cli.common"):
         importlib.import_module(module)
-    assert callable(mlx_dspark.load) and mlx_dspark.load.__module__ == "mlx_dspark.load"
+    assert callable(mlx_dspark.load) and mlx_dspark.load.__module__ == "mlx_dspark.loading.load"
     assert callable(mlx_dspark.generate) and mlx_dspark.generate.__module__ == "mlx_dspark.api"
     assert callable(mlx_dspark.stream_generate) and mlx_dspark.stream_generate.__module__ == "mlx_dspark.api"
     for name in ("GenerationOptions", "SamplingOptions", "SpeculationOptions", "OptionError"):
-        assert getattr(mlx_dspark, name).__module__ == "mlx_dspark.options", name
+        assert getattr(mlx_dspark, name).__module__ == "mlx_dspark.engine.options", name
 
 
 def test_generate_result_has_the_documented_fields(tiny_spark_pair):

@@ -16,12 +16,12 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 import mlx_dspark
-from mlx_dspark.cache import SlidingKVCache
-from mlx_dspark.decode import plain_steps, speculative_steps
+from mlx_dspark.models.cache import SlidingKVCache
+from mlx_dspark.engine.decode import plain_steps, speculative_steps
 from mlx_dspark.models import qwen3
-from mlx_dspark.prompt_cache import PromptCache, common_prefix
-from mlx_dspark.propose import DraftProposer
-from mlx_dspark.sample import Sampler
+from mlx_dspark.engine.prompt_cache import PromptCache, common_prefix
+from mlx_dspark.engine.propose import DraftProposer
+from mlx_dspark.engine.sample import Sampler
 from tests.engine_helpers import make_draft, make_target, qwen3_config
 
 OUT = 16  # tokens generated per turn

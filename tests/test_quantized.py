@@ -9,8 +9,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_dspark.convert import convert
-from mlx_dspark.load import load
+from mlx_dspark.loading.convert import convert
+from mlx_dspark.loading.load import load
 
 PROMPT = mx.array([[5, 17, 42, 99, 300, 7, 11, 200, 3, 64, 128, 250, 31, 8, 90, 101, 77, 12, 140, 19, 23]])
 

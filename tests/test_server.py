@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from mlx_dspark.api import encode_prompt, generate
-from mlx_dspark.load import load
+from mlx_dspark.loading.load import load
 from mlx_dspark.serve.app import DSparkHTTPServer, make_server
-from mlx_dspark.options import GenerationOptions, SpeculationOptions
+from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions
 
 MODEL_ID = "tiny-spark"
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -450,7 +450,7 @@ def test_the_command_line_binds_loopback_loads_and_serves(tiny_spark_pair, tmp_p
 def test_the_command_line_rejects_bad_flags_and_unloadable_models_with_one_line(tmp_path):
     from typer.testing import CliRunner
 
-    from mlx_dspark.server import app
+    from mlx_dspark.cli.server import app
 
     runner = CliRunner()
     result = runner.invoke(app, ["--port", "0", "--temp", "-1"])
@@ -468,7 +468,7 @@ def test_the_command_line_rejects_bad_flags_and_unloadable_models_with_one_line(
 def test_the_command_line_refuses_more_draft_tokens_than_the_loaded_block_holds(tiny_spark_pair):
     from typer.testing import CliRunner
 
-    from mlx_dspark.server import app
+    from mlx_dspark.cli.server import app
 
     target, draft = tiny_spark_pair
     args = ["--port", "0", "--model", str(target), "--draft", str(draft), "--spec-draft-n-max", "8", "--log-level", "error"]

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import pytest
 
 from mlx_dspark.serve.app import DSparkHTTPServer
-from mlx_dspark.options import GenerationOptions
+from mlx_dspark.engine.options import GenerationOptions
 from tests.test_server import MESSAGES, MODEL_ID, call, pair_loader, running_server, wait_for
 
 
@@ -318,7 +318,7 @@ def test_a_signal_stops_the_command_line_cleanly_with_status_0(tiny_spark_pair, 
 def test_a_model_with_nan_weights_answers_500_naming_the_first_step_not_nonsense(tiny_spark_pair):
     import math
 
-    from mlx_dspark.load import load
+    from mlx_dspark.loading.load import load
     from tests.test_finite import poison
 
     def broken_loader():

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import pytest
 
-from mlx_dspark.load import load
-from mlx_dspark.options import GenerationOptions
+from mlx_dspark.loading.load import load
+from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.serve.app import make_server
 from tests.test_context_and_cancel import CountingTarget
 from tests.test_server import MESSAGES, call, running_server, wait_for

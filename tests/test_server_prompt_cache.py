@@ -11,9 +11,9 @@ import weakref
 import pytest
 
 from mlx_dspark.api import encode_prompt, generate
-from mlx_dspark.load import load
-from mlx_dspark.options import GenerationOptions
-from mlx_dspark.prompt_cache import common_prefix
+from mlx_dspark.loading.load import load
+from mlx_dspark.engine.options import GenerationOptions
+from mlx_dspark.engine.prompt_cache import common_prefix
 from mlx_dspark.serve.cache_pool import PromptCacheBudget, PromptCachePool, parse_bytes
 from tests.test_server import call, pair_loader, running_server, stream
 
@@ -157,7 +157,7 @@ def test_byte_sizes_parse_with_decimal_and_binary_units(text, expected):
 def test_the_command_line_rejects_bad_prompt_cache_flags():
     from typer.testing import CliRunner
 
-    from mlx_dspark.server import app
+    from mlx_dspark.cli.server import app
 
     runner = CliRunner()
     result = runner.invoke(app, ["--port", "0", "--prompt-cache-bytes", "lots"])

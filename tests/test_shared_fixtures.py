@@ -8,8 +8,8 @@ import pytest
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file
 
-from mlx_dspark.convert import convert
-from mlx_dspark.load import load
+from mlx_dspark.loading.convert import convert
+from mlx_dspark.loading.load import load
 
 PROMPT = mx.array([[5, 17, 42, 99, 200, 7, 11, 150, 3, 64, 128, 250, 31, 8, 90, 101, 77, 12, 140, 19, 23]])
 DRAFTS = ["draft", "draft-gated", "draft-rnn"]

@@ -13,9 +13,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_dspark
-from mlx_dspark.convert import convert
+from mlx_dspark.loading.convert import convert
 from mlx_dspark.testing.tiny import write_tiny_draft
-from mlx_dspark.train.calibrate import (
+from mlx_dspark.train.calibration import (
     CALIBRATION_FILE,
     calibrate_draft,
     expected_calibration_error,
@@ -291,8 +291,8 @@ def test_greedy_with_a_trained_draft_is_token_identical_to_plain_greedy(trained,
 
 
 def test_sampling_with_a_trained_draft_matches_the_exact_target_distribution(monkeypatch):
-    from mlx_dspark.propose import DraftProposer
-    from mlx_dspark.sample import Sampler
+    from mlx_dspark.engine.propose import DraftProposer
+    from mlx_dspark.engine.sample import Sampler
     from tests import test_lossless_sampling as harness
     from tests.engine_helpers import make_draft, make_target
 
@@ -357,7 +357,7 @@ def test_calibration_draws_a_reliability_plot(trained, tiny_qwen3_target, corpus
 
 def test_the_shipped_demo_pair_drafts_well_and_stays_lossless():
     # The one test that reads the shipped pair (package data), the way the commands load it without --model.
-    from mlx_dspark.cli_common import demo_pair
+    from mlx_dspark.cli.common import demo_pair
 
     demo = demo_pair()
     pair = mlx_dspark.load(str(demo.target), draft=str(demo.draft), dtype=demo.dtype)

@@ -17,12 +17,13 @@ import pytest
 from typer.testing import CliRunner
 
 import mlx_dspark
-from mlx_dspark.cli import app as generate_app
-from mlx_dspark.decode import speculative_steps
-from mlx_dspark.options import OptionError, SpeculationOptions
-from mlx_dspark.propose import DraftProposer, Proposal
-from mlx_dspark.sample import Sampler
-from mlx_dspark.schedule import CostCurve, cost_curve_for, measure_cost_curve, scheduled_length
+from mlx_dspark.cli.generate import app as generate_app
+from mlx_dspark.engine.decode import speculative_steps
+from mlx_dspark.engine.options import OptionError, SpeculationOptions
+from mlx_dspark.engine.propose import DraftProposer, Proposal
+from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.cost_probe import cost_curve_for, measure_cost_curve
+from mlx_dspark.engine.schedule import CostCurve, scheduled_length
 from mlx_dspark.testing.tiny import write_tiny_draft
 from tests.engine_helpers import OracleProposer, make_draft, make_target
 from tests.test_lossless_sampling import (

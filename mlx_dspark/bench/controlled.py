@@ -20,10 +20,10 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from mlx_dspark.api import generate
-from mlx_dspark.decode import plain_steps
-from mlx_dspark.options import GenerationOptions, SpeculationOptions
-from mlx_dspark.propose import DraftProposer, Proposal
-from mlx_dspark.sample import Sampler
+from mlx_dspark.engine.decode import plain_steps
+from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions
+from mlx_dspark.engine.propose import DraftProposer, Proposal
+from mlx_dspark.engine.sample import Sampler
 from mlx_dspark.bench.cost import CostProbe, ideal_speedup
 from mlx_dspark.bench.profile import format_profile, profile_rounds
 from mlx_dspark.bench.stats import loadavg, mean, median

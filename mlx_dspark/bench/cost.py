@@ -15,11 +15,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_dspark.accept import accept_greedy
-from mlx_dspark.cache import trim_caches
-from mlx_dspark.decode import plain_steps, prefill
-from mlx_dspark.propose import DraftProposer
-from mlx_dspark.sample import Sampler
+from mlx_dspark.engine.accept import accept_greedy
+from mlx_dspark.models.cache import trim_caches
+from mlx_dspark.engine.decode import plain_steps, prefill
+from mlx_dspark.engine.propose import DraftProposer
+from mlx_dspark.engine.sample import Sampler
 from mlx_dspark.bench.stats import loadavg, median
 
 

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.options import SamplingOptions
+from mlx_dspark.engine.options import SamplingOptions
 
 
 class LogitsOnly:

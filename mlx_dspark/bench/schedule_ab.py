@@ -20,9 +20,9 @@ import mlx.core as mx
 from mlx_dspark.api import generate
 from mlx_dspark.bench.controlled import greedy_reference
 from mlx_dspark.bench.stats import loadavg, mean, median
-from mlx_dspark.options import GenerationOptions, SpeculationOptions
-from mlx_dspark.propose import DraftProposer, Proposal
-from mlx_dspark.schedule import CostCurve, scheduled_length
+from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions
+from mlx_dspark.engine.propose import DraftProposer, Proposal
+from mlx_dspark.engine.schedule import CostCurve, scheduled_length
 
 
 @dataclass(frozen=True)

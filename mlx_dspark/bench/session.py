@@ -110,7 +110,8 @@ def run(options: Options, *, meta: dict) -> dict:
     for section in sections:
         print(section)
     if options.card_columns:
-        from mlx_dspark.schedule import cost_curve_for, require_confidence_head
+        from mlx_dspark.engine.cost_probe import cost_curve_for
+        from mlx_dspark.engine.schedule import require_confidence_head
 
         require_confidence_head(loaded.draft, source=loaded.draft_path)
         curve = settings.generation.speculation.cost_curve or cost_curve_for(loaded)
@@ -142,7 +143,7 @@ def run(options: Options, *, meta: dict) -> dict:
             print(sections[-1])
 
     if options.schedule_ab:
-        from mlx_dspark.schedule import cost_curve_for
+        from mlx_dspark.engine.cost_probe import cost_curve_for
 
         no_stop = runner.prepare_model(loaded, runner.RunSettings(ignore_eos=True))
         curve = settings.generation.speculation.cost_curve or cost_curve_for(loaded)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dspark.draft_cache import ContextCache
+from mlx_dspark.models.draft_cache import ContextCache
 from mlx_dspark.models import family_module
 from mlx_dspark.models.dspark_args import DraftArgs
 from mlx_dspark.models.dspark_heads import ConfidenceHead, Proposal, draft_tokens, make_markov_head

@@ -128,7 +128,7 @@ class DraftArgs:
     enable_confidence_head: bool
     confidence_head_with_markov: bool
     num_target_layers: Optional[int]  # the depth of the target it was trained on, when the config says
-    # per block position, fitted by calibration after training (mlx_dspark.train.calibrate); None: T = 1
+    # per block position, fitted by calibration after training (mlx_dspark.train.calibration); None: T = 1
     confidence_temperatures: Optional[tuple[float, ...]] = None
 
     @classmethod

@@ -13,7 +13,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dspark.layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, check_layer_types
+from mlx_dspark.models.layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, check_layer_types
 from mlx_dspark.models.base import FamilyAttention, RoPE, args_from_config, check_rope_default, gelu, rotary_dims
 from mlx_dspark.models.target import TargetModel
 

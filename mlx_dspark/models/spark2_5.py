@@ -14,7 +14,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dspark.layer_types import SLIDING_ATTENTION, check_layer_types
+from mlx_dspark.models.layer_types import SLIDING_ATTENTION, check_layer_types
 from mlx_dspark.models.base import (
     FamilyAttention,
     Float32RMSNorm,

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dspark.cache import make_target_cache
+from mlx_dspark.models.cache import make_target_cache
 from mlx_dspark.models.base import check_tap_ids, gather_taps
 
 

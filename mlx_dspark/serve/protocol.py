@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_dspark.api import ResultCollector
-from mlx_dspark.options import GenerationOptions, OptionError
+from mlx_dspark.engine.options import GenerationOptions, OptionError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # apply_chat_template arguments the server sets itself, or that change what it returns

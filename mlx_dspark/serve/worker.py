@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from mlx_dspark.api import ContextLengthError, GenerationCancelled, StepResponse, encode_prompt, stream_generate
-from mlx_dspark.finite import NonFiniteError
+from mlx_dspark.models.finite import NonFiniteError
 from mlx_dspark.serve.cache_pool import PromptCacheBudget, PromptCachePool
 from mlx_dspark.serve.protocol import APIError, GenerationRequest
 

@@ -103,7 +103,7 @@ def tokenizer_metadata(directory: Path) -> dict[str, Any]:
     if pre["type"] == "ByteLevel" and pre.get("use_regex", True):
         pre_name = "gpt-2"
     else:
-        from mlx_dspark.gguf_tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
+        from mlx_dspark.loading.gguf_tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
 
         split = pre["pretokenizers"][0]["pattern"]["Regex"]
         pre_name = {QWEN2_SPLIT: "qwen2", LLAMA3_SPLIT: "llama-bpe"}[split]

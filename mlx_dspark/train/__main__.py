@@ -1,6 +1,6 @@
-"""`python -m mlx_dspark.train`: see mlx_dspark/train/cli.py."""
+"""`python -m mlx_dspark.train`: the command line lives in `mlx_dspark.cli.train`."""
 
-from mlx_dspark.train.cli import train_app
+from mlx_dspark.cli.train import train_app
 
 if __name__ == "__main__":
     train_app()

@@ -19,12 +19,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_dspark.checkpoint import ShardWriter, read_checkpoint
-from mlx_dspark.finite import check_finite_weights
-from mlx_dspark.load import build_draft
+from mlx_dspark.loading.checkpoint import ShardWriter, read_checkpoint
+from mlx_dspark.models.finite import check_finite_weights
+from mlx_dspark.loading.load import build_draft
 from mlx_dspark.models.dspark import DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs
-from mlx_dspark.pair import check_shared_tensors
+from mlx_dspark.loading.pair import check_shared_tensors
 
 DRAFT_ARCHITECTURE = {"qwen3": "Qwen3DSparkModel", "spark2_5": "Spark2_5DSparkModel"}
 # Target config fields that describe its files, not its layers.

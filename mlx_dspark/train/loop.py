@@ -22,12 +22,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_dspark.checkpoint import read_checkpoint
+from mlx_dspark.loading.checkpoint import read_checkpoint
 from mlx_dspark.train.data import Batch, Batches, Chunk
 from mlx_dspark.train.drafts import replace_directory, save_draft
 from mlx_dspark.train.forward import block_targets, draft_forward, held_out_blocks, sample_anchors, target_pass
 from mlx_dspark.train.losses import LossWeights, dspark_loss
-from mlx_dspark.weights import fill_model
+from mlx_dspark.loading.weights import fill_model
 
 CHECKPOINTS = "checkpoints"
 

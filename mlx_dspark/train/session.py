@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_dspark.precision import parse_dtype
-from mlx_dspark.train.calibrate import calibrate_draft, format_report, write_calibration
+from mlx_dspark.loading.precision import parse_dtype
+from mlx_dspark.train.calibration import calibrate_draft, format_report, write_calibration
 from mlx_dspark.train.data import Batches, load_chunks
 from mlx_dspark.train.drafts import (
     default_tap_ids,
@@ -86,7 +86,7 @@ def _build_draft(
     pair: Any, *, shape: Optional[DraftShape], init_draft: Optional[str], dtype: mx.Dtype, seed: int
 ) -> tuple[Any, dict]:
     if init_draft is not None:
-        from mlx_dspark.checkpoint import resolve_path
+        from mlx_dspark.loading.checkpoint import resolve_path
 
         return load_draft_for_training(
             resolve_path(init_draft, role="draft"), target=pair.target, target_source=str(pair.target_path), dtype=dtype
@@ -142,7 +142,7 @@ def train_draft(
     `init_draft` fine-tunes an existing draft (its weights and config) instead of building `shape`.
     `calibrate` ("greedy" or "sampled") fits the confidence temperatures on `data.valid` afterwards.
     """
-    from mlx_dspark.load import load
+    from mlx_dspark.loading.load import load
 
     if shape is not None and init_draft is not None:
         raise ValueError("give either a new draft's shape or --init-draft to fine-tune, not both")

@@ -19,12 +19,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_dspark.checkpoint import Checkpoint, ShardWriter, read_checkpoint, read_json
-from mlx_dspark.load import build_draft, build_target
+from mlx_dspark.loading.mlx_output import AUX_FILES, clear_outputs, write_config
+from mlx_dspark.loading.checkpoint import Checkpoint, ShardWriter, read_checkpoint, read_json
+from mlx_dspark.loading.load import build_draft, build_target
 from mlx_dspark.models.dspark_args import is_draft_config
-from mlx_dspark.pair import FLOAT_STORAGE
-from mlx_dspark.precision import DTYPES, quant_predicate
-from mlx_dspark.tokenizer import tokenizer_directory
+from mlx_dspark.loading.pair import FLOAT_STORAGE
+from mlx_dspark.loading.precision import DTYPES, quant_predicate
+from mlx_dspark.loading.tokenizer import tokenizer_directory
 
 
 def convert_gguf(
@@ -41,8 +42,6 @@ def convert_gguf(
     log: Callable[[str], None],
 ) -> Path:
     """Write the GGUF at `src` into the (checked, empty) directory `dst` in our MLX layout."""
-    from mlx_dspark.convert import AUX_FILES, _clear_outputs, _write_config
-
     checkpoint = read_checkpoint(src, tap_ids=tap_ids)
     config = checkpoint.config
     if quantize and "quantization" in config:
@@ -54,7 +53,7 @@ def convert_gguf(
         nn.quantize(model, q_group_size, q_bits, class_predicate=quant_predicate(model, group_size=q_group_size))
 
     dst.mkdir(parents=True, exist_ok=True)
-    _clear_outputs(dst)
+    clear_outputs(dst)
     writer = ShardWriter(dst, **({"max_bytes": max_shard_bytes} if max_shard_bytes else {}))
     tensors = dict(tree_flatten(model.parameters()))
     tensors.update(extra)
@@ -62,7 +61,7 @@ def convert_gguf(
         writer.add(name, tensors.pop(name))
     shards = writer.finish()
     compute = _dtype_name(model)
-    _write_config(config, dst, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, dtype=compute)
+    write_config(config, dst, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, dtype=compute)
     copied = []
     if tokenizer_dir is not None:
         copied = [name for name in AUX_FILES if (tokenizer_dir / name).is_file()]

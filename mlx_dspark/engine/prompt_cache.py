@@ -43,8 +43,8 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.cache import SlidingKVCache, trim_caches
-from mlx_dspark.propose import Proposer
+from mlx_dspark.models.cache import SlidingKVCache, trim_caches
+from mlx_dspark.engine.propose import Proposer
 
 State = tuple[mx.array | None, mx.array | None, int]  # a cache's `snapshot()`: kept keys, values, offset
 

@@ -13,8 +13,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from mlx_dspark.sample import Sampler
-from mlx_dspark.schedule import VERIFY_SCHEDULES, CostCurve
+from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.schedule import VERIFY_SCHEDULES, CostCurve
 
 DRAFT_SAMPLING_MODES = ("greedy", "sample")
 PREFILL_STEP_SIZE = 512  # prompt tokens per prefill forward: bounds the memory of long prompts

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from mlx_dspark.layer_types import FULL_ATTENTION, SLIDING_ATTENTION
+from mlx_dspark.models.layer_types import FULL_ATTENTION, SLIDING_ATTENTION
 
 
 class SlidingKVCache:

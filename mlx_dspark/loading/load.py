@@ -18,15 +18,15 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dspark.checkpoint import Checkpoint, read_checkpoint, resolve_path
-from mlx_dspark.finite import check_finite_weights
+from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint, resolve_path
+from mlx_dspark.models.finite import check_finite_weights
 from mlx_dspark.models import target_module
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family
-from mlx_dspark.pair import check_shared_tensors, validate_pair
-from mlx_dspark.precision import check_quantize_options, parse_dtype, quant_predicate
-from mlx_dspark.tokenizer import load_tokenizer
-from mlx_dspark.weights import fill_model
+from mlx_dspark.loading.pair import check_shared_tensors, validate_pair
+from mlx_dspark.loading.precision import check_quantize_options, parse_dtype, quant_predicate
+from mlx_dspark.loading.tokenizer import load_tokenizer
+from mlx_dspark.loading.weights import fill_model
 
 
 @dataclass

@@ -103,7 +103,7 @@ def is_gguf(path: Path) -> bool:
 
 
 def _read_gguf_checkpoint(path: Path, *, role: Optional[str], tap_ids: Optional[Sequence[int]]) -> Checkpoint:
-    from mlx_dspark.gguf_checkpoint import read_gguf
+    from mlx_dspark.loading.gguf_checkpoint import read_gguf
 
     ck = read_gguf(path, role=role, tap_ids=None if tap_ids is None else list(tap_ids))
     return Checkpoint(

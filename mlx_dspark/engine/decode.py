@@ -21,14 +21,14 @@ from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.accept import accept_greedy, accept_sampled
-from mlx_dspark.cache import trim_caches
-from mlx_dspark.finite import check_finite_logits
-from mlx_dspark.options import PREFILL_STEP_SIZE, SpeculationOptions
-from mlx_dspark.prompt_cache import PromptCache
-from mlx_dspark.propose import Proposal, Proposer
-from mlx_dspark.sample import Sampler
-from mlx_dspark.schedule import CostCurve, scheduled_length
+from mlx_dspark.engine.accept import accept_greedy, accept_sampled
+from mlx_dspark.models.cache import trim_caches
+from mlx_dspark.models.finite import check_finite_logits
+from mlx_dspark.engine.options import PREFILL_STEP_SIZE, SpeculationOptions
+from mlx_dspark.engine.prompt_cache import PromptCache
+from mlx_dspark.engine.propose import Proposal, Proposer
+from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.schedule import CostCurve, scheduled_length
 
 
 

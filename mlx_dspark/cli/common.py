@@ -19,7 +19,7 @@ from typing import Annotated, Any, Iterator, Mapping, NoReturn, Optional
 
 import typer
 
-from mlx_dspark.options import (
+from mlx_dspark.engine.options import (
     DEFAULT_OPTIONS,
     DRAFT_SAMPLING_MODES,
     GenerationOptions,
@@ -27,14 +27,14 @@ from mlx_dspark.options import (
     SamplingOptions,
     SpeculationOptions,
 )
-from mlx_dspark.precision import Q_BITS
-from mlx_dspark.schedule import CostCurve
+from mlx_dspark.loading.precision import Q_BITS
+from mlx_dspark.engine.schedule import CostCurve
 
 # The flags' defaults are the options' own.
 SAMPLING, SPECULATION = DEFAULT_OPTIONS.sampling, DEFAULT_OPTIONS.speculation
 
 # The trained demo pair shipped in the package (scripts/train_demo_pair.py; benchmarks/RESULTS.md section 7).
-DEMO_DIR = Path(__file__).resolve().parent / "demo"
+DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
 # Stored float16 to stay small (5 MB); loaded float32: exact for float16 weights, fast on every backend
 # (MLX's float16 matmuls are very slow on Linux CPUs), and the dtype its acceptance was measured in.
 DEMO_DTYPE = "float32"
@@ -197,7 +197,8 @@ def generation_options(flags: Mapping[str, Any], *, max_tokens: int) -> Generati
 def resolve_cost_curve(pair: Any, options: GenerationOptions) -> GenerationOptions:
     """For --verify-schedule confidence: check the draft has a confidence head and fix the cost curve now
     (the --cost-curve-file one, else this machine's: cached, or measured once here rather than in a request)."""
-    from mlx_dspark.schedule import cost_curve_for, require_confidence_head
+    from mlx_dspark.engine.cost_probe import cost_curve_for
+    from mlx_dspark.engine.schedule import require_confidence_head
 
     speculation = options.speculation
     require_confidence_head(pair.draft, source=pair.draft_path)

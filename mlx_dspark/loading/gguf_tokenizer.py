@@ -57,7 +57,7 @@ class GGUFTokenizer:
 
     @classmethod
     def from_metadata(cls, meta: Any) -> Optional["GGUFTokenizer"]:
-        """The tokenizer material of a GGUF (`gguf_checkpoint.Metadata`); None without tokenizer keys."""
+        """The tokenizer material of a GGUF (`gguf_metadata.Metadata`); None without tokenizer keys."""
         model = meta.get("tokenizer.ggml.model")
         if model is None:
             return None

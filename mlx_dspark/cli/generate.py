@@ -14,8 +14,8 @@ from typing import Optional
 
 import typer
 
-from mlx_dspark import cli_common as flags
-from mlx_dspark.cli_common import exit_on_interrupt, fail, flag_errors, resolve_cost_curve
+from mlx_dspark.cli import common as flags
+from mlx_dspark.cli.common import exit_on_interrupt, fail, flag_errors, resolve_cost_curve
 
 app = typer.Typer(add_completion=False, help="Generate text with a target and its DSpark draft.")
 
@@ -72,7 +72,7 @@ def generate(
 ) -> None:
     """Stream a completion to stdout; a summary goes to stderr."""
     from mlx_dspark.api import ResultCollector, stream_generate
-    from mlx_dspark.load import load
+    from mlx_dspark.loading.load import load
 
     with flag_errors():
         flags.check_quantize(quantize)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mlx_dspark.checkpoint import is_gguf, read_json
+from mlx_dspark.loading.checkpoint import is_gguf, read_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 

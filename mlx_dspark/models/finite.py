@@ -64,5 +64,5 @@ def check_finite_logits(logits: mx.array, *, step: str) -> None:
     if not mx.isfinite(logits).all().item():
         raise NonFiniteError(
             f"the target's logits at {step} hold NaN or Inf: its weights are damaged or overflow in this "
-            "dtype (mlx_dspark.finite.check_finite_weights names the tensors)"
+            "dtype (mlx_dspark.models.finite.check_finite_weights names the tensors)"
         )

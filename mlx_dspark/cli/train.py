@@ -20,7 +20,7 @@ from typing import Optional
 
 import typer
 
-from mlx_dspark.precision import DTYPES, Q_BITS
+from mlx_dspark.loading.precision import DTYPES, Q_BITS
 
 train_app = typer.Typer(add_completion=False)
 calibrate_app = typer.Typer(add_completion=False, help="Calibrate a DSpark draft's confidence head on held-out data.")
@@ -146,8 +146,8 @@ def calibrate(
     dry_run: bool = typer.Option(False, "--dry-run", help="Report only; leave config.json as it is."),
 ) -> None:
     """Fit one temperature per block position and store them as `confidence_temperatures`."""
-    from mlx_dspark.load import load
-    from mlx_dspark.train.calibrate import calibrate_draft, format_report, write_calibration
+    from mlx_dspark.loading.load import load
+    from mlx_dspark.train.calibration import calibrate_draft, format_report, write_calibration
     from mlx_dspark.train.data import load_chunks
     from mlx_dspark.train.session import pad_token_id
 

@@ -1,0 +1,154 @@
+"""`python -m mlx_dspark.chat`: a chat in the terminal that keeps the conversation's caches between turns.
+
+Reads one user message per line from stdin, renders the whole conversation with the chat template,
+streams the reply to stdout and prints a short statistics line to stderr. The conversation's
+`PromptCache` lives across turns, so each turn prefills only what the previous one did not hold
+(`cached` in the statistics). `/reset` starts a new conversation (and a new cache); `/exit` or
+end of input quits. The generation flags are those of `mlx_dspark.generate`; with no `--model` it
+chats with the tiny random demo pair.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterator, Optional
+
+import typer
+
+from mlx_dspark.cli import common as flags
+from mlx_dspark.api import GenerationResult, ResultCollector, StepResponse, make_prompt_cache, stream_generate
+from mlx_dspark.cli.common import fail, flag_errors
+from mlx_dspark.engine.options import GenerationOptions
+
+app = typer.Typer(add_completion=False, help="Chat with a target and its DSpark draft, keeping the conversation warm.")
+
+RESET, EXIT = "/reset", "/exit"
+
+
+class ChatSession:
+    """One conversation: its messages and the prompt cache that holds them."""
+
+    def __init__(self, model: Any, *, options: GenerationOptions, system: str | None = None) -> None:
+        self.model = model
+        self.options = options
+        self.system = system
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        self.prompt_cache = make_prompt_cache(self.model)
+        self.last: GenerationResult | None = None
+
+    def say(self, text: str) -> Iterator[StepResponse]:
+        """Stream the reply to `text`; the reply joins the conversation when the stream ends or is closed.
+
+        A reply cut short (Ctrl-C, a closed generator) stays in the conversation as far as it got,
+        which is exactly what the prompt cache holds.
+        """
+        messages = self.messages + [{"role": "user", "content": text}]
+        self.last = None
+        collector = ResultCollector()
+        steps = stream_generate(self.model, messages, options=self.options, prompt_cache=self.prompt_cache)
+        try:
+            for step in steps:
+                collector.add(step)
+                yield step
+        finally:
+            steps.close()
+            if collector.last is not None:
+                self.messages = messages + [{"role": "assistant", "content": "".join(collector.text)}]
+                if collector.last.finish_reason is not None:
+                    self.last = collector.result()
+
+
+def stats_line(result: GenerationResult) -> str:
+    line = (
+        f"[prompt {result.prompt_tokens} tokens, {result.cached_tokens} cached, {result.prompt_tps:.1f} tok/s | "
+        f"reply {len(result.tokens)} tokens, {result.generation_tps:.1f} tok/s"
+    )
+    if result.acceptance_lengths:
+        line += f" | mean acceptance length {result.mean_acceptance_length:.2f}"
+    return line + "]"
+
+
+@app.command()
+def chat(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, "--model", help="Target: local directory or Hugging Face repo id."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="DSpark draft: local directory or repo id."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
+    max_tokens: int = typer.Option(flags.DEFAULT_OPTIONS.max_tokens, "--max-tokens", "-m", help="Most tokens per reply."),
+    temp: flags.Temp = flags.SAMPLING.temperature,
+    top_p: flags.TopP = flags.SAMPLING.top_p,
+    top_k: flags.TopK = flags.SAMPLING.top_k,
+    min_p: flags.MinP = flags.SAMPLING.min_p,
+    seed: flags.Seed = flags.SAMPLING.seed,
+    draft_sampling: flags.DraftSampling = flags.SPECULATION.draft_sampling,
+    no_draft: flags.NoDraft = False,
+    confidence_threshold: flags.ConfidenceThreshold = flags.SPECULATION.confidence_threshold,
+    p_min: flags.PMin = flags.SPECULATION.p_min,
+    max_draft_tokens: flags.MaxDraftTokens = flags.SPECULATION.max_draft_tokens,
+    chat_template_args: flags.ChatTemplateArgs = None,
+    quantize: flags.Quantize = None,
+) -> None:
+    """One user message per line; replies on stdout, statistics on stderr."""
+    from mlx_dspark.loading.load import load
+
+    with flag_errors():
+        flags.check_quantize(quantize)
+        options = flags.generation_options(ctx.params, max_tokens=max_tokens)  # the shared flags, read by name
+
+    if model is None:  # the shipped demo pair is a raw-text code model: it has no chat template
+        fail("chat needs --model (a target with a chat template); the demo pair has none: try "
+             "`python -m mlx_dspark.generate` for it")
+    try:
+        pair = load(model, draft=None if no_draft else draft, quantize=quantize)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        fail(str(err))
+    if not pair.tokenizer.has_chat_template:
+        fail(f"{model} has no chat template; use `python -m mlx_dspark.generate --no-chat-template` for raw text")
+
+    session = ChatSession(pair, options=options, system=system)
+    interactive = sys.stdin.isatty()
+    typer.echo(f"[mlx_dspark] chatting with {model}: {RESET} starts over, {EXIT} or end of input quits", err=True)
+    while True:
+        if interactive:
+            sys.stdout.write(">> ")
+            sys.stdout.flush()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            break
+        if not line:
+            break  # end of input
+        text = line.rstrip("\r\n")
+        if text.strip() == EXIT:
+            break
+        if text.strip() == RESET:
+            session.reset()
+            typer.echo("[mlx_dspark] new conversation", err=True)
+            continue
+        if not text.strip():
+            continue
+        reply = session.say(text)
+        with flag_errors():  # a prompt or a --max-draft-tokens the loaded pair cannot take
+            try:
+                for step in reply:
+                    sys.stdout.write(step.text)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                typer.echo("\n[mlx_dspark] reply interrupted", err=True)
+            finally:
+                reply.close()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if session.last is not None:
+            typer.echo(stats_line(session.last), err=True)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""`python -m mlx_dspark.server`: an OpenAI-compatible HTTP server for a target and its DSpark draft.
+
+Parses flags, binds the socket, loads the pair in the background (requests get 503 until it is
+ready) and serves `/v1/chat/completions`, `/v1/completions`, `/v1/models` and `/health`. The pieces
+live in `mlx_dspark.serve`; see docs/SERVER.md. With no `--model` it serves the trained demo pair
+shipped in the package (a Python-code model without a chat template: use /v1/completions).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+from typing import Optional
+
+import typer
+
+from mlx_dspark.cli import common as flags
+from mlx_dspark.cli.common import exit_on_interrupt, fail, flag_errors
+from mlx_dspark.engine.options import GenerationOptions
+from mlx_dspark.serve.cache_pool import PromptCacheBudget, parse_bytes
+from mlx_dspark.serve.protocol import SERVER_DEFAULTS
+
+app = typer.Typer(add_completion=False, help="Serve a target and its DSpark draft over an OpenAI-compatible API.")
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+DEMO_MODEL_ID = "mlx-dspark-demo"
+
+
+@app.command()
+@exit_on_interrupt()  # Ctrl-C before serving starts; once it runs, run_until_interrupted exits 0
+def serve(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, "--model", help=flags.MODEL_HELP),
+    draft: Optional[str] = typer.Option(None, "--draft", help=flags.DRAFT_HELP),
+    draft_tap_ids: flags.DraftTapIds = None,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 exposes the server to the network."),
+    port: int = typer.Option(8080, "--port", help="Port to bind (0 picks a free one)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MLX_DSPARK_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="Model id clients use (default: the --model value)."),
+    max_tokens_default: int = typer.Option(SERVER_DEFAULTS.max_tokens, "--max-tokens-default", help="max_tokens when a request gives none."),
+    max_body_bytes: int = typer.Option(8 * 1024 * 1024, "--max-body-bytes", help="Larger request bodies get a 413."),
+    prompt_cache_size: int = typer.Option(
+        PromptCacheBudget.conversations, "--prompt-cache-size",
+        help="Conversations whose caches are kept for reuse by later requests (0 = off).",
+    ),
+    prompt_cache_bytes: str = typer.Option(
+        f"{PromptCacheBudget.nbytes // 10**9}GB", "--prompt-cache-bytes", help="Memory budget of the kept caches, e.g. 2GB, 512MB (least recently used go first).",
+    ),
+    temp: flags.Temp = flags.SAMPLING.temperature,
+    top_p: flags.TopP = flags.SAMPLING.top_p,
+    top_k: flags.TopK = flags.SAMPLING.top_k,
+    min_p: flags.MinP = flags.SAMPLING.min_p,
+    draft_sampling: flags.DraftSampling = flags.SPECULATION.draft_sampling,
+    no_draft: flags.NoDraft = False,
+    confidence_threshold: flags.ConfidenceThreshold = flags.SPECULATION.confidence_threshold,
+    p_min: flags.PMin = flags.SPECULATION.p_min,
+    max_draft_tokens: flags.MaxDraftTokens = flags.SPECULATION.max_draft_tokens,
+    verify_schedule: flags.VerifySchedule = flags.SPECULATION.verify_schedule,
+    cost_curve_file: flags.CostCurveFile = None,
+    chat_template_args: flags.ChatTemplateArgs = None,
+    quantize: flags.Quantize = None,
+    max_context: flags.MaxContext = None,
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    allow_origin: list[str] = typer.Option([], "--allow-origin",
+                                           help="Let web pages from this origin call the server (repeatable; '*' for any)."),
+    allow_template_kwarg: list[str] = typer.Option(
+        [], "--allow-template-kwarg",
+        help="Let clients set this chat template switch in chat_template_kwargs (repeatable; "
+        "enable_thinking, thinking_effort and reasoning_effort are always allowed).",
+    ),  # fmt: skip
+) -> None:
+    """Bind, load the pair in the background, and serve until interrupted."""
+    from mlx_dspark.loading.load import load
+    from mlx_dspark.serve.app import make_server
+    if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The same checks a request gets, at startup, so a bad flag is one line instead of a 400 per request.
+    with flag_errors({**flags.FLAGS, "max_tokens": "--max-tokens-default"}):
+        flags.check_quantize(quantize)
+        tap_ids = flags.parse_tap_ids(draft_tap_ids, draft=draft, model=model)
+        if max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
+        defaults = flags.generation_options(ctx.params, max_tokens=max_tokens_default)  # the shared flags, by name
+        prompt_cache = _prompt_cache_budget(prompt_cache_size, prompt_cache_bytes)
+
+    model_id = served_model_name or model or DEMO_MODEL_ID
+    dtype = None
+    if model is None:
+        try:
+            demo = flags.demo_pair()
+        except FileNotFoundError as err:
+            fail(str(err))
+        typer.echo(f"[mlx_dspark] {demo.note}; it has no chat template: use /v1/completions", err=True)
+        model, draft, dtype = str(demo.target), draft or str(demo.draft), demo.dtype
+    speculative = draft is not None and not no_draft
+    loader = functools.partial(
+        load, model, draft=draft if speculative else None, dtype=dtype, quantize=quantize,
+        draft_tap_ids=tap_ids if speculative else None,
+    )  # fmt: skip
+    try:
+        server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
+                             max_body_bytes=max_body_bytes, allow_origins=allow_origin,
+                             prompt_cache=prompt_cache,
+                             allow_template_kwargs=allow_template_kwarg)
+    except ValueError as err:
+        fail(str(err))
+    except OSError as err:
+        fail(f"cannot listen on {host}:{port}: {err.strerror or err}")
+    if host not in LOOPBACK_HOSTS and api_key is None:
+        typer.echo(f"[mlx_dspark] warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
+
+    typer.echo(f"[mlx_dspark] listening on {server.url}/v1 as model {model_id!r}; loading {model} ...", err=True)
+    run_until_interrupted(server, defaults)
+
+
+def run_until_interrupted(server, defaults: GenerationOptions) -> None:
+    """Serve with the model's work on this (the main) thread until Ctrl-C or SIGTERM, then exit cleanly.
+
+    The main thread runs MLX: a thread that used MLX must not outlive the interpreter (see
+    `ModelWorker._park`), and the main thread is the one that never does. The HTTP side runs in a
+    background thread. The first signal stops at once (waiting clients get a 503); while we close,
+    further signals are ignored, so shutting down always ends with exit status 0.
+    """
+    from mlx_dspark.serve.worker import FAILED
+
+    previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM behaves as Ctrl-C
+    try:
+        server.start_http()
+        server.worker.load()
+        if server.worker.state == FAILED:
+            server.close(wait_s=0)
+            fail(f"could not load the model: {server.worker.load_error}")
+        if server.worker.speculative:
+            try:
+                defaults.speculation.draft_length(server.worker.model.draft.args.block_size)
+            except ValueError as err:
+                server.close(wait_s=0)
+                fail(f"--max-draft-tokens: {err}")
+            if defaults.speculation.verify_schedule == "confidence":
+                try:  # checked, and the curve measured or read from the cache, now rather than in the first request
+                    flags.resolve_cost_curve(server.worker.model, defaults)
+                except ValueError as err:
+                    server.close(wait_s=0)
+                    fail(f"--verify-schedule: {err}")
+        mode = "speculative" if server.worker.speculative else "plain (no draft)"
+        typer.echo(f"[mlx_dspark] ready ({mode} decoding) at {server.url}/v1", err=True)
+        server.worker.serve_jobs()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        typer.echo("[mlx_dspark] shutting down", err=True)
+        server.abort(grace_s=1.0)
+    finally:
+        if signal.getsignal(signal.SIGTERM) is signal.default_int_handler:
+            signal.signal(signal.SIGTERM, previous_term)
+
+
+def _prompt_cache_budget(size: int, nbytes: str) -> PromptCacheBudget:
+    if size < 0:
+        raise ValueError(f"--prompt-cache-size must be >= 0 (0 turns reuse off), got {size}")
+    try:
+        return PromptCacheBudget(conversations=size, nbytes=parse_bytes(nbytes))
+    except ValueError as err:
+        raise ValueError(f"--prompt-cache-bytes: {err}") from None
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Hugging Face -> MLX conversion (`python -m mlx_dspark.convert`, flags in `cli/convert.py`).
+
+SRC may also be a GGUF file (a target or a DSpark draft; `gguf_convert.py` writes it through the
+loader's own reading, so the converted directory loads as the GGUF does).
+
+Converts a target of either family or a DSpark draft (either layer family, any packaging the loader
+reads; written back under DeepSpec's tensor names) shard by shard: each
+source file is read lazily, renamed by the model's `sanitize`, checked against the model built from
+config.json, cast / quantized (the layers mlx-lm quantizes) and written into MLX shards (`ShardWriter`), so at most one source shard
+and one output shard are in memory. A draft loses its frozen copies of the target's embedding and LM
+head (shared at load time) unless --keep-shared.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlx_dspark.loading.checkpoint import (
+    ShardWriter,
+    is_gguf,
+    load_file,
+    read_config,
+    read_header,
+    resolve_path,
+    weight_files,
+)
+from mlx_dspark.models import target_module
+from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
+from mlx_dspark.models.dspark_args import DraftArgs, canonical_name, canonical_names, is_draft_config, layer_family
+from mlx_dspark.loading.precision import check_quantize_options, parse_dtype, quant_predicate
+from mlx_dspark.loading.weights import check_tensors
+from mlx_dspark.loading.gguf_convert import convert_gguf
+from mlx_dspark.loading.mlx_output import AUX_FILES, check_destination, clear_outputs, write_config
+
+
+
+def _log(message: str) -> None:
+    print(f"[convert] {message}", file=sys.stderr, flush=True)
+
+
+def _skeleton(config: dict, files: list[Path], *, src: Path) -> tuple[nn.Module, str]:
+    """The model built from config.json (lazy random parameters: only names and shapes are used);
+    a draft's layer family comes from its tensor names (file headers only)."""
+    source = str(src / "config.json")
+    if is_draft_config(config):
+        names = [canonical_name(name) for path in files for name in read_header(path)]
+        family = layer_family(names, source=str(src))
+        return DSparkDraft(DraftArgs.from_dict(config, family=family, source=source)), "draft"
+    module = target_module(config, source=source)
+    return module.Model(module.ModelArgs.from_dict(config, source=source)), "target"
+
+
+def convert(
+    hf_path: str | Path,
+    mlx_path: str | Path,
+    *,
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    dtype: Optional[str] = None,
+    force: bool = False,
+    keep_shared: bool = False,
+    draft_tap_ids: Optional[Sequence[int]] = None,
+    max_shard_bytes: Optional[int] = None,
+    log: Callable[[str], None] = _log,
+) -> Path:
+    """Convert the checkpoint at `hf_path` into an MLX directory at `mlx_path`; returns its path.
+
+    draft_tap_ids (GGUF drafts only): the tapped target layers as Hugging Face ids, replacing the file's
+    `target_layers` (see `load(draft_tap_ids=)`); written into the converted config."""
+    if quantize:
+        check_quantize_options(bits=q_bits, group_size=q_group_size)
+    mx_dtype = parse_dtype(dtype)
+    src = resolve_path(hf_path, role="source")
+    dst = Path(mlx_path).expanduser()
+    check_destination(src, dst, force=force)
+    if is_gguf(src):
+        return convert_gguf(
+            src, dst, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, dtype=mx_dtype,
+            keep_shared=keep_shared, tap_ids=draft_tap_ids, max_shard_bytes=max_shard_bytes, log=log,
+        )  # fmt: skip
+    if draft_tap_ids is not None:
+        raise ValueError(
+            f"{src}: draft_tap_ids applies to GGUF drafts (whose target_layers convention varies); a safetensors "
+            "draft's config.json states target_layer_ids (pass draft_tap_ids to load() to override them)"
+        )
+    config = read_config(src)
+    source = str(src / "config.json")
+    if quantize and "quantization" in config:
+        raise ValueError(f"{source}: the checkpoint is already quantized ({config['quantization']}); convert it without -q")
+    files = weight_files(src)
+    model, kind = _skeleton(config, files, src=src)
+
+    def sanitize(weights: dict[str, mx.array], file: str) -> dict[str, mx.array]:
+        if kind == "target":
+            return model.sanitize(weights)
+        weights, _ = canonical_names(weights, dict.fromkeys(weights, file), source=str(src))
+        kept = {k: v for k, v in weights.items() if k.startswith(SHARED_PREFIXES)} if keep_shared else {}
+        return {**model.sanitize(weights), **kept}
+
+    expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    predicate = quant_predicate(model, group_size=q_group_size)
+    quant_modules = {path for path, m in model.named_modules() if predicate(path, m)} if quantize else set()
+    _check_names(files, sanitize, expected, src=src, what=kind, keep_shared=kind == "draft" and keep_shared)
+
+    dst.mkdir(parents=True, exist_ok=True)
+    clear_outputs(dst)
+    writer = ShardWriter(dst, **({"max_bytes": max_shard_bytes} if max_shard_bytes else {}))
+    written = 0
+    for i, path in enumerate(files):
+        weights = sanitize(load_file(path), path.name)
+        log(f"shard {i + 1}/{len(files)} {path.name}: {len(weights)} tensors")
+        for name in sorted(weights):
+            array = weights.pop(name)  # drop our reference as soon as it is queued
+            if mx_dtype is not None and mx.issubdtype(array.dtype, mx.floating):
+                array = array.astype(mx_dtype)
+            module_path, _, leaf = name.rpartition(".")
+            if leaf == "weight" and module_path in quant_modules:
+                qweight, scales, biases = mx.quantize(array, group_size=q_group_size, bits=q_bits)
+                for suffix, value in (("weight", qweight), ("scales", scales), ("biases", biases)):
+                    writer.add(f"{module_path}.{suffix}", value)
+                    written += 1
+            else:
+                writer.add(name, array)
+                written += 1
+    shards = writer.finish()
+    write_config(config, dst, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, dtype=dtype)
+    copied = [name for name in AUX_FILES if (src / name).is_file()]
+    for name in copied:
+        shutil.copyfile(src / name, dst / name)
+    log(f"wrote {written} tensors in {len(shards)} file(s) and {len(copied) + 1} config/tokenizer file(s) to {dst}")
+    return dst
+
+
+def _check_names(files: list[Path], sanitize, expected: dict[str, tuple], *, src: Path, what: str, keep_shared: bool) -> None:
+    """Before writing anything: every expected tensor present, nothing unexpected, shapes right."""
+    found: dict[str, tuple] = {}
+    origin: dict[str, str] = {}
+    for path in files:
+        for name, array in sanitize(load_file(path), path.name).items():
+            if keep_shared and name.startswith(SHARED_PREFIXES):
+                continue  # kept as they are; the loader checks them against the target
+            found[name] = tuple(array.shape)
+            origin[name] = path.name
+    check_tensors(expected, found, origin, source=str(src), what=what)

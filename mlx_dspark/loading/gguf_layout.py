@@ -1,0 +1,296 @@
+"""GGUF metadata -> our config layout and tensor names, for the four kinds of file: spark2_5 and qwen3
+targets (Hugging Face names), and DSpark drafts (`dflash` / `dspark`) of either layer family
+(DeepSpec names). Upstream's converters map names only, so no tensor is permuted (GGUF.md)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+from mlx_dspark.loading.gguf_metadata import Metadata
+
+TARGET_ARCHITECTURES = {"spark2_5": "Spark2_5ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# Tensor names, without the `.weight` / `.bias` suffix.
+_LAYER_COMMON = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_QWEN3 = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_LAYER_SPARK = {
+    "attn_qkv": "self_attn.q_k_v_proj",
+    "attn_gate": "self_attn.g_proj",
+    "attn_output": "self_attn.out_proj",
+}
+SEPARATE_QKV = ("attn_q", "attn_k", "attn_v")  # a spark2_5 target may store these instead of attn_qkv
+_DRAFT_GLOBAL = {
+    "fc": "fc",
+    "enc.output_norm": "hidden_norm",
+    "output_norm": "norm",
+    "markov_w1": "markov_head.markov_w1",
+    "markov_w2": "markov_head.markov_w2",
+    "conf_proj": "confidence_head.proj",
+    "token_embd": "embed_tokens",  # the target's copies: compared with the target's, then shared
+    "output": "lm_head",
+}
+DRAFT_SHARED = ("token_embd", "output")
+
+
+def _sizes(meta: Metadata, arch: str) -> dict[str, Any]:
+    """The size fields every family shares, from `<arch>.*` keys."""
+    p = f"{arch}."
+    hidden = meta.integer(p + "embedding_length", low=1)
+    heads = meta.integer(p + "attention.head_count", low=1)
+    kv_heads = meta.integer(p + "attention.head_count_kv", heads, low=1)
+    head_dim = meta.integer(p + "attention.key_length", hidden // heads, low=1)
+    value_dim = meta.integer(p + "attention.value_length", head_dim, low=1)
+    if value_dim != head_dim:
+        raise ValueError(f"{meta.path}: {p}attention.value_length {value_dim} differs from key_length {head_dim}; not supported")
+    if heads % kv_heads:
+        raise ValueError(f"{meta.path}: {p}attention.head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    sizes = {
+        "hidden_size": hidden,
+        "intermediate_size": meta.integer(p + "feed_forward_length", low=1),
+        "num_hidden_layers": meta.integer(p + "block_count", low=1),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": meta.number(p + "attention.layer_norm_rms_epsilon"),
+        "attention_bias": False,
+    }
+    context = meta.integer(p + "context_length", None, low=1)
+    if context is not None:
+        sizes["max_position_embeddings"] = context
+    return sizes
+
+
+def _layer_types(meta: Metadata, arch: str, num_layers: int) -> tuple[list[str], Optional[int]]:
+    """(layer_types, sliding_window) from `attention.sliding_window` and its pattern (a bool per layer,
+    true = sliding; or llama.cpp's period n: every n-th layer is full)."""
+    p = f"{arch}."
+    window = meta.integer(p + "attention.sliding_window", None, low=0)
+    if not window:
+        return ["full_attention"] * num_layers, None
+    key = p + "attention.sliding_window_pattern"
+    pattern = meta.require(key, why=f"{p}attention.sliding_window is {window}; the pattern says which layers slide")
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers or not all(isinstance(v, bool) for v in pattern):
+            raise ValueError(f"{meta.path}: key {key!r} must hold {num_layers} bools (one per layer), got {pattern!r}")
+        sliding = pattern
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
+    else:
+        raise ValueError(f"{meta.path}: key {key!r} must be a bool array or a period, got {pattern!r}")
+    return ["sliding_attention" if s else "full_attention" for s in sliding], window
+
+
+def _family_fields(meta: Metadata, arch: str, family: str, sizes: dict[str, Any], layer_types: list[str], window: Optional[int]) -> dict[str, Any]:
+    """RoPE, window and activation fields in the family's config.json layout."""
+    p = f"{arch}."
+    head_dim = sizes["head_dim"]
+    theta = meta.number(p + "rope.freq_base")
+    dims = meta.integer(p + "rope.dimension_count", head_dim, low=1)
+    if family == "qwen3":
+        theta_swa = meta.number(p + "rope.freq_base_swa", theta)
+        dims_swa = meta.integer(p + "rope.dimension_count_swa", head_dim, low=1)
+        if dims == head_dim and dims_swa == head_dim and theta_swa == theta:
+            rope_fields = {"rope_theta": theta, "rope_parameters": {"rope_theta": theta, "rope_type": "default"}}
+        else:
+            # upstream's graph ropes n_rot dims per layer type: per-type parameters, as a copied spark config has
+            rope_fields = {"rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": dims / head_dim},
+                "sliding_attention": {"rope_type": "default", "rope_theta": theta_swa, "partial_rotary_factor": dims_swa / head_dim},
+            }}  # fmt: skip
+        return {
+            "model_type": "qwen3",
+            "hidden_act": "silu",
+            **rope_fields,
+            "rope_scaling": None,
+            "layer_types": layer_types,
+            "sliding_window": window,
+            "use_sliding_window": window is not None,
+            "max_window_layers": sizes["num_hidden_layers"],
+        }
+    rope = {"full_attention": {"rope_theta": theta, "partial_rotary_factor": dims / head_dim}}
+    if "sliding_attention" in layer_types:
+        # as llama.cpp's loader: the sliding layers' RoPE keys default to the full layers' (a Spark-style draft
+        # converted from a copy of a Qwen3 config has one RoPE for every layer)
+        rope["sliding_attention"] = {
+            "rope_theta": meta.number(p + "rope.freq_base_swa", theta),
+            "partial_rotary_factor": meta.integer(p + "rope.dimension_count_swa", dims, low=1) / head_dim,
+        }
+    return {
+        "model_type": "spark2_5",
+        "hidden_act": "gelu",
+        "gate_attn_act_mode": "sigmoid",
+        "headwise_attn_output_gate": True,
+        "mlp_bias": False,
+        "rope_parameters": rope,
+        "layer_types": layer_types,
+        "sliding_window": window,
+    }
+
+
+def _special_ids(meta: Metadata, config: dict[str, Any]) -> None:
+    for field_name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            config[field_name] = value
+
+
+def target_layout(meta: Metadata, arch: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """(config, GGUF tensor name -> our name) of a target."""
+    sizes = _sizes(meta, arch)
+    num_layers = sizes["num_hidden_layers"]
+    embed_shape = meta.tensor_or_fail("token_embd.weight", "every target has its token embedding")
+    layer_types, window = _layer_types(meta, arch, num_layers)
+    config: dict[str, Any] = {"architectures": [TARGET_ARCHITECTURES[arch]], **sizes}
+    config.update(_family_fields(meta, arch, arch, sizes, layer_types, window))
+    config["vocab_size"] = embed_shape[0]
+    config["tie_word_embeddings"] = "output.weight" not in meta.tensors
+    _special_ids(meta, config)
+
+    embed = "model.embedding" if arch == "spark2_5" else "model.embed_tokens"
+    names = {"token_embd.weight": f"{embed}.weight", "output_norm.weight": "model.norm.weight"}
+    if not config["tie_word_embeddings"]:
+        names["output.weight"] = "lm_head.weight"
+    for i in range(num_layers):
+        table = dict(_LAYER_COMMON)
+        if arch == "qwen3":
+            table.update(_LAYER_QWEN3)
+        else:
+            table.update(_LAYER_SPARK)
+            if f"blk.{i}.attn_qkv.weight" not in meta.tensors and f"blk.{i}.attn_q.weight" in meta.tensors:
+                # separate Q/K/V: fused into q_k_v_proj when read (rows Q, then K, then V)
+                del table["attn_qkv"]
+                table.update({k: f"self_attn.q_k_v_proj#{j}" for j, k in enumerate(SEPARATE_QKV)})
+        names.update({f"blk.{i}.{g}.weight": f"model.layers.{i}.{h}.weight" for g, h in table.items()})
+    return dict(sorted(config.items())), names
+
+
+def _draft_family(meta: Metadata) -> str:
+    has_q, has_qkv = "blk.0.attn_q.weight" in meta.tensors, "blk.0.attn_qkv.weight" in meta.tensors
+    if has_q == has_qkv:
+        found = sorted(n for n in meta.tensors if n.startswith("blk.0.attn"))
+        raise ValueError(
+            f"{meta.path}: cannot tell the draft's layer family: expected blk.0.attn_q.weight (Qwen3-style layers) "
+            f"or blk.0.attn_qkv.weight (Spark2_5-style layers), found {found}"
+        )
+    return "qwen3" if has_q else "spark2_5"
+
+
+def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(config, GGUF tensor name -> our name) of a DSpark draft, in DeepSpec's config layout."""
+    p = f"{arch}."
+    family = _draft_family(meta)
+    sizes = _sizes(meta, arch)
+    hidden, num_layers = sizes["hidden_size"], sizes["num_hidden_layers"]
+    layer_types, window = _layer_types(meta, arch, num_layers)
+    config: dict[str, Any] = {"architectures": ["Qwen3DSparkModel" if family == "qwen3" else "Spark2_5DSparkModel"], **sizes}
+    config.update(_family_fields(meta, arch, family, sizes, layer_types, window))
+
+    layers = meta.require(p + "target_layers", why="the target layers the draft is conditioned on")
+    if not isinstance(layers, list) or not layers or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers):
+        raise ValueError(f"{meta.path}: key {p + 'target_layers'!r} must be a non-empty integer array, got {layers!r}")
+    if tap_ids is None:
+        taps = [v - 1 for v in layers]  # upstream writes HF id + 1
+        if min(taps) < -1:
+            raise ValueError(f"{meta.path}: {p}target_layers {layers} holds values below 0; expected HF layer ids + 1")
+    else:
+        taps = list(tap_ids)
+        if len(taps) != len(layers) or not all(isinstance(v, int) and v >= -1 for v in taps):
+            raise ValueError(
+                f"{meta.path}: tap_ids {tap_ids!r} must be {len(layers)} layer ids >= -1, one per entry of "
+                f"{p}target_layers {layers}"
+            )
+    fc_shape = meta.tensor_or_fail("fc.weight", "the draft's fusion of the target features")
+    if fc_shape != (hidden, len(taps) * hidden):
+        raise ValueError(
+            f"{meta.path}: tensor 'fc.weight' has shape {fc_shape}; expected {(hidden, len(taps) * hidden)} for "
+            f"{len(taps)} target layers ({p}target_layers {layers}) of hidden size {hidden}"
+        )
+    w1 = meta.tensor_or_fail("markov_w1.weight", "the Markov head")
+    vocab, rank = w1
+    head_type = meta.get(p + "markov_head_type", "vanilla")
+    if head_type not in ("vanilla", 0):
+        raise ValueError(f"{meta.path}: key {p + 'markov_head_type'!r} is {head_type!r}; only the vanilla Markov head is supported")
+    declared_rank = meta.get(p + "markov_rank")
+    if declared_rank is not None and declared_rank != rank:
+        raise ValueError(f"{meta.path}: key {p + 'markov_rank'!r} is {declared_rank} but markov_w1.weight has shape {w1}")
+    if meta.flag(p + "attention.causal", False):
+        raise ValueError(f"{meta.path}: key {p + 'attention.causal'!r} is true; DSpark blocks attend without a causal mask")
+    if not meta.flag(p + "sample_from_anchor", True):
+        raise ValueError(
+            f"{meta.path}: key {p + 'sample_from_anchor'!r} is false (the anchor row yields no draft); only "
+            "drafts whose every block row predicts the next token are supported"
+        )
+    confidence = meta.flag(p + "has_confidence_head", True)
+    with_markov = False
+    if confidence:
+        conf = meta.tensor_or_fail("conf_proj.weight", f"{p}has_confidence_head is true")
+        if conf not in ((1, hidden), (1, hidden + rank)):
+            raise ValueError(
+                f"{meta.path}: tensor 'conf_proj.weight' has shape {conf}; expected (1, {hidden}) or "
+                f"(1, {hidden + rank}) (hidden size, plus the Markov rank when it reads the Markov feature)"
+            )
+        with_markov = conf[1] == hidden + rank
+    mask = meta.get("tokenizer.ggml.mask_token_id", meta.get(p + "mask_token_id"))
+    if mask is None:
+        raise ValueError(f"{meta.path}: no mask token: neither 'tokenizer.ggml.mask_token_id' nor {p + 'mask_token_id'!r} is set")
+    config.update(
+        {
+            "vocab_size": vocab,
+            "block_size": meta.integer(p + "block_size", 16, low=1),
+            "target_layer_ids": taps,
+            "mask_token_id": mask,
+            "markov_rank": rank,
+            "markov_head_type": "vanilla",
+            "enable_confidence_head": confidence,
+            "confidence_head_with_markov": with_markov,
+        }
+    )
+    _special_ids(meta, config)
+
+    names = {f"{g}.weight": f"{h}.weight" for g, h in _DRAFT_GLOBAL.items() if g not in ("conf_proj", *DRAFT_SHARED)}
+    if confidence:
+        names.update({"conf_proj.weight": "confidence_head.proj.weight", "conf_proj.bias": "confidence_head.proj.bias"})
+    for g in DRAFT_SHARED:  # optional: absent means "share the target's"
+        if f"{g}.weight" in meta.tensors:
+            names[f"{g}.weight"] = f"{_DRAFT_GLOBAL[g]}.weight"
+    table = {**_LAYER_COMMON, **(_LAYER_QWEN3 if family == "qwen3" else _LAYER_SPARK)}
+    for i in range(num_layers):
+        names.update({f"blk.{i}.{g}.weight": f"layers.{i}.{h}.weight" for g, h in table.items()})
+    return dict(sorted(config.items())), names
+
+
+def check_names(meta: Metadata, names: dict[str, str]) -> None:
+    missing = sorted(set(names) - set(meta.tensors), key=natural_order)
+    unexpected = sorted(set(meta.tensors) - set(names), key=natural_order)
+    problems = []
+    if missing:
+        problems.append(f"missing tensor(s) {short_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensor(s) {short_list(unexpected)}")
+    if problems:
+        raise ValueError(
+            f"{meta.path}: the {meta.architecture} GGUF's tensors do not match its metadata "
+            f"({meta.architecture}.block_count {meta.get(meta.architecture + '.block_count')}): " + "; ".join(problems)
+        )
+
+
+def natural_order(name: str) -> tuple:
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def short_list(names: list[str], limit: int = 12) -> str:
+    return str(names if len(names) <= limit else names[:limit] + [f"... {len(names) - limit} more"])
