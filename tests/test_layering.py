@@ -9,6 +9,7 @@ rule that silently stopped matching would fail here.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mlx_dspark"
@@ -185,3 +186,20 @@ def test_every_room_says_what_it_owns():
     for init in PACKAGE.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8")))
         assert doc and len(doc) > 80, f"{init.parent.name}/__init__.py needs a docstring: what it owns and must not import"
+
+
+def test_the_module_map_in_the_architecture_doc_is_the_tree():
+    doc = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    table = doc.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    listed: set[str] = set()
+    for line in table.splitlines():
+        if not line.startswith("| `"):
+            continue
+        for name in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
+            matches = [p for p in PACKAGE.glob(name) if p.suffix == ".py"] if "*" in name else [PACKAGE / name]
+            listed.update(str(p.relative_to(PACKAGE)) for p in matches if p.suffix == ".py")
+    tree = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    rooms = {str(p.relative_to(PACKAGE)) for p in PACKAGE.glob("*/__init__.py")}  # the room docstrings, tested above
+    tree, listed = tree - rooms, listed - rooms
+    assert sorted(tree - listed) == [], "modules missing from docs/ARCHITECTURE.md's module map"
+    assert sorted(listed - tree) == [], "the module map lists modules that do not exist"
