@@ -103,10 +103,14 @@ def tokenizer_metadata(directory: Path) -> dict[str, Any]:
     if pre["type"] == "ByteLevel" and pre.get("use_regex", True):
         pre_name = "gpt-2"
     else:
-        from mlx_dspark.loading.gguf_tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
+        # upstream names the pre-tokenizer by hashing an encoding of a probe text; the split regexes
+        # identify the same families here
+        from mlx_dspark.loading.gguf_tokenizer import PRE_TOKENIZERS
 
-        split = pre["pretokenizers"][0]["pattern"]["Regex"]
-        pre_name = {QWEN2_SPLIT: "qwen2", LLAMA3_SPLIT: "llama-bpe"}[split]
+        splits = tuple(p["pattern"]["Regex"] for p in pre["pretokenizers"] if p["type"] == "Split")
+        names = {v[0]: k for k, v in reversed(PRE_TOKENIZERS.items())}  # first name of each split list
+        names[PRE_TOKENIZERS["llama-bpe"][0]] = "llama-bpe"
+        pre_name = names[splits]
     eos = config["eos_token_id"]
     meta = {
         "model": "gpt2",
