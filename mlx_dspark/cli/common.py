@@ -210,7 +210,7 @@ def resolve_cost_curve(pair: Any, options: GenerationOptions) -> GenerationOptio
     speculation = options.speculation
     require_confidence_head(pair.draft, source=pair.draft_path)
     curve = speculation.cost_curve or cost_curve_for(pair)
-    speculation.draft_length(int(pair.draft.args.block_size))
+    speculation.draft_length(int(pair.draft.num_drafts))
     return dataclasses.replace(options, speculation=dataclasses.replace(speculation, cost_curve=curve))
 
 

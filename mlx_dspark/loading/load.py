@@ -85,7 +85,9 @@ def build_draft(
             f"{source}: {taps_field} {list(args.target_layer_ids)} gives {len(args.target_layer_ids)} tapped layers but "
             f"fc.weight takes {fc.shape[-1] / args.hidden_size:g} x hidden_size features"
         )
-    shared = {k: v for k, v in weights.items() if k.startswith(SHARED_PREFIXES)}
+    # a reduced-vocabulary draft's LM head is its own (over its rows), not a copy of the target's
+    own_head = args.packaging.draft_vocab_size is not None
+    shared = {k: v for k, v in weights.items() if k.startswith(SHARED_PREFIXES) and not (own_head and k.startswith("lm_head."))}
     model = fill_model(
         DSparkDraft(args), config, weights, origin,
         source=source, what="draft", dtype=checkpoint.default_dtype if dtype is None else dtype, config_name=Path(config_source).name,
@@ -147,7 +149,9 @@ def load(
             dtype=mx_dtype, tap_ids=draft_tap_ids,
         )  # fmt: skip
         check_finite_weights(draft_model, what=f"draft ({draft_path})")  # before the shared copies are compared
-        check_shared_tensors(shared, target_model, draft_source=str(draft_path), storage=draft_checkpoint.storage)
+        own_rows = check_shared_tensors(shared, target_model, draft_source=str(draft_path), storage=draft_checkpoint.storage)
+        if own_rows:
+            draft_model.set_embedding_rows(list(own_rows), mx.stack(list(own_rows.values())))
     target_config = target_checkpoint.config
     del target_checkpoint  # the raw (uncast, unsanitized) weights are no longer needed
 

@@ -126,7 +126,8 @@ def load_draft_for_training(
     checkpoint.config = {k: v for k, v in checkpoint.config.items() if k not in _STALE_FIELDS}
     draft, shared = build_draft(checkpoint, target=target, target_source=target_source, dtype=dtype)
     check_finite_weights(draft, what=f"draft ({draft_path})")
-    check_shared_tensors(shared, target, draft_source=str(draft_path), storage=checkpoint.storage)
+    if check_shared_tensors(shared, target, draft_source=str(draft_path), storage=checkpoint.storage):
+        raise ValueError(f"{draft_path}: the draft's embedding differs from the target's in a few rows; training such a draft is not supported")
     mx.eval(draft.parameters())
     return draft, checkpoint.config
 
