@@ -308,15 +308,20 @@ def _packaging(meta: Metadata, p: str, family: str) -> dict[str, Any]:
         if family == "spark2_5" and act != "gelu":
             raise ValueError(f"{meta.path}: key {p + 'hidden_activation'!r} is {act!r}; Spark2_5-style draft layers use 'gelu'")
         fields["hidden_act"] = _ACTIVATIONS[act]
+    for key, identity in (("logit_scale", 1.0), ("final_logit_softcapping", 0.0)):
+        value = meta.number(p + key, None)
+        if value is not None and value != identity:
+            raise ValueError(
+                f"{meta.path}: key {p + key!r} is {value:g}; not supported: upstream's DSpark graph reads it but applies "
+                "it nowhere (only DFlash2's does), so how the draft was trained with it is unknown"
+            )
     for key, name in (
         ("attention.value_scale", "attention_value_scale"),
         ("attention.scale", "attention_scale"),
         ("embedding_scale", "input_embedding_scale"),
-        ("logit_scale", "output_multiplier"),
-        ("final_logit_softcapping", "final_logit_softcapping"),
     ):
         value = meta.number(p + key, None)
-        if value is not None and not (key == "final_logit_softcapping" and value == 0):
+        if value is not None:
             fields[name] = value
     if "markov_w2.scale" in meta.tensors:
         values = np.asarray(meta.tensors["markov_w2.scale"].data, dtype=np.float32).reshape(-1)

@@ -104,7 +104,8 @@ def check_shared_tensors(
             stored_as = f" (stored as {stored})" if stored else ""
             raise ValueError(
                 f"{draft_source}: draft tensor {name!r}{stored_as} differs from the target's {kind} weights"
-                f"{f' in {len(rows)}+ rows' if kind == 'embed' else ''}; the draft was trained for another target "
+                f"{f' in at least {len(rows)} rows (up to {MAX_OWN_EMBEDDING_ROWS} may be its own, e.g. a mask row)' if kind == 'embed' else ''}"
+                "; the draft was trained for another target "
                 "(or another revision of it)"
             )
         own_rows.update({row: array[row] for row in rows})

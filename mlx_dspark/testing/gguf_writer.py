@@ -249,6 +249,7 @@ def write_gguf_draft(
     tensor_types: Optional[dict[str, str]] = None,
     extra_tensors: Optional[dict[str, np.ndarray]] = None,
     drop_tensors: tuple[str, ...] = (),
+    extra_keys: Optional[dict[str, Any]] = None,
     seed: int = 0,
 ) -> Path:
     """A DSpark draft GGUF from the tiny DeepSpec draft at `source` (tokenizer keys from its target).
@@ -257,7 +258,9 @@ def write_gguf_draft(
     tap_convention: "plus_one" (target_layers = HF id + 1, current converters) or "hf" (unchanged, older
     ones); include_shared: write the draft's copies of the target's embedding / head as token_embd /
     output; mask_key: "tokenizer" (tokenizer.ggml.mask_token_id) or "arch" (<arch>.mask_token_id);
-    extra_tensors / drop_tensors (GGUF names): for files that do not fit."""
+    extra_tensors / drop_tensors (GGUF names): for files that do not fit (extra ones replace same-named);
+    extra_keys: more key/values, by full name (bool, int as u32, float as f32, str), e.g. upstream's
+    `dflash.sample_from_anchor` or `dflash.attention.value_scale`."""
     from gguf import GGUFWriter
 
     source, path, target_path = Path(source), Path(path), Path(target_path)
@@ -275,6 +278,15 @@ def write_gguf_draft(
     if arch == "dspark":
         writer.add_uint32(p + "markov_rank", config["markov_rank"])
         writer.add_string(p + "markov_head_type", config["markov_head_type"])
+    for key, value in (extra_keys or {}).items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_string(key, value)
     meta = add_tokenizer(writer, target_path, mask_key="tokenizer.ggml.mask_token_id" if mask_key == "tokenizer" else None)
     if mask_key == "arch":
         writer.add_uint32(p + "mask_token_id", config["mask_token_id"])
