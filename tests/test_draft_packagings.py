@@ -28,6 +28,12 @@ def qwen3(tiny_qwen3_pair):
     return target, draft, mlx_dspark.load(target, draft=draft, dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def spark(tiny_spark_pair):
+    target, draft = tiny_spark_pair
+    return target, draft, mlx_dspark.load(target, draft=draft, dtype="float32")
+
+
 def _load(target: Path, draft: Path):
     return mlx_dspark.load(target, draft=draft, dtype="float32")
 
@@ -78,20 +84,26 @@ def _edited_dir(source: Path, dst: Path, *, config: dict | None = None, weights=
     return dst
 
 
-def test_value_attention_and_markov_scales_draft_like_the_folded_deepspec_draft(qwen3, tmp_path):
-    """attention.value_scale 2 == o_proj x 2; attention.scale 2/sqrt(D) == q_norm x 2; markov_w2.scale 2
-    == markov_w2 x 2 (powers of two: exact in float32)."""
-    target, draft, plain = qwen3
+@pytest.mark.parametrize("family", ["qwen3", "spark"])
+def test_value_attention_and_markov_scales_draft_like_the_folded_deepspec_draft(request, family, tmp_path):
+    """attention.value_scale 2 == the output projection x 2; attention.scale 2/sqrt(D) == the queries x 2
+    (q_norm, or the Q rows of q_k_v_proj); markov_w2.scale 2 == markov_w2 x 2 (powers of two: exact in
+    float32). Both layer families."""
+    target, draft, plain = request.getfixturevalue(family)
+    args = plain.draft.args.layers
     gguf = write_gguf_draft(
         draft, tmp_path / "scaled.gguf", target_path=target,
-        extra_keys={"dflash.attention.value_scale": 2.0, "dflash.attention.scale": 2.0 / math.sqrt(HEAD_DIM)},
+        extra_keys={"dflash.attention.value_scale": 2.0, "dflash.attention.scale": 2.0 / math.sqrt(args.head_dim)},
         extra_tensors={"markov_w2.scale": np.array([2.0], np.float32)},
     )  # fmt: skip
 
     def fold(w):
         for name in list(w):
-            if name.endswith(("self_attn.o_proj.weight", "self_attn.q_norm.weight", "markov_w2.weight")):
+            if name.endswith(("self_attn.o_proj.weight", "self_attn.out_proj.weight", "self_attn.q_norm.weight", "markov_w2.weight")):
                 w[name] = w[name] * 2
+            elif name.endswith("self_attn.q_k_v_proj.weight"):
+                q_rows = args.num_attention_heads * args.head_dim
+                w[name] = np.concatenate([w[name][:q_rows] * 2, w[name][q_rows:]])
         return w
 
     folded = _edited_dir(draft, tmp_path / "folded", weights=fold)
@@ -164,6 +176,15 @@ def _bonus_anchor_reference(plain, *, n: int = 20, anchor: int = 17):
         mx.array([anchor]), hidden, base, markov_head=draft.markov_head, confidence_head=draft.confidence_head,
         confidence_with_markov=True, greedy=True, temperature=1.0,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["spark"])
+def test_sample_from_anchor_false_spark_style_draft(request, family, tmp_path):
+    target, draft, plain = request.getfixturevalue(family)
+    gguf = write_gguf_draft(draft, tmp_path / "b.gguf", target_path=target, extra_keys={"dflash.sample_from_anchor": False})
+    model = _load(target, gguf)
+    _same(_propose(model), _bonus_anchor_reference(plain))
+    _lossless(model)
 
 
 def test_sample_from_anchor_false_drafts_from_row_one(qwen3, tmp_path):
@@ -305,3 +326,23 @@ def test_identity_values_of_the_refused_keys_are_accepted(qwen3, tmp_path):
     keys = {"dflash.logit_scale": 1.0, "dflash.final_logit_softcapping": 0.0, "dflash.sample_from_anchor": True}
     gguf = write_gguf_draft(draft, tmp_path / "id.gguf", target_path=target, extra_keys=keys)
     _same(_propose(_load(target, gguf)), _propose(plain))
+
+
+def test_partial_rotary_gguf_draft_is_the_hf_draft_with_partial_rotary_factor(qwen3, tmp_path):
+    """dflash.rope.dimension_count below head_dim (upstream writes head_dim x partial_rotary_factor)."""
+    target, draft, plain = qwen3
+    gguf = write_gguf_draft(draft, tmp_path / "r.gguf", target_path=target, extra_keys={"dflash.rope.dimension_count": 16})
+    cfg = json.loads((draft / "config.json").read_text(encoding="utf-8"))
+    rope = {**cfg["rope_parameters"], "partial_rotary_factor": 0.5}
+    hf = _edited_dir(draft, tmp_path / "partial", config={"rope_parameters": rope})
+    model = _load(target, gguf)
+    _same(_propose(model), _propose(_load(target, hf)))
+    assert _propose(model).tokens.tolist() != _propose(plain).tokens.tolist()
+
+
+def test_a_draft_directory_with_mask_embedding_pt_is_refused_by_name(qwen3, tmp_path):
+    target, draft, _ = qwen3
+    hf = _edited_dir(draft, tmp_path / "mask-pt")
+    (hf / "mask_embedding.pt").write_bytes(b"not read")
+    with pytest.raises(ValueError, match=r"mask_embedding.pt: the draft's own mask embedding is a PyTorch pickle.*convert_hf_to_gguf"):
+        _load(target, hf)

@@ -104,7 +104,7 @@ def _family_fields(meta: Metadata, arch: str, family: str, sizes: dict[str, Any]
     dims = meta.integer(p + "rope.dimension_count", head_dim, low=1)
     if family == "qwen3":
         theta_swa = meta.number(p + "rope.freq_base_swa", theta)
-        dims_swa = meta.integer(p + "rope.dimension_count_swa", head_dim, low=1)
+        dims_swa = meta.integer(p + "rope.dimension_count_swa", dims, low=1)  # as llama.cpp: n_rot_swa defaults to n_rot
         if dims == head_dim and dims_swa == head_dim and theta_swa == theta:
             rope_fields = {"rope_theta": theta, "rope_parameters": {"rope_theta": theta, "rope_type": "default"}}
         else:

@@ -72,6 +72,13 @@ def build_draft(
             f"{config_source}: not a DSpark draft: no target_layer_ids (top level or under dflash_config); "
             "pass a draft checkpoint as draft="
         )
+    mask_file = Path(checkpoint.path) / "mask_embedding.pt"
+    if mask_file.is_file():
+        # the draft's own mask row (upstream's converter patches it into the draft's token_embd)
+        raise ValueError(
+            f"{mask_file}: the draft's own mask embedding is a PyTorch pickle, which we do not read; convert the "
+            "draft with llama.cpp's convert_hf_to_gguf.py (it writes the row into the draft's token_embd) and load the GGUF"
+        )
     # Read once: DeepSpec tensor names from any packaging, the layer family from them, then the args.
     weights, origin = canonical_names(checkpoint.weights, checkpoint.origin, source=source)
     family = layer_family(list(weights), source=source)

@@ -279,6 +279,7 @@ def write_gguf_draft(
         writer.add_uint32(p + "markov_rank", config["markov_rank"])
         writer.add_string(p + "markov_head_type", config["markov_head_type"])
     for key, value in (extra_keys or {}).items():
+        writer.kv_data[0].pop(key, None)  # replaces a key written above (e.g. rope.dimension_count)
         if isinstance(value, bool):
             writer.add_bool(key, value)
         elif isinstance(value, int):
