@@ -86,6 +86,13 @@ def encode(array: np.ndarray, kind: str, *, rng: np.random.Generator) -> tuple[n
     return quantize(array, qtype), qtype
 
 
+def _looks_special(token: str) -> bool:
+    """Added tokens upstream's converter marks as control even when the tokenizer says not special."""
+    return token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or any(
+        token.startswith(a) and token.endswith(b) for a, b in (("<|", "|>"), ("<｜", "｜>"), ("<unused", ">"))
+    )
+
+
 def tokenizer_metadata(directory: Path) -> dict[str, Any]:
     """`tokenizer.ggml.*` values of a Hugging Face tokenizer directory, as llama.cpp's converter writes
     them: every id's token (added tokens by content, holes as "[PAD<i>]" unused), its type, the
@@ -95,7 +102,7 @@ def tokenizer_metadata(directory: Path) -> dict[str, Any]:
     config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     by_id = {i: (t, "normal") for t, i in tok["model"]["vocab"].items()}
     for added in tok["added_tokens"]:
-        by_id[added["id"]] = (added["content"], "control" if added["special"] else "user_defined")
+        by_id[added["id"]] = (added["content"], "control" if added["special"] or _looks_special(added["content"]) else "user_defined")
     size = max(by_id) + 1
     tokens = [by_id.get(i, (f"[PAD{i}]", "unused")) for i in range(size)]
     content_ids = {t: i for i, (t, _) in enumerate(tokens)}
