@@ -271,6 +271,9 @@ def test_d2t_reduced_vocabulary_gguf_and_hf_draft_over_the_mapped_target_ids(qwe
 
     hf = _edited_dir(draft, tmp_path / "hf-d2t", config={"draft_vocab_size": 200}, weights=reduce)
     _same(_propose(_load(target, hf)), out)
+    no_size = _edited_dir(draft, tmp_path / "hf-d2t-no-size", weights=reduce)
+    with pytest.raises(ValueError, match="'d2t' tensor .* sets no draft_vocab_size"):
+        _load(target, no_size)
 
 
 def test_interleaved_rope_checkpoint_is_permuted_to_rotate_half(qwen3, tmp_path):
@@ -287,6 +290,11 @@ def test_interleaved_rope_checkpoint_is_permuted_to_rotate_half(qwen3, tmp_path)
 
     hf = _edited_dir(draft, tmp_path / "interleaved", config={"rope_is_neox_style": False}, weights=interleave)
     _same(_propose(_load(target, hf)), _propose(plain))
+    # converted once: written in rotate-half order, and read back without a second permutation
+    from mlx_dspark.loading.convert import convert
+
+    converted = convert(hf, tmp_path / "interleaved-mlx", log=lambda m: None)
+    _same(_propose(_load(target, converted)), _propose(plain))
     stored = _edited_dir(draft, tmp_path / "interleaved-flag-missing", weights=interleave)
     assert _propose(_load(target, stored)).tokens.tolist() != _propose(plain).tokens.tolist()
 

@@ -123,10 +123,11 @@ class DSparkDraft(nn.Module):
             if k in draft_vocab.DROPPED or (k.startswith(SHARED_PREFIXES) and not (own_head and k.startswith("lm_head."))):
                 continue
             if k == draft_vocab.CHECKPOINT_NAME:
+                if not own_head:
+                    raise ValueError("the draft has a 'd2t' tensor (a reduced vocabulary) but its config sets no draft_vocab_size")
                 ids = draft_vocab.absolute_ids(
-                    np.array(v), vocab_size=self.args.vocab_size, draft_vocab_size=packaging.draft_vocab_size or -1,
-                    source="draft tensor 'd2t'",
-                )  # fmt: skip
+                    np.array(v), vocab_size=self.args.vocab_size, draft_vocab_size=packaging.draft_vocab_size, source="the draft"
+                )
                 k, v = draft_vocab.PARAMETER_NAME, mx.array(ids)
             elif not self.args.rope_is_neox_style and k.endswith(_INTERLEAVED_ROPE):
                 v = _rotate_half_order(v, self.args.layers.head_dim)
