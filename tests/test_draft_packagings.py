@@ -354,3 +354,18 @@ def test_a_draft_directory_with_mask_embedding_pt_is_refused_by_name(qwen3, tmp_
     (hf / "mask_embedding.pt").write_bytes(b"not read")
     with pytest.raises(ValueError, match=r"mask_embedding.pt: the draft's own mask embedding is a PyTorch pickle.*convert_hf_to_gguf"):
         _load(target, hf)
+
+
+def test_hf_dflash_config_scales_are_the_gguf_keys(qwen3, tmp_path):
+    """The z-lab / SpecForge layout: the scales nested under dflash_config, as upstream's converter reads them."""
+    target, draft, _ = qwen3
+    scales = {"attention_value_scale": 0.5, "input_embedding_scale": 1.5}
+    hf = _edited_dir(draft, tmp_path / "nested", config={"dflash_config": scales})
+    gguf = write_gguf_draft(
+        draft, tmp_path / "n.gguf", target_path=target,
+        extra_keys={"dflash.attention.value_scale": 0.5, "dflash.embedding_scale": 1.5},
+    )  # fmt: skip
+    _same(_propose(_load(target, hf)), _propose(_load(target, gguf)))
+    bad = _edited_dir(draft, tmp_path / "bad-nested", config={"dflash_config": {"output_multiplier": 0.25}})
+    with pytest.raises(ValueError, match=r"field 'output_multiplier' is 0.25; not supported"):
+        _load(target, bad)
