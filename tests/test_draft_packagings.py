@@ -205,6 +205,8 @@ def test_sample_from_anchor_false_drafts_from_row_one(qwen3, tmp_path):
                                                "enable_confidence_head", "confidence_head_with_markov", "target_layer_ids")]
     eagle = {k: cfg[k] for k in cfg if k not in layer_keys and k != "target_layer_ids"}
     eagle["architectures"] = ["DSparkSpeculator"]
+    for name in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"):
+        del eagle[name]  # such exports carry none of these: read off the tensors, as upstream's converter does
     eagle["transformer_layer_config"] = {k: cfg[k] for k in layer_keys}
     eagle["aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["target_layer_ids"]]
     hf = tmp_path / "eagle3"
@@ -214,6 +216,9 @@ def test_sample_from_anchor_false_drafts_from_row_one(qwen3, tmp_path):
     eagle_model = _load(target, hf)
     assert eagle_model.draft.args.target_layer_ids == plain.draft.args.target_layer_ids
     _same(_propose(eagle_model), out)
+    from mlx_dspark.loading.convert import convert
+
+    _same(_propose(_load(target, convert(hf, tmp_path / "eagle3-mlx", log=lambda m: None))), out)
     # an explicit sample_from_anchor true keeps DeepSpec's anchor-first block
     eagle["sample_from_anchor"] = True
     (hf / "config.json").write_text(json.dumps(eagle), encoding="utf-8")

@@ -22,7 +22,7 @@ from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint, resolve_p
 from mlx_dspark.models.finite import check_finite_weights
 from mlx_dspark.models import target_module
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
-from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family
+from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.pair import check_shared_tensors, validate_pair
 from mlx_dspark.loading.precision import check_quantize_options, parse_dtype, quant_predicate
 from mlx_dspark.loading.tokenizer import load_tokenizer
@@ -81,6 +81,7 @@ def build_draft(
         )
     # Read once: DeepSpec tensor names from any packaging, the layer family from them, then the args.
     weights, origin = canonical_names(checkpoint.weights, checkpoint.origin, source=source)
+    config = with_tensor_fields(config, {k: tuple(v.shape) for k, v in weights.items()})
     family = layer_family(list(weights), source=source)
     args = DraftArgs.from_dict(config, family=family, source=config_source, tap_ids=None if tap_ids is None else list(tap_ids))
     taps_field = "target_layer_ids" if tap_ids is None else "draft_tap_ids"

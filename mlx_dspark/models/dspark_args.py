@@ -71,6 +71,26 @@ def flat_config(config: dict, *, source: str = "config.json") -> dict:
     return flat
 
 
+def with_tensor_fields(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """A config with the DSpark fields its tensors determine filled in where it leaves them out, as
+    upstream's converter reads exports that carry none (EAGLE-3 / speculators configs): the Markov
+    rank from `markov_w1`'s shape (head type vanilla), the confidence head from its presence and
+    whether it reads the Markov feature from its width. Fields the config gives are never replaced."""
+    given = dspark_fields(flat_config(config), source="config.json")
+    filled = dict(config)
+    w1 = shapes.get("markov_head.markov_w1.weight")
+    if "markov_rank" not in given:
+        filled["markov_rank"] = w1[1] if w1 else 0
+    if "markov_head_type" not in given and w1:
+        filled["markov_head_type"] = "vanilla"
+    conf = shapes.get("confidence_head.proj.weight")
+    if "enable_confidence_head" not in given:
+        filled["enable_confidence_head"] = conf is not None
+    if "confidence_head_with_markov" not in given and conf is not None and w1:
+        filled["confidence_head_with_markov"] = conf[1] > shapes.get("fc.weight", (conf[1],))[0]
+    return filled
+
+
 def dspark_fields(config: dict, *, source: str) -> dict[str, Any]:
     """The DSpark fields of a draft config, from the top level and/or `dflash_config`."""
     nested = config.get(NESTED_FIELDS) or {}
