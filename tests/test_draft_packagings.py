@@ -266,6 +266,8 @@ def test_d2t_reduced_vocabulary_gguf_and_hf_draft_over_the_mapped_target_ids(qwe
     assert np.all(np.array(sampled.draft_probs)[..., outside] == 0)
     assert np.allclose(np.array(sampled.draft_probs).sum(-1), 1.0, atol=1e-5)
     _lossless(model)
+    drawn = mlx_dspark.generate(model, PROMPT, max_tokens=24, temperature=1.0, seed=0, draft_sampling="sample")
+    assert 0 < len(drawn.tokens) <= 24 and all(0 <= t < vocab for t in drawn.tokens)
     # the Hugging Face packaging: d2t as offsets (id = d2t[i] + i), draft_vocab_size, the own lm_head rows
     def reduce(w):
         w["lm_head.weight"] = head
