@@ -158,6 +158,13 @@ def test_own_token_embd_with_its_own_mask_row_embeds_the_block_with_it(qwen3, tm
     _same(_propose(model), _propose(plain, target=_ScaledEmbedding(plain.target, rows={mask: mx.array(row)})))
     assert _propose(model).tokens.tolist() != _propose(plain).tokens.tolist()
     _lossless(model)
+    from mlx_dspark.loading.convert import convert
+
+    logged = []
+    kept = convert(gguf, tmp_path / "kept", keep_shared=True, log=logged.append)
+    _same(_propose(_load(target, kept)), _propose(model))
+    convert(gguf, tmp_path / "dropped", log=logged.append)
+    assert any("convert with --keep-shared" in line for line in logged)
     other = embed.copy()
     other[:40] += 1.0
     bad = write_gguf_draft(draft, tmp_path / "bad.gguf", target_path=target, extra_tensors={"token_embd.weight": other})
