@@ -383,3 +383,15 @@ def test_hf_dflash_config_scales_are_the_gguf_keys(qwen3, tmp_path):
     bad = _edited_dir(draft, tmp_path / "bad-nested", config={"dflash_config": {"output_multiplier": 0.25}})
     with pytest.raises(ValueError, match=r"field 'output_multiplier' is 0.25; not supported"):
         _load(target, bad)
+
+
+def test_conf_proj_without_bias_is_a_zero_bias(qwen3, tmp_path):
+    """Upstream's loader takes conf_proj.bias as optional."""
+    target, draft, plain = qwen3
+
+    def zero_bias(w):
+        w["confidence_head.proj.bias"] = np.zeros_like(w["confidence_head.proj.bias"])
+        return w
+
+    gguf = write_gguf_draft(draft, tmp_path / "nb.gguf", target_path=target, drop_tensors=("conf_proj.bias",))
+    _same(_propose(_load(target, gguf)), _propose(_load(target, _edited_dir(draft, tmp_path / "zero-bias", weights=zero_bias))))

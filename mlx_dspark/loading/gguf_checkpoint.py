@@ -99,6 +99,8 @@ def read_gguf(
     values = {n: names.pop(n) for n in DRAFT_VALUES if n in names}  # not weights (gguf_layout.DRAFT_VALUES)
     shared = DRAFT_SHARED if kind == "draft" and "d2t" not in meta.tensors else ("token_embd",) if kind == "draft" else ()
     weights, types = read_weights(meta, names, kquant=kquant, dequantize_only=shared)
+    if config.get("enable_confidence_head") and "confidence_head.proj.bias" not in weights:
+        weights["confidence_head.proj.bias"] = mx.zeros((1,), dtype=mx.float32)  # conf_proj without a bias
     if "d2t" in values:
         # GGUF holds absolute target ids; checkpoints (and our draft's loader) offsets: id = d2t[i] + i
         ids = np.asarray(meta.tensors["d2t"].data).reshape(-1).astype(np.int64)

@@ -270,7 +270,9 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
 
     names = {f"{g}.weight": f"{h}.weight" for g, h in _DRAFT_GLOBAL.items() if g not in ("conf_proj", *DRAFT_SHARED)}
     if confidence:
-        names.update({"conf_proj.weight": "confidence_head.proj.weight", "conf_proj.bias": "confidence_head.proj.bias"})
+        names["conf_proj.weight"] = "confidence_head.proj.weight"
+        if "conf_proj.bias" in meta.tensors:  # optional upstream (absent: no bias, filled with 0 by gguf_checkpoint)
+            names["conf_proj.bias"] = "confidence_head.proj.bias"
     for g in DRAFT_SHARED:  # optional: absent means "share the target's" (a reduced vocabulary's output is its own)
         if f"{g}.weight" in meta.tensors:
             names[f"{g}.weight"] = f"{_DRAFT_GLOBAL[g]}.weight"
