@@ -137,6 +137,12 @@ def _steps(
     if proposer is None:
         return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
                            prefill_step_size=step_size, cancel=cancel)
+    if speculation.confidence_threshold > 0 and isinstance(proposer, DraftProposer):
+        # as llama-server refuses --spec-draft-p-min > 0 for a DSpark draft without a confidence head
+        require_confidence_head(
+            proposer.draft, source=getattr(model, "draft_path", None) or "the draft",
+            need=f"confidence_threshold {speculation.confidence_threshold}", fix="set it to 0",
+        )  # fmt: skip
     if speculation.verify_schedule == "confidence":
         if isinstance(proposer, DraftProposer):
             require_confidence_head(proposer.draft, source=getattr(model, "draft_path", None) or "the draft")

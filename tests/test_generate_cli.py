@@ -71,7 +71,7 @@ def test_sampling_options_and_template_switches_are_accepted(tiny_qwen3_pair):
         (["--seed", str(2**64)], "--seed: seed must be an integer in [0, 2**64 - 1]"),
         (["--max-draft-tokens", "0"], "--max-draft-tokens: max_draft_tokens must be an integer >= 1"),
         (["--spec-draft-n-max", "8"], "--max-draft-tokens: max_draft_tokens must be at most the draft's block size 7"),
-        (["--spec-draft-p-min", "2"], "--p-min: p_min must be a number in [0, 1]"),
+        (["--spec-draft-p-min", "2"], "--confidence-threshold: confidence_threshold must be a number in [0, 1]"),
         (["--spec-draft-sampling", "beam"], "--draft-sampling"),
     ],
 )
@@ -93,7 +93,9 @@ def test_every_command_takes_the_shared_generation_flags_and_llama_server_aliase
     command = typer.main.get_command(importlib.import_module(module).app)
     opts = {param.name: set(param.opts) for param in command.params}
     assert opts["max_draft_tokens"] == {"--max-draft-tokens", "--spec-draft-n-max"}
-    assert opts["p_min"] == {"--p-min", "--spec-draft-p-min"}
+    assert opts["p_min"] == {"--p-min"}
+    # llama-server's --spec-draft-p-min is a confidence threshold for DSpark drafts (common/speculative.cpp)
+    assert opts["confidence_threshold"] == {"--confidence-threshold", "--spec-draft-p-min"}
     assert opts["draft_sampling"] == {"--draft-sampling", "--spec-draft-sampling"}
     assert opts["temp"] == {"--temp", "--temperature"}
     assert {"top_p", "top_k", "min_p", "confidence_threshold"} <= set(opts)
@@ -102,8 +104,8 @@ def test_every_command_takes_the_shared_generation_flags_and_llama_server_aliase
 def test_the_aliases_set_the_same_options_as_the_flags(tiny_spark_pair):
     target, draft = tiny_spark_pair
     common = ["--model", str(target), "--draft", str(draft), "--prompt", "Hello there", "--max-tokens", "16", "--json"]
-    by_alias = run_cli(*common, "--spec-draft-n-max", "1", "--spec-draft-p-min", "0", "--spec-draft-sampling", "greedy")
-    by_flag = run_cli(*common, "--max-draft-tokens", "1", "--p-min", "0", "--draft-sampling", "greedy")
+    by_alias = run_cli(*common, "--spec-draft-n-max", "1", "--spec-draft-p-min", "0.5", "--spec-draft-sampling", "greedy")
+    by_flag = run_cli(*common, "--max-draft-tokens", "1", "--confidence-threshold", "0.5", "--draft-sampling", "greedy")
     assert by_alias.exit_code == 0 and by_flag.exit_code == 0, by_alias.output + by_flag.output
     alias_result, flag_result = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (by_alias, by_flag))
     assert alias_result["tokens"] == flag_result["tokens"]
@@ -220,3 +222,23 @@ def test_a_missing_demo_pair_is_one_clear_line(monkeypatch, tmp_path):
     assert result.exit_code == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: the demo pair is not installed") and "--model" in lines[0]
+
+
+def test_spec_draft_p_min_is_the_confidence_threshold_as_in_llama_server(tiny_spark_pair, tmp_path):
+    """llama-server's --spec-draft-p-min stops a DSpark proposal at the first confidence below it: at 1
+    (a sigmoid never reaches it) no draft is ever verified, while --p-min 0 leaves proposals whole."""
+    from mlx_dspark.testing.tiny import write_tiny_draft
+
+    target, draft = tiny_spark_pair
+    common = ["--model", str(target), "--draft", str(draft), "--prompt", "Hello there", "--max-tokens", "12", "--json"]
+    cut = run_cli(*common, "--spec-draft-p-min", "1")
+    whole = run_cli(*common, "--p-min", "0", "--spec-draft-n-max", "7")
+    assert cut.exit_code == 0 and whole.exit_code == 0, cut.output + whole.output
+    cut_result, whole_result = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (cut, whole))
+    assert set(cut_result["acceptance_lengths"]) == {1}
+    assert cut_result["tokens"] == whole_result["tokens"]  # greedy output is the target's either way
+    no_head = write_tiny_draft(tmp_path / "no-head", target_path=target, enable_confidence_head=False)
+    refused = run_cli("--model", str(target), "--draft", str(no_head), "--prompt", "Hi", "--spec-draft-p-min", "0.5")
+    assert refused.exit_code != 0
+    assert "confidence_threshold 0.5 needs a draft with a confidence head" in refused.output
+    assert "set it to 0" in refused.output

@@ -296,7 +296,7 @@ BAD_DRAFTS = {
     "hidden": "hidden_size is 64 but the target",
     "vocabulary": "vocab_size is 500 but the target",
     "taps": "target_layer_ids [0, 3] has [3] outside [-1, 2]",
-    "d2t": "tensor 'd2t' maps a reduced draft vocabulary",
+    "d2t": "expected 8 rows, one per entry of 'd2t'",
 }
 
 

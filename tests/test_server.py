@@ -460,7 +460,7 @@ def test_the_command_line_rejects_bad_flags_and_unloadable_models_with_one_line(
     result = runner.invoke(app, ["--port", "0", "--model", str(tmp_path / "missing"), "--log-level", "error"])
     assert result.exit_code == 2 and "could not load the model" in result.output
     result = runner.invoke(app, ["--port", "0", "--spec-draft-p-min", "2"])
-    assert result.exit_code == 2 and "--p-min: p_min must be a number in [0, 1]" in result.output
+    assert result.exit_code == 2 and "--confidence-threshold: confidence_threshold must be a number in [0, 1]" in result.output
     result = runner.invoke(app, ["--port", "0", "--max-tokens-default", "0"])
     assert result.exit_code == 2 and "--max-tokens-default: max_tokens must be an integer >= 1" in result.output
 

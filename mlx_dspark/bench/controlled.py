@@ -108,7 +108,7 @@ def run_controlled(
     measured mean acceptance length, the ideal speedup from the cost curve, and the efficiency.
     """
     target, draft = model.target, model.draft
-    block = int(draft.args.block_size)
+    block = int(draft.num_drafts)
     probe = CostProbe(model, context=len(prompts[0]) + max_tokens // 2)
     probe.draft_block(), probe.verify(block + 1)  # warm-up
     probe_ms: dict[str, list[float]] = {"draft": [], "verify": [], "draft_build": [], "verify_build": []}

@@ -68,7 +68,7 @@ class CostProbe:
         if context < 1:
             raise ValueError(f"the cost-curve context must be >= 1 token, got {context}")
         self.target, self.draft, self.context = target, draft, context
-        self.block_size = int(draft.args.block_size)
+        self.block_size = int(draft.num_drafts)
         vocab = target.args.vocab_size
         self.prompt = random_prompt(vocab, context, seed=seed)
         self.proposer = DraftProposer(draft, target, greedy=True, temperature=1.0)

@@ -140,7 +140,7 @@ def run_prompt(model: Any, prompt: BenchPrompt, settings: RunSettings, baseline:
         if repeat == 0 and baseline is not None:
             mlx_lm_run = _mlx_lm(model, baseline, ids, settings, max_tokens=len(plain[0].tokens))
 
-    block_size = int(model.draft.args.block_size)
+    block_size = int(model.draft.num_drafts)
     record = {
         "category": prompt.category,
         "index": prompt.index,

@@ -86,7 +86,7 @@ def run_schedule_ab(
 ) -> dict:
     """Interleaved greedy runs, fixed vs confidence, on the machine's curve and on a flat one (stop tokens off)."""
     target, draft = model.target, model.draft
-    block = int(draft.args.block_size)
+    block = int(draft.num_drafts)
     curves = {"machine": machine_curve, "flat": CostCurve.flat(max_width=block + 1)}
     references = [greedy_reference(target, ids, max_tokens + block + 1) for ids in prompts]
     modes = [("fixed", None), *((f"confidence ({name} curve)", curve) for name, curve in curves.items())]

@@ -88,7 +88,7 @@ def run(options: Options, *, meta: dict) -> dict:
     )
     if loaded.draft is None:
         raise ValueError("the benchmark needs a draft: pass --draft")
-    settings.generation.speculation.draft_length(int(loaded.draft.args.block_size))  # before any long run
+    settings.generation.speculation.draft_length(int(loaded.draft.num_drafts))  # before any long run
     model = runner.prepare_model(loaded, settings)
     meta = {**meta, "target": str(loaded.target_path), "draft": str(loaded.draft_path), "settings": dataclasses.asdict(settings)}
     prompts = select_prompts(datasets=options.datasets, files=options.dataset_files, limit=options.prompts_per_dataset)

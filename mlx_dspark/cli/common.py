@@ -5,7 +5,8 @@ here) under the same parameter names, and `generation_options(ctx.params, ...)` 
 `GenerationOptions`; inside `flag_errors()` a bad value is `error: --flag: ...` and exit status 2.
 Without `--model` they run the trained demo pair shipped in the package (`demo_pair()`).
 llama-server's names for the model card's recipe (`--spec-draft-n-max`, `--spec-draft-p-min`,
-`--spec-draft-sampling`) are aliases. `--model` / `--draft` take what `load()` takes (directories, repo
+`--spec-draft-sampling`) are aliases, with llama-server's meanings (`--spec-draft-p-min` is the
+confidence threshold, as upstream reads it for DSpark drafts). `--model` / `--draft` take what `load()` takes (directories, repo
 ids, `.gguf` files, `owner/name:FILE.gguf`); `--draft-tap-ids` overrides a draft's tapped layers.
 """
 
@@ -71,11 +72,17 @@ DraftSampling = Annotated[
     ),
 ]
 PMin = Annotated[
-    float,
-    typer.Option("--p-min", "--spec-draft-p-min", help="Stop a proposal before the first draft token below this probability."),
+    float, typer.Option("--p-min", help="Stop a proposal before the first draft token below this probability.")
 ]
+# llama-server's --spec-draft-p-min is, for DSpark drafts, a threshold on the confidence head (common/speculative.cpp)
 ConfidenceThreshold = Annotated[
-    float, typer.Option("--confidence-threshold", help="Stop a proposal before the first token below this confidence.")
+    float,
+    typer.Option(
+        "--confidence-threshold",
+        "--spec-draft-p-min",
+        help="Stop a proposal before the first token whose confidence is below this (llama-server's --spec-draft-p-min "
+        "for DSpark drafts; needs a draft with a confidence head when > 0).",
+    ),
 ]
 MaxDraftTokens = Annotated[
     Optional[int],
@@ -203,7 +210,7 @@ def resolve_cost_curve(pair: Any, options: GenerationOptions) -> GenerationOptio
     speculation = options.speculation
     require_confidence_head(pair.draft, source=pair.draft_path)
     curve = speculation.cost_curve or cost_curve_for(pair)
-    speculation.draft_length(int(pair.draft.args.block_size))
+    speculation.draft_length(int(pair.draft.num_drafts))
     return dataclasses.replace(options, speculation=dataclasses.replace(speculation, cost_curve=curve))
 
 

@@ -136,7 +136,7 @@ def run_until_interrupted(server, defaults: GenerationOptions) -> None:
             fail(f"could not load the model: {server.worker.load_error}")
         if server.worker.speculative:
             try:
-                defaults.speculation.draft_length(server.worker.model.draft.args.block_size)
+                defaults.speculation.draft_length(server.worker.model.draft.num_drafts)
             except ValueError as err:
                 server.close(wait_s=0)
                 fail(f"--max-draft-tokens: {err}")

@@ -82,7 +82,7 @@ def measure_cost_curve(target: Any, draft: Any, *, context: int = 256, repeats: 
     Widths are interleaved in rotating order and each forward is rolled back, so the context stays put;
     medians over `repeats` after one untimed pass (kernel compilation, allocator growth).
     """
-    block = int(draft.args.block_size)
+    block = int(draft.num_drafts)
     rng = random.Random(seed)
     vocab = target.args.vocab_size
     proposer = DraftProposer(draft, target, greedy=True, temperature=1.0)

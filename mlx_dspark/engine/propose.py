@@ -47,8 +47,9 @@ class DraftProposer:
         self.greedy = greedy
         self.temperature = temperature
         self.tap_ids = tuple(draft.args.target_layer_ids)
-        # The block [anchor, mask x (block_size - 1)] predicts block_size tokens (DSPARK.md 3.4).
-        self.block_size = int(draft.args.block_size)
+        # The block [anchor, mask x (block_size - 1)] predicts block_size tokens (DSPARK.md 3.4), or
+        # block_size - 1 when its anchor row yields no draft (a bonus-anchor packaging).
+        self.block_size = int(draft.num_drafts)
         self.context = draft.make_cache() if context is None else context
 
     def extend(self, features: mx.array) -> None:

@@ -124,10 +124,12 @@ def scheduled_length(confidence: Sequence[float], curve: CostCurve) -> int:
     return len(confidence)
 
 
-def require_confidence_head(draft: Any, *, source: Any = "the draft") -> None:
-    """The confidence schedule needs c(k): refuse a draft without a confidence head, naming the fix."""
+def require_confidence_head(
+    draft: Any, *, source: Any = "the draft", need: str = "verify_schedule 'confidence'", fix: str = "use verify_schedule 'fixed'"
+) -> None:
+    """The confidence schedule (or a confidence threshold) needs c(k): refuse a draft without a
+    confidence head, naming the fix."""
     if draft is not None and not getattr(draft.args, "enable_confidence_head", False):
         raise ValueError(
-            f"verify_schedule 'confidence' needs a draft with a confidence head; {source} has none "
-            "(enable_confidence_head is false): use verify_schedule 'fixed'"
+            f"{need} needs a draft with a confidence head; {source} has none (enable_confidence_head is false): {fix}"
         )

@@ -33,7 +33,7 @@ from mlx_dspark.loading.checkpoint import (
 )
 from mlx_dspark.models import target_module
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
-from mlx_dspark.models.dspark_args import DraftArgs, canonical_name, canonical_names, is_draft_config, layer_family
+from mlx_dspark.models.dspark_args import DraftArgs, canonical_name, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.precision import check_quantize_options, parse_dtype, quant_predicate
 from mlx_dspark.loading.weights import check_tensors
 from mlx_dspark.loading.gguf_convert import convert_gguf
@@ -50,8 +50,9 @@ def _skeleton(config: dict, files: list[Path], *, src: Path) -> tuple[nn.Module,
     a draft's layer family comes from its tensor names (file headers only)."""
     source = str(src / "config.json")
     if is_draft_config(config):
-        names = [canonical_name(name) for path in files for name in read_header(path)]
-        family = layer_family(names, source=str(src))
+        shapes = {canonical_name(name): shape for path in files for name, (_, shape) in read_header(path).items()}
+        family = layer_family(list(shapes), source=str(src))
+        config = with_tensor_fields(config, shapes)
         return DSparkDraft(DraftArgs.from_dict(config, family=family, source=source)), "draft"
     module = target_module(config, source=source)
     return module.Model(module.ModelArgs.from_dict(config, source=source)), "target"

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import mlx.core as mx
+import numpy as np
 
-from mlx_dspark.loading.gguf_layout import DRAFT_SHARED, TARGET_ARCHITECTURES, check_names, draft_layout, target_layout
+from mlx_dspark.loading.gguf_layout import DRAFT_SHARED, DRAFT_VALUES, TARGET_ARCHITECTURES, check_names, draft_layout, target_layout
 from mlx_dspark.loading.gguf_metadata import Metadata
 from mlx_dspark.loading.gguf_tensors import KQUANT_MODES, quantization_block, read_weights
 
@@ -90,17 +91,20 @@ def read_gguf(
         raise ValueError(f"{path}: this GGUF is a {kind} (architecture {arch!r}), but it was given as the {role}")
     if kind == "target" and tap_ids is not None:
         raise ValueError(f"{path}: tap_ids apply to a DSpark draft, but this GGUF is a {arch} target")
-    if "d2t" in meta.tensors:
-        raise ValueError(
-            f"{path}: tensor 'd2t' maps a reduced draft vocabulary to the target's; drafts with a reduced "
-            "vocabulary are not supported (the draft must predict over the target's whole vocabulary)"
-        )
     if kind == "target":
         config, names = target_layout(meta, arch)
     else:
         config, names = draft_layout(meta, arch, tap_ids=tap_ids)
     check_names(meta, names)
-    weights, types = read_weights(meta, names, kquant=kquant, dequantize_only=DRAFT_SHARED if kind == "draft" else ())
+    values = {n: names.pop(n) for n in DRAFT_VALUES if n in names}  # not weights (gguf_layout.DRAFT_VALUES)
+    shared = DRAFT_SHARED if kind == "draft" and "d2t" not in meta.tensors else ("token_embd",) if kind == "draft" else ()
+    weights, types = read_weights(meta, names, kquant=kquant, dequantize_only=shared)
+    if config.get("enable_confidence_head") and "confidence_head.proj.bias" not in weights:
+        weights["confidence_head.proj.bias"] = mx.zeros((1,), dtype=mx.float32)  # conf_proj without a bias
+    if "d2t" in values:
+        # GGUF holds absolute target ids; checkpoints (and our draft's loader) offsets: id = d2t[i] + i
+        ids = np.asarray(meta.tensors["d2t"].data).reshape(-1).astype(np.int64)
+        weights["d2t"] = mx.array((ids - np.arange(ids.size)).astype(np.int32))
     quantization = quantization_block(weights)
     if quantization:
         config["quantization"] = quantization

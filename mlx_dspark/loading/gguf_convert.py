@@ -49,6 +49,10 @@ def convert_gguf(
     draft = is_draft_config(config)
     tokenizer_dir = None if draft else tokenizer_directory(src, gguf_tokenizer=checkpoint.tokenizer)  # fails before writing
     model, extra = _build(checkpoint, dtype=dtype, keep_shared=keep_shared)
+    if draft and not keep_shared and "embed_tokens.weight" in checkpoint.weights:
+        # without the target we cannot tell whether the copy has rows of its own (a trained mask row)
+        log("the draft's token_embd is not written (the loader shares the target's); if some of its rows are the "
+            "draft's own (e.g. its mask row), convert with --keep-shared so the loader can find them")  # fmt: skip
     if quantize:
         nn.quantize(model, q_group_size, q_bits, class_predicate=quant_predicate(model, group_size=q_group_size))
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
+import numpy as np
+
 from mlx_dspark.loading.gguf_metadata import Metadata
 
 TARGET_ARCHITECTURES = {"spark2_5": "Spark2_5ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -102,7 +104,7 @@ def _family_fields(meta: Metadata, arch: str, family: str, sizes: dict[str, Any]
     dims = meta.integer(p + "rope.dimension_count", head_dim, low=1)
     if family == "qwen3":
         theta_swa = meta.number(p + "rope.freq_base_swa", theta)
-        dims_swa = meta.integer(p + "rope.dimension_count_swa", head_dim, low=1)
+        dims_swa = meta.integer(p + "rope.dimension_count_swa", dims, low=1)  # as llama.cpp: n_rot_swa defaults to n_rot
         if dims == head_dim and dims_swa == head_dim and theta_swa == theta:
             rope_fields = {"rope_theta": theta, "rope_parameters": {"rope_theta": theta, "rope_type": "default"}}
         else:
@@ -229,11 +231,8 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
         raise ValueError(f"{meta.path}: key {p + 'markov_rank'!r} is {declared_rank} but markov_w1.weight has shape {w1}")
     if meta.flag(p + "attention.causal", False):
         raise ValueError(f"{meta.path}: key {p + 'attention.causal'!r} is true; DSpark blocks attend without a causal mask")
-    if not meta.flag(p + "sample_from_anchor", True):
-        raise ValueError(
-            f"{meta.path}: key {p + 'sample_from_anchor'!r} is false (the anchor row yields no draft); only "
-            "drafts whose every block row predicts the next token are supported"
-        )
+    _refuse_other_drafts(meta, p)
+    config.update(_packaging(meta, p, family))
     confidence = meta.flag(p + "has_confidence_head", True)
     with_markov = False
     if confidence:
@@ -247,6 +246,14 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
     mask = meta.get("tokenizer.ggml.mask_token_id", meta.get(p + "mask_token_id"))
     if mask is None:
         raise ValueError(f"{meta.path}: no mask token: neither 'tokenizer.ggml.mask_token_id' nor {p + 'mask_token_id'!r} is set")
+    if "d2t" in meta.tensors:
+        # a reduced vocabulary: markov_w2 and the draft's own `output` have one row per d2t entry
+        (draft_vocab,) = meta.shape("d2t")
+        config["draft_vocab_size"] = draft_vocab
+        for name in ("markov_w2.weight", "output.weight"):
+            shape = meta.tensor_or_fail(name, f"tensor 'd2t' gives the draft a vocabulary of {draft_vocab} rows")
+            if shape[0] != draft_vocab:
+                raise ValueError(f"{meta.path}: tensor {name!r} has shape {shape}; expected {draft_vocab} rows, one per entry of 'd2t'")
     config.update(
         {
             "vocab_size": vocab,
@@ -263,14 +270,67 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
 
     names = {f"{g}.weight": f"{h}.weight" for g, h in _DRAFT_GLOBAL.items() if g not in ("conf_proj", *DRAFT_SHARED)}
     if confidence:
-        names.update({"conf_proj.weight": "confidence_head.proj.weight", "conf_proj.bias": "confidence_head.proj.bias"})
-    for g in DRAFT_SHARED:  # optional: absent means "share the target's"
+        names["conf_proj.weight"] = "confidence_head.proj.weight"
+        if "conf_proj.bias" in meta.tensors:  # optional upstream (absent: no bias, filled with 0 by gguf_checkpoint)
+            names["conf_proj.bias"] = "confidence_head.proj.bias"
+    for g in DRAFT_SHARED:  # optional: absent means "share the target's" (a reduced vocabulary's output is its own)
         if f"{g}.weight" in meta.tensors:
             names[f"{g}.weight"] = f"{_DRAFT_GLOBAL[g]}.weight"
+    for name in DRAFT_VALUES:  # read into the config / as offsets by gguf_checkpoint
+        if name in meta.tensors:
+            names[name] = name
     table = {**_LAYER_COMMON, **(_LAYER_QWEN3 if family == "qwen3" else _LAYER_SPARK)}
     for i in range(num_layers):
         names.update({f"blk.{i}.{g}.weight": f"layers.{i}.{h}.weight" for g, h in table.items()})
     return dict(sorted(config.items())), names
+
+
+# Draft tensors that are not weights: the Markov bias scale (one value, into the config) and the d2t table.
+DRAFT_VALUES = ("markov_w2.scale", "d2t")
+# dflash.hidden_activation -> our hidden_act (upstream: absent = silu; "gelu" and "gelu_pytorch_tanh"
+# both run ggml's tanh GELU there; we follow the Hugging Face names: "gelu" is the exact erf form)
+_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_pytorch_tanh"}
+
+
+def _refuse_other_drafts(meta: Metadata, p: str) -> None:
+    """DFlash2 (conv / selector keys) and DeepSeek-V4 DSpark drafts share the architecture name, not the graph."""
+    for key in ("conv_kernel_size", "selector_rank", "hyper_connection_count"):
+        if meta.get(p + key) is not None:
+            kind = "a DeepSeek-V4 DSpark draft" if key == "hyper_connection_count" else "a DFlash2 draft"
+            raise ValueError(f"{meta.path}: key {p + key!r} is set: this is {kind}, a different graph; not supported")
+
+
+def _packaging(meta: Metadata, p: str, family: str) -> dict[str, Any]:
+    """The draft keys beyond DeepSpec's layout, as config fields (models/dspark_packaging.py)."""
+    fields: dict[str, Any] = {"sample_from_anchor": meta.flag(p + "sample_from_anchor", True)}
+    act = meta.get(p + "hidden_activation")
+    if act is not None:
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"{meta.path}: key {p + 'hidden_activation'!r} is {act!r}; expected one of {sorted(_ACTIVATIONS)}")
+        if family == "spark2_5" and act != "gelu":
+            raise ValueError(f"{meta.path}: key {p + 'hidden_activation'!r} is {act!r}; Spark2_5-style draft layers use 'gelu'")
+        fields["hidden_act"] = _ACTIVATIONS[act]
+    for key, identity in (("logit_scale", 1.0), ("final_logit_softcapping", 0.0)):
+        value = meta.number(p + key, None)
+        if value is not None and value != identity:
+            raise ValueError(
+                f"{meta.path}: key {p + key!r} is {value:g}; not supported: upstream's DSpark graph reads it but applies "
+                "it nowhere (only DFlash2's does), so how the draft was trained with it is unknown"
+            )
+    for key, name in (
+        ("attention.value_scale", "attention_value_scale"),
+        ("attention.scale", "attention_scale"),
+        ("embedding_scale", "input_embedding_scale"),
+    ):
+        value = meta.number(p + key, None)
+        if value is not None:
+            fields[name] = value
+    if "markov_w2.scale" in meta.tensors:
+        values = np.asarray(meta.tensors["markov_w2.scale"].data, dtype=np.float32).reshape(-1)
+        if values.size != 1:
+            raise ValueError(f"{meta.path}: tensor 'markov_w2.scale' holds {values.size} values; expected one")
+        fields["markov_w2_scale"] = float(values[0])
+    return fields
 
 
 def check_names(meta: Metadata, names: dict[str, str]) -> None:

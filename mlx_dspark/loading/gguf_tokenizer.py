@@ -27,18 +27,33 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Qwen3.5's: marks (\p{M}) join letters
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# tokenizer.ggml.pre -> (split regex, BPE ignore_merges), as the Hugging Face tokenizer.json of those
-# models has them; None: the GPT-2 regex built into the ByteLevel pre-tokenizer.
-PRE_TOKENIZERS: dict[str, tuple[Optional[str], bool]] = {
-    "gpt-2": (None, False),
-    "qwen2": (QWEN2_SPLIT, False),
-    "deepseek-r1-qwen": (QWEN2_SPLIT, False),
-    "llama3": (LLAMA3_SPLIT, True),
-    "llama-v3": (LLAMA3_SPLIT, True),
-    "llama-bpe": (LLAMA3_SPLIT, True),
+# The Spark tokenizer (tokenizer.ggml.pre "spark2_5"): four splits in this order, as llama-vocab.cpp
+# lists them for LLAMA_VOCAB_PRE_TYPE_SPARK2_5 (a DeepSeek-V3-like sequence whose third split keeps a
+# lone CR or LF apart, plus a last split of every digit).
+SPARK2_5_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+""",
+    r"\p{N}",
+)
+# tokenizer.ggml.pre -> (split regexes applied in order, BPE ignore_merges), as the Hugging Face
+# tokenizer.json of those models has them; () = the GPT-2 regex built into the ByteLevel pre-tokenizer.
+PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "gpt-2": ((), False),
+    "qwen2": ((QWEN2_SPLIT,), False),
+    "deepseek-r1-qwen": ((QWEN2_SPLIT,), False),
+    "qwen35": ((QWEN35_SPLIT,), False),
+    "llama3": ((LLAMA3_SPLIT,), True),
+    "llama-v3": ((LLAMA3_SPLIT,), True),
+    "llama-bpe": ((LLAMA3_SPLIT,), True),
+    "spark2_5": (SPARK2_5_SPLITS, False),
 }
 
 
@@ -107,7 +122,7 @@ class GGUFTokenizer:
                 f"{self.source}: tokenizer.ggml.pre {self.pre!r} is not a known pre-tokenizer "
                 f"(supported: {sorted(PRE_TOKENIZERS)}); {fix}"
             )
-        split, ignore_merges = PRE_TOKENIZERS[self.pre]
+        splits, ignore_merges = PRE_TOKENIZERS[self.pre]
         vocab: dict[str, int] = {}
         for i, (token, kind) in enumerate(zip(self.tokens, self.token_types)):
             if kind == UNUSED:
@@ -122,14 +137,12 @@ class GGUFTokenizer:
                 raise ValueError(f"{self.source}: tokenizer.ggml.merges entry {m!r} is not two tokens separated by a space")
             merges.append((pair[0], pair[1]))
         tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
-        if split is None:
+        if not splits:
             tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         else:
             tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-                ]
+                [pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False) for split in splits]
+                + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)]
             )
         tokenizer.decoder = decoders.ByteLevel()
         added = [(i, t, k) for i, (t, k) in enumerate(zip(self.tokens, self.token_types)) if k in (CONTROL, USER_DEFINED)]

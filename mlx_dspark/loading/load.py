@@ -22,7 +22,7 @@ from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint, resolve_p
 from mlx_dspark.models.finite import check_finite_weights
 from mlx_dspark.models import target_module
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
-from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family
+from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.pair import check_shared_tensors, validate_pair
 from mlx_dspark.loading.precision import check_quantize_options, parse_dtype, quant_predicate
 from mlx_dspark.loading.tokenizer import load_tokenizer
@@ -72,8 +72,16 @@ def build_draft(
             f"{config_source}: not a DSpark draft: no target_layer_ids (top level or under dflash_config); "
             "pass a draft checkpoint as draft="
         )
+    mask_file = Path(checkpoint.path) / "mask_embedding.pt"
+    if mask_file.is_file():
+        # the draft's own mask row (upstream's converter patches it into the draft's token_embd)
+        raise ValueError(
+            f"{mask_file}: the draft's own mask embedding is a PyTorch pickle, which we do not read; convert the "
+            "draft with llama.cpp's convert_hf_to_gguf.py (it writes the row into the draft's token_embd) and load the GGUF"
+        )
     # Read once: DeepSpec tensor names from any packaging, the layer family from them, then the args.
     weights, origin = canonical_names(checkpoint.weights, checkpoint.origin, source=source)
+    config = with_tensor_fields(config, {k: tuple(v.shape) for k, v in weights.items()})
     family = layer_family(list(weights), source=source)
     args = DraftArgs.from_dict(config, family=family, source=config_source, tap_ids=None if tap_ids is None else list(tap_ids))
     taps_field = "target_layer_ids" if tap_ids is None else "draft_tap_ids"
@@ -85,7 +93,9 @@ def build_draft(
             f"{source}: {taps_field} {list(args.target_layer_ids)} gives {len(args.target_layer_ids)} tapped layers but "
             f"fc.weight takes {fc.shape[-1] / args.hidden_size:g} x hidden_size features"
         )
-    shared = {k: v for k, v in weights.items() if k.startswith(SHARED_PREFIXES)}
+    # a reduced-vocabulary draft's LM head is its own (over its rows), not a copy of the target's
+    own_head = args.packaging.draft_vocab_size is not None
+    shared = {k: v for k, v in weights.items() if k.startswith(SHARED_PREFIXES) and not (own_head and k.startswith("lm_head."))}
     model = fill_model(
         DSparkDraft(args), config, weights, origin,
         source=source, what="draft", dtype=checkpoint.default_dtype if dtype is None else dtype, config_name=Path(config_source).name,
@@ -147,7 +157,9 @@ def load(
             dtype=mx_dtype, tap_ids=draft_tap_ids,
         )  # fmt: skip
         check_finite_weights(draft_model, what=f"draft ({draft_path})")  # before the shared copies are compared
-        check_shared_tensors(shared, target_model, draft_source=str(draft_path), storage=draft_checkpoint.storage)
+        own_rows = check_shared_tensors(shared, target_model, draft_source=str(draft_path), storage=draft_checkpoint.storage)
+        if own_rows:
+            draft_model.set_embedding_rows(list(own_rows), mx.stack(list(own_rows.values())))
     target_config = target_checkpoint.config
     del target_checkpoint  # the raw (uncast, unsanitized) weights are no longer needed
 

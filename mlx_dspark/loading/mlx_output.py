@@ -42,6 +42,8 @@ def clear_outputs(dst: Path) -> None:
 
 def write_config(config: dict, dst: Path, *, quantize: bool, q_bits: int, q_group_size: int, dtype: Optional[str]) -> None:
     config = dict(config)
+    if config.get("rope_is_neox_style") is False:
+        config["rope_is_neox_style"] = True  # the draft's sanitize wrote q/k in rotate-half order
     if dtype is not None:
         config["dtype"] = dtype
         if "torch_dtype" in config:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 
 from mlx_dspark.models.dspark_args import DraftArgs
@@ -60,16 +61,24 @@ GGUF_COPY_STEPS = {
 FLOAT_STORAGE = ("F32", "F16", "BF16")
 
 
+# A draft's own embedding may differ from the target's in this many rows at most (a trained mask row, as
+# drafts that ship `mask_embedding.pt` have; upstream's runtime then embeds with the draft's table).
+MAX_OWN_EMBEDDING_ROWS = 16
+
+
 def check_shared_tensors(
     shared: dict[str, mx.array], target: Any, *, draft_source: str, storage: Optional[dict[str, str]] = None
-) -> None:
-    """The draft's copies of the embedding / LM head must be the target's (up to storage precision).
+) -> dict[int, mx.array]:
+    """The draft's copies of the embedding / LM head must be the target's (up to storage precision),
+    except for at most MAX_OWN_EMBEDDING_ROWS embedding rows: those are returned (row id -> the
+    draft's row) for `DSparkDraft.set_embedding_rows`.
 
     `target` is the built target model (before any load-time quantization; stored quantization is
     compared through its dequantized values). `storage`: name -> the GGUF type a copy was stored as
     (a GGUF draft's; absent: the array's own dtype); a quantized copy may differ from the target's by
     one step of its type, on top of the target's own storage precision."""
     storage = storage or {}
+    own_rows: dict[int, mx.array] = {}
     for name, array in shared.items():
         kind = "head" if name.startswith("lm_head.") else "embed"
         if not name.endswith(".weight"):
@@ -90,12 +99,17 @@ def check_shared_tensors(
                 f"{draft_source}: draft tensor {name!r} has shape {tuple(array.shape)} but the target's is {ref_shape}; "
                 "the draft was trained for another target"
             )
-        if not _same_tensor(array, reference, quant, copy_step=GGUF_COPY_STEPS.get(stored or "")):
+        rows = _differing_rows(array, reference, quant, copy_step=GGUF_COPY_STEPS.get(stored or ""))
+        if rows and (kind != "embed" or len(rows) > MAX_OWN_EMBEDDING_ROWS):
             stored_as = f" (stored as {stored})" if stored else ""
             raise ValueError(
-                f"{draft_source}: draft tensor {name!r}{stored_as} differs from the target's {kind} weights; "
-                "the draft was trained for another target (or another revision of it)"
+                f"{draft_source}: draft tensor {name!r}{stored_as} differs from the target's {kind} weights"
+                f"{f' in at least {len(rows)} rows (up to {MAX_OWN_EMBEDDING_ROWS} may be its own, e.g. a mask row)' if kind == 'embed' else ''}"
+                "; the draft was trained for another target "
+                "(or another revision of it)"
             )
+        own_rows.update({row: array[row] for row in rows})
+    return own_rows
 
 
 def _quantization(module: nn.Module) -> Optional[tuple]:
@@ -117,10 +131,12 @@ def _copy_tolerance(draft: mx.array, copy_step: tuple[int, str, int]) -> mx.arra
     return mx.broadcast_to(1.01 * span / levels, groups.shape).reshape(rows, cols)
 
 
-def _same_tensor(
+def _differing_rows(
     draft: mx.array, target: mx.array, quant: Optional[tuple], *, copy_step: Optional[tuple] = None, rows: int = 8192
-) -> bool:
+) -> list[int]:
+    """Row ids where the copy differs from the target's (up to MAX_OWN_EMBEDDING_ROWS + 1 of them)."""
     # Row chunks in float32, so a large vocabulary never needs a full float32 copy.
+    found: list[int] = []
     low_precision = draft.dtype != mx.float32 or (quant is None and target.dtype != mx.float32)
     for start in range(0, draft.shape[0], rows):
         d = draft[start : start + rows].astype(mx.float32)
@@ -136,6 +152,9 @@ def _same_tensor(
             tol = 1.01 * step + 1e-2 * mx.abs(t) + 1e-5
         if copy_step is not None:
             tol = tol + _copy_tolerance(d, copy_step)
-        if not mx.all(mx.abs(d - t) <= tol).item():
-            return False
-    return True
+        close = mx.all(mx.abs(d - t) <= tol, axis=-1)
+        if not mx.all(close).item():
+            found.extend(start + int(i) for i in np.flatnonzero(~np.array(close)))
+            if len(found) > MAX_OWN_EMBEDDING_ROWS:
+                break
+    return found

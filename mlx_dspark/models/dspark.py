@@ -6,7 +6,9 @@ to K/V once per position and cached) and to the block itself, without a causal m
 of the block predicts the token at `p + k`. Its layers are built from the pieces of its layer family's
 module (`models/qwen3.py` or `models/spark2_5.py`: attention, MLP, norms, config reading); the family
 comes from the draft's tensors (`models/dspark_args.py`), not from its target.
-The draft never owns the embedding or the LM head: it calls `target.embed` / `target.lm_head_logits`.
+The draft shares the target's embedding and LM head (`target.embed` / `target.lm_head_logits`),
+except where its packaging (`models/dspark_packaging.py`) says otherwise: a few embedding rows of its
+own (`set_embedding_rows`, e.g. a trained mask row), or a reduced vocabulary with its own LM head.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlx_dspark.models.draft_cache import ContextCache
 from mlx_dspark.models import family_module
 from mlx_dspark.models.dspark_args import DraftArgs
 from mlx_dspark.models.dspark_heads import ConfidenceHead, Proposal, draft_tokens, make_markov_head
+from mlx_dspark.models import draft_vocab
 
 __all__ = ["SHARED_PREFIXES", "DSparkDraft", "DraftArgs", "DecoderLayer", "block_mask"]
 
@@ -49,6 +53,9 @@ class DecoderLayer(nn.Module):
         family = family_module(args.family)
         layer_args = args.layers
         self.self_attn = family.Attention(layer_args, layer_args.layer_types[layer])
+        if args.packaging.attention_scale is not None:
+            self.self_attn.scale = args.packaging.attention_scale
+        self._value_scale = args.packaging.value_scale
         self.mlp = family.MLP(layer_args)
         self.input_layernorm = family.Norm(layer_args.hidden_size, eps=layer_args.rms_norm_eps)
         self.post_attention_layernorm = family.Norm(layer_args.hidden_size, eps=layer_args.rms_norm_eps)
@@ -56,6 +63,8 @@ class DecoderLayer(nn.Module):
     def __call__(self, h: mx.array, context: ContextCache, mask: Optional[mx.array]) -> mx.array:
         # Queries and the block's own K/V from the block rows; the cached context K/V come first.
         attn = self.self_attn.attend(self.input_layernorm(h), offset=context.offset, context=context.fetch(), mask=mask)
+        if self._value_scale is not None:  # after the output projection, as upstream's graph scales it
+            attn = attn * self._value_scale
         h = h + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -70,14 +79,31 @@ class DSparkDraft(nn.Module):
         self.hidden_norm = nn.RMSNorm(hidden, eps=eps)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(hidden, eps=eps)
+        packaging = args.packaging
         markov = make_markov_head(
-            head_type=args.markov_head_type, vocab_size=args.vocab_size, markov_rank=args.markov_rank, hidden_size=hidden
-        )
+            head_type=args.markov_head_type, vocab_size=args.vocab_size, markov_rank=args.markov_rank, hidden_size=hidden,
+            output_size=packaging.draft_vocab_size, bias_scale=packaging.markov_w2_scale,
+        )  # fmt: skip
         if markov is not None:
             self.markov_head = markov
         if args.enable_confidence_head:
             extra = args.markov_rank if args.confidence_head_with_markov else 0
             self.confidence_head = ConfidenceHead(hidden + extra, temperatures=args.confidence_temperatures)
+        if packaging.draft_vocab_size is not None:
+            # a reduced vocabulary: the draft's own LM head over its rows, and their target ids
+            self.lm_head = nn.Linear(hidden, packaging.draft_vocab_size, bias=False)
+            setattr(self, draft_vocab.PARAMETER_NAME, mx.zeros((packaging.draft_vocab_size,), dtype=mx.int32))
+        self._embedding_rows: Optional[tuple[list[int], mx.array]] = None  # (ids, rows (n, H)): see set_embedding_rows
+
+    @property
+    def num_drafts(self) -> int:
+        """The most draft tokens one proposal holds."""
+        return self.args.num_drafts
+
+    def set_embedding_rows(self, ids: list[int], rows: mx.array) -> None:
+        """Rows of the draft's own embedding that differ from the target's (a draft trained with its own
+        mask embedding): the block's input uses them instead of the target's."""
+        self._embedding_rows = ([int(i) for i in ids], rows)
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -87,8 +113,28 @@ class DSparkDraft(nn.Module):
         return not (keep and path.endswith(keep))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Drop the draft's frozen copies of the target's embedding and LM head (shared instead)."""
-        return {k: v for k, v in weights.items() if not k.startswith(SHARED_PREFIXES)}
+        """Drop the draft's frozen copies of the target's embedding and LM head (shared instead; a
+        reduced-vocabulary draft keeps its own head), `d2t` offsets to target ids, and interleaved
+        RoPE weights to rotate-half order."""
+        packaging = self.args.packaging
+        own_head = packaging.draft_vocab_size is not None
+        out = {}
+        for k, v in weights.items():
+            if k in draft_vocab.DROPPED or (k.startswith(SHARED_PREFIXES) and not (own_head and k.startswith("lm_head."))):
+                continue
+            if k == draft_vocab.CHECKPOINT_NAME:
+                if not own_head:
+                    raise ValueError("the draft has a 'd2t' tensor (a reduced vocabulary) but its config sets no draft_vocab_size")
+                ids = draft_vocab.absolute_ids(
+                    np.array(v), vocab_size=self.args.vocab_size, draft_vocab_size=packaging.draft_vocab_size, source="the draft"
+                )
+                k, v = draft_vocab.PARAMETER_NAME, mx.array(ids)
+            elif not self.args.rope_is_neox_style and k.endswith(_INTERLEAVED_ROPE):
+                v = _rotate_half_order(v, self.args.layers.head_dim)
+            out[k] = v
+        if own_head and draft_vocab.PARAMETER_NAME not in out:
+            raise ValueError(f"draft_vocab_size is {packaging.draft_vocab_size} but the draft has no 'd2t' tensor mapping its rows to target ids")
+        return out
 
     # -- context ---------------------------------------------------------------------------------
 
@@ -123,6 +169,11 @@ class DSparkDraft(nn.Module):
             [anchor.reshape(B, 1), mx.full((B, size - 1), self.args.mask_token_id, dtype=anchor.dtype)], axis=1
         )
         h = target.embed(ids)
+        if self._embedding_rows is not None:
+            for row_id, row in zip(*self._embedding_rows):
+                h = mx.where((ids == row_id)[..., None], row.astype(h.dtype), h)
+        if self.args.packaging.embedding_scale is not None:
+            h = h * self.args.packaging.embedding_scale
         masks: dict[tuple, Optional[mx.array]] = {}
         for layer, cache in zip(self.layers, ctx):
             key = (cache.window, cache.length)
@@ -141,18 +192,23 @@ class DSparkDraft(nn.Module):
         temperature: float = 1.0,
         num_tokens: Optional[int] = None,
     ) -> Proposal:
-        """Draft `num_tokens` (default block_size) tokens after `anchor` (B,) at position p = context length.
+        """Draft `num_tokens` (default `num_drafts`) tokens after `anchor` (B,) at position p = context length.
 
         Lazy throughout: no host synchronization. Sampled drafting draws with the global MLX RNG.
         """
-        size = self.args.block_size
+        size = self.num_drafts
         num_tokens = size if num_tokens is None else num_tokens
         if not 1 <= num_tokens <= size:
-            raise ValueError(f"num_tokens must be in [1, {size}] (the draft's block_size), got {num_tokens}")
+            raise ValueError(f"num_tokens must be in [1, {size}] (the draft tokens of one block), got {num_tokens}")
         if not greedy and temperature <= 0:
             raise ValueError(f"sampled drafting needs temperature > 0, got {temperature}; use greedy=True")
-        hidden = self.block_hidden(anchor, ctx, target=target)[:, :num_tokens]  # o(1..K), (B, K, H)
-        base = target.lm_head_logits(hidden).astype(mx.float32)  # z(1..K): one LM head matmul
+        first = self.args.packaging.first_draft_row
+        hidden = self.block_hidden(anchor, ctx, target=target)[:, first : first + num_tokens]  # o(1..K), (B, K, H)
+        d2t = getattr(self, draft_vocab.PARAMETER_NAME, None)
+        if d2t is None:
+            base = target.lm_head_logits(hidden).astype(mx.float32)  # z(1..K): one LM head matmul
+        else:
+            base = self.lm_head(hidden).astype(mx.float32)  # over the draft's rows
         return draft_tokens(
             anchor,
             hidden,
@@ -162,4 +218,17 @@ class DSparkDraft(nn.Module):
             confidence_with_markov=self.args.confidence_head_with_markov,
             greedy=greedy,
             temperature=temperature,
+            draft_to_target=d2t,
+            vocab_size=self.args.vocab_size,
         )
+
+
+# q/k projections and norms a `rope_is_neox_style: false` checkpoint stores in interleaved order
+_INTERLEAVED_ROPE = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def _rotate_half_order(weight: mx.array, head_dim: int) -> mx.array:
+    """Per head, the even dims then the odd ones: interleaved RoPE pairs (2i, 2i+1) become the
+    rotate-half pairs (i, i + head_dim/2), as upstream's converter permutes such checkpoints."""
+    shape = weight.shape
+    return weight.reshape(-1, head_dim // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)

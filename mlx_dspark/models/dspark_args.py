@@ -3,6 +3,11 @@
 - Whether a config is a draft's: it carries `target_layer_ids` (top level, or nested).
 - Its DSpark fields, from any published packaging: at the top level (DeepSpec) or nested under
   `dflash_config` (SpecForge / LiquidAI / z-lab exports); a field given in both places must agree.
+- EAGLE-3-style exports (SpecForge, speculators): the layer fields under `transformer_layer_config`,
+  the taps as `aux_hidden_state_layer_ids` (= target layer ids + 1), and a bonus-anchor block by
+  default (`sample_from_anchor` false), read as upstream's converter reads them (`flat_config`).
+- Its packaging beyond DeepSpec's (`models/dspark_packaging.py`): scales, a bonus-anchor block, a
+  reduced vocabulary, interleaved-RoPE weights (`rope_is_neox_style: false`).
 - Its tensor names: DeepSpec's, after dropping a `model.` prefix (speculators / EasyDeL exports).
 - Its layer family, from its tensors (never from the target, the config name or `model_type`):
   fused `q_k_v_proj` = spark2_5-style layers, `q_proj` = qwen3-style.
@@ -20,6 +25,7 @@ import mlx.core as mx
 
 from mlx_dspark.models import FAMILIES, family_module
 from mlx_dspark.models.dspark_heads import MARKOV_HEAD_TYPES
+from mlx_dspark.models.dspark_packaging import EAGLE3_MARKERS, PACKAGING_FIELDS, Packaging
 
 DSPARK_FIELDS = (
     "block_size",
@@ -31,9 +37,58 @@ DSPARK_FIELDS = (
     "confidence_head_with_markov",
     "num_target_layers",
     "confidence_temperatures",
+    *PACKAGING_FIELDS,
 )
 NESTED_FIELDS = "dflash_config"
 MODEL_PREFIX = "model."
+
+
+def flat_config(config: dict, *, source: str = "config.json") -> dict:
+    """An EAGLE-3-style draft config in DeepSpec's flat form (others unchanged): the fields of
+    `transformer_layer_config` at the top level, `aux_hidden_state_layer_ids` (target ids + 1) as
+    `target_layer_ids`, and `sample_from_anchor` false unless the config says otherwise."""
+    if not any(k in config for k in EAGLE3_MARKERS):
+        return config
+    flat = dict(config)
+    layer = config.get("transformer_layer_config")
+    if layer is not None:
+        if not isinstance(layer, dict):
+            raise ValueError(f"{source}: field 'transformer_layer_config' must be an object, got {layer!r}")
+        flat.update(layer)
+    flat.setdefault("sample_from_anchor", False)
+    aux = config.get("aux_hidden_state_layer_ids")
+    if aux is not None:
+        if not isinstance(aux, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
+            raise ValueError(f"{source}: field 'aux_hidden_state_layer_ids' must be a list of integers, got {aux!r}")
+        taps = [i - 1 for i in aux]
+        given = dspark_fields(config, source=source).get("target_layer_ids")
+        if given is not None and list(given) != taps:
+            raise ValueError(
+                f"{source}: target_layer_ids {given!r} disagrees with aux_hidden_state_layer_ids {aux!r} "
+                "(which hold target layer ids + 1)"
+            )
+        flat["target_layer_ids"] = taps
+    return flat
+
+
+def with_tensor_fields(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """A config with the DSpark fields its tensors determine filled in where it leaves them out, as
+    upstream's converter reads exports that carry none (EAGLE-3 / speculators configs): the Markov
+    rank from `markov_w1`'s shape (head type vanilla), the confidence head from its presence and
+    whether it reads the Markov feature from its width. Fields the config gives are never replaced."""
+    given = dspark_fields(flat_config(config), source="config.json")
+    filled = dict(config)
+    w1 = shapes.get("markov_head.markov_w1.weight")
+    if "markov_rank" not in given:
+        filled["markov_rank"] = w1[1] if w1 else 0
+    if "markov_head_type" not in given and w1:
+        filled["markov_head_type"] = "vanilla"
+    conf = shapes.get("confidence_head.proj.weight")
+    if "enable_confidence_head" not in given:
+        filled["enable_confidence_head"] = conf is not None
+    if "confidence_head_with_markov" not in given and conf is not None and w1:
+        filled["confidence_head_with_markov"] = conf[1] > shapes.get("fc.weight", (conf[1],))[0]
+    return filled
 
 
 def dspark_fields(config: dict, *, source: str) -> dict[str, Any]:
@@ -55,7 +110,11 @@ def dspark_fields(config: dict, *, source: str) -> dict[str, Any]:
 def is_draft_config(config: dict) -> bool:
     """A DSpark draft's config names the target layers it reads (one rule for the loader and converter)."""
     nested = config.get(NESTED_FIELDS)
-    return "target_layer_ids" in config or (isinstance(nested, dict) and "target_layer_ids" in nested)
+    return (
+        "target_layer_ids" in config
+        or "aux_hidden_state_layer_ids" in config
+        or (isinstance(nested, dict) and "target_layer_ids" in nested)
+    )
 
 
 def canonical_name(name: str) -> str:
@@ -130,6 +189,9 @@ class DraftArgs:
     num_target_layers: Optional[int]  # the depth of the target it was trained on, when the config says
     # per block position, fitted by calibration after training (mlx_dspark.train.calibration); None: T = 1
     confidence_temperatures: Optional[tuple[float, ...]] = None
+    packaging: Packaging = Packaging()
+    # false: q/k (and their norms) are stored in the interleaved RoPE order; permuted to rotate-half on load
+    rope_is_neox_style: bool = True
 
     @classmethod
     def from_dict(
@@ -137,6 +199,7 @@ class DraftArgs:
     ) -> "DraftArgs":
         """Parse a draft config once. `tap_ids` replaces the config's `target_layer_ids` (files written
         by converters with another tap convention)."""
+        config = flat_config(config, source=source)
         fields = dspark_fields(config, source=source)
         if tap_ids is not None:
             fields["target_layer_ids"] = list(tap_ids)
@@ -165,6 +228,14 @@ class DraftArgs:
             num_target_layers = _int_field("num_target_layers", num_target_layers, low=1, source=source)
         block_size = _int_field("block_size", fields["block_size"], low=1, source=source)
         temperatures = _confidence_temperatures(fields.get("confidence_temperatures"), block_size=block_size, confidence=confidence, source=source)
+        packaging = Packaging.from_fields(fields, vocab_size=layers.vocab_size, source=source)
+        if not packaging.sample_from_anchor and block_size < 2:
+            raise ValueError(f"{source}: block_size {block_size} leaves no draft row (sample_from_anchor is false: row 0 is the anchor)")
+        neox = config.get("rope_is_neox_style", True)
+        if not isinstance(neox, bool):
+            raise ValueError(f"{source}: field 'rope_is_neox_style' must be true or false, got {neox!r}")
+        if not neox and family != "qwen3":
+            raise ValueError(f"{source}: rope_is_neox_style false is only read for qwen3-style draft layers (q_proj / k_proj)")
         return cls(
             family=family,
             layers=layers,
@@ -177,7 +248,14 @@ class DraftArgs:
             confidence_head_with_markov=with_markov,
             num_target_layers=num_target_layers,
             confidence_temperatures=temperatures,
+            packaging=packaging,
+            rope_is_neox_style=neox,
         )
+
+    @property
+    def num_drafts(self) -> int:
+        """The most draft tokens one block yields (a bonus-anchor block's row 0 yields none)."""
+        return self.block_size - self.packaging.first_draft_row
 
     @property
     def hidden_size(self) -> int:

@@ -14,16 +14,26 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_dspark.models.draft_vocab import scatter_probs, to_target
+
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 
 class VanillaMarkov(nn.Module):
     """bias(k) = W2 · W1[x(k-1)]."""
 
-    def __init__(self, *, vocab_size: int, markov_rank: int):
+    def __init__(self, *, vocab_size: int, markov_rank: int, output_size: Optional[int] = None, bias_scale: Optional[float] = None):
+        """output_size: W2's rows (a reduced draft vocabulary's size; default vocab_size);
+        bias_scale: the bias times this (a GGUF's `markov_w2.scale`)."""
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, markov_rank)
-        self.markov_w2 = nn.Linear(markov_rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(markov_rank, output_size or vocab_size, bias=False)
+        self._bias_scale = bias_scale  # config, not a parameter
+
+    def project(self, x: mx.array) -> mx.array:
+        """W2 · x (B, r) -> (B, V)."""
+        out = self.markov_w2(x)
+        return out if self._bias_scale is None else out * self._bias_scale
 
     def prev_embedding(self, tokens: mx.array) -> mx.array:
         return self.markov_w1(tokens)  # (B, r)
@@ -35,26 +45,26 @@ class VanillaMarkov(nn.Module):
         self, prev_embedding: mx.array, hidden: mx.array, state: mx.array | None
     ) -> tuple[mx.array, mx.array | None]:
         """(bias (B, V), next state) from W1[x(k-1)] (B, r) and o(k) (B, H)."""
-        return self.markov_w2(prev_embedding), state
+        return self.project(prev_embedding), state
 
 
 class GatedMarkov(VanillaMarkov):
     """bias(k) = W2 · (sigmoid(gate_proj([o(k); W1[x(k-1)]])) * W1[x(k-1)])."""
 
-    def __init__(self, *, vocab_size: int, markov_rank: int, hidden_size: int):
-        super().__init__(vocab_size=vocab_size, markov_rank=markov_rank)
+    def __init__(self, *, vocab_size: int, markov_rank: int, hidden_size: int, **kw):
+        super().__init__(vocab_size=vocab_size, markov_rank=markov_rank, **kw)
         self.gate_proj = nn.Linear(hidden_size + markov_rank, markov_rank)
 
     def step(self, prev_embedding, hidden, state):
         gate = mx.sigmoid(self.gate_proj(mx.concatenate([hidden, prev_embedding], axis=-1)))
-        return self.markov_w2(gate * prev_embedding), state
+        return self.project(gate * prev_embedding), state
 
 
 class RNNMarkov(VanillaMarkov):
     """[a; b; u] = joint_proj([s(k-1); W1[x(k-1)]; o(k)]); s(k) = σ(a)s(k-1) + (1-σ(a))tanh(b); bias W2·tanh(u)."""
 
-    def __init__(self, *, vocab_size: int, markov_rank: int, hidden_size: int):
-        super().__init__(vocab_size=vocab_size, markov_rank=markov_rank)
+    def __init__(self, *, vocab_size: int, markov_rank: int, hidden_size: int, **kw):
+        super().__init__(vocab_size=vocab_size, markov_rank=markov_rank, **kw)
         self.joint_proj = nn.Linear(2 * markov_rank + hidden_size, 3 * markov_rank)
 
     def initial_state(self, prev_embedding):
@@ -65,21 +75,28 @@ class RNNMarkov(VanillaMarkov):
         gate_raw, candidate_raw, output_raw = mx.split(joint, 3, axis=-1)
         gate = mx.sigmoid(gate_raw)
         state = gate * state + (1 - gate) * mx.tanh(candidate_raw)
-        return self.markov_w2(mx.tanh(output_raw)), state
+        return self.project(mx.tanh(output_raw)), state
 
 
 def make_markov_head(
-    *, head_type: str | None, vocab_size: int, markov_rank: int, hidden_size: int
+    *,
+    head_type: str | None,
+    vocab_size: int,
+    markov_rank: int,
+    hidden_size: int,
+    output_size: Optional[int] = None,
+    bias_scale: Optional[float] = None,
 ) -> VanillaMarkov | None:
-    """The Markov head of a draft, or None when `markov_rank` is 0."""
+    """The Markov head of a draft, or None when `markov_rank` is 0 (output_size / bias_scale: see VanillaMarkov)."""
     if markov_rank == 0:
         return None
+    kw = {"vocab_size": vocab_size, "markov_rank": markov_rank, "output_size": output_size, "bias_scale": bias_scale}
     if head_type == "vanilla":
-        return VanillaMarkov(vocab_size=vocab_size, markov_rank=markov_rank)
+        return VanillaMarkov(**kw)
     if head_type == "gated":
-        return GatedMarkov(vocab_size=vocab_size, markov_rank=markov_rank, hidden_size=hidden_size)
+        return GatedMarkov(hidden_size=hidden_size, **kw)
     if head_type == "rnn":
-        return RNNMarkov(vocab_size=vocab_size, markov_rank=markov_rank, hidden_size=hidden_size)
+        return RNNMarkov(hidden_size=hidden_size, **kw)
     raise ValueError(f"markov_head_type {head_type!r} is not supported; expected one of {MARKOV_HEAD_TYPES}")
 
 
@@ -126,10 +143,14 @@ def draft_tokens(
     confidence_with_markov: bool,
     greedy: bool,
     temperature: float,
+    draft_to_target: Optional[mx.array] = None,
+    vocab_size: Optional[int] = None,
 ) -> Proposal:
     """Sequential drafting over k = 1..K with x(0) = anchor (B,): o(k) = hidden[:, k-1], z(k) = base[:, k-1].
 
     Greedy: x(k) = argmax logits(k); else a draw from softmax(logits(k) / T) with the global MLX RNG.
+    With `draft_to_target` (a reduced draft vocabulary, `models/draft_vocab.py`) the logits are over
+    the draft rows: the pick is mapped to its target id and `draft_probs` spread over `vocab_size`.
     Lazy: builds the graph only (no host synchronization).
     """
     prev = anchor
@@ -149,7 +170,10 @@ def draft_tokens(
         else:
             scaled = logits * (1.0 / temperature)
             token = mx.random.categorical(scaled)
-            draft_probs.append(mx.softmax(scaled, axis=-1))
+            probs = mx.softmax(scaled, axis=-1)
+            draft_probs.append(probs if draft_to_target is None else scatter_probs(probs, draft_to_target, vocab_size))
+        if draft_to_target is not None:
+            token = to_target(token, draft_to_target)
         token = token.astype(anchor.dtype)
         token_probs.append(mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)))
         tokens.append(token)

@@ -19,7 +19,8 @@ from mlx_dspark.models.target import TargetModel
 
 # The tensor that marks a layer of this family (a draft's layer family is read from its tensors).
 ATTENTION_TENSOR = "self_attn.q_proj.weight"
-_ACTIVATIONS = {"silu": nn.silu, "gelu": gelu}  # as transformers' Qwen3MLP reads ACT2FN[hidden_act]
+# as transformers' Qwen3MLP reads ACT2FN[hidden_act] ("gelu" exact, "gelu_pytorch_tanh" the tanh form)
+_ACTIVATIONS = {"silu": nn.silu, "gelu": gelu, "gelu_pytorch_tanh": nn.gelu_approx}
 _REQUIRED = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
 
 Norm = nn.RMSNorm

@@ -86,6 +86,13 @@ def encode(array: np.ndarray, kind: str, *, rng: np.random.Generator) -> tuple[n
     return quantize(array, qtype), qtype
 
 
+def _looks_special(token: str) -> bool:
+    """Added tokens upstream's converter marks as control even when the tokenizer says not special."""
+    return token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or any(
+        token.startswith(a) and token.endswith(b) for a, b in (("<|", "|>"), ("<｜", "｜>"), ("<unused", ">"))
+    )
+
+
 def tokenizer_metadata(directory: Path) -> dict[str, Any]:
     """`tokenizer.ggml.*` values of a Hugging Face tokenizer directory, as llama.cpp's converter writes
     them: every id's token (added tokens by content, holes as "[PAD<i>]" unused), its type, the
@@ -95,7 +102,7 @@ def tokenizer_metadata(directory: Path) -> dict[str, Any]:
     config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     by_id = {i: (t, "normal") for t, i in tok["model"]["vocab"].items()}
     for added in tok["added_tokens"]:
-        by_id[added["id"]] = (added["content"], "control" if added["special"] else "user_defined")
+        by_id[added["id"]] = (added["content"], "control" if added["special"] or _looks_special(added["content"]) else "user_defined")
     size = max(by_id) + 1
     tokens = [by_id.get(i, (f"[PAD{i}]", "unused")) for i in range(size)]
     content_ids = {t: i for i, (t, _) in enumerate(tokens)}
@@ -103,10 +110,14 @@ def tokenizer_metadata(directory: Path) -> dict[str, Any]:
     if pre["type"] == "ByteLevel" and pre.get("use_regex", True):
         pre_name = "gpt-2"
     else:
-        from mlx_dspark.loading.gguf_tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
+        # upstream names the pre-tokenizer by hashing an encoding of a probe text; the split regexes
+        # identify the same families here
+        from mlx_dspark.loading.gguf_tokenizer import PRE_TOKENIZERS
 
-        split = pre["pretokenizers"][0]["pattern"]["Regex"]
-        pre_name = {QWEN2_SPLIT: "qwen2", LLAMA3_SPLIT: "llama-bpe"}[split]
+        splits = tuple(p["pattern"]["Regex"] for p in pre["pretokenizers"] if p["type"] == "Split")
+        names = {v[0]: k for k, v in reversed(PRE_TOKENIZERS.items())}  # first name of each split list
+        names[PRE_TOKENIZERS["llama-bpe"][0]] = "llama-bpe"
+        pre_name = names[splits]
     eos = config["eos_token_id"]
     meta = {
         "model": "gpt2",
@@ -245,6 +256,7 @@ def write_gguf_draft(
     tensor_types: Optional[dict[str, str]] = None,
     extra_tensors: Optional[dict[str, np.ndarray]] = None,
     drop_tensors: tuple[str, ...] = (),
+    extra_keys: Optional[dict[str, Any]] = None,
     seed: int = 0,
 ) -> Path:
     """A DSpark draft GGUF from the tiny DeepSpec draft at `source` (tokenizer keys from its target).
@@ -253,7 +265,9 @@ def write_gguf_draft(
     tap_convention: "plus_one" (target_layers = HF id + 1, current converters) or "hf" (unchanged, older
     ones); include_shared: write the draft's copies of the target's embedding / head as token_embd /
     output; mask_key: "tokenizer" (tokenizer.ggml.mask_token_id) or "arch" (<arch>.mask_token_id);
-    extra_tensors / drop_tensors (GGUF names): for files that do not fit."""
+    extra_tensors / drop_tensors (GGUF names): for files that do not fit (extra ones replace same-named);
+    extra_keys: more key/values, by full name (bool, int as u32, float as f32, str), e.g. upstream's
+    `dflash.sample_from_anchor` or `dflash.attention.value_scale`."""
     from gguf import GGUFWriter
 
     source, path, target_path = Path(source), Path(path), Path(target_path)
@@ -271,6 +285,16 @@ def write_gguf_draft(
     if arch == "dspark":
         writer.add_uint32(p + "markov_rank", config["markov_rank"])
         writer.add_string(p + "markov_head_type", config["markov_head_type"])
+    for key, value in (extra_keys or {}).items():
+        writer.kv_data[0].pop(key, None)  # replaces a key written above (e.g. rope.dimension_count)
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_string(key, value)
     meta = add_tokenizer(writer, target_path, mask_key="tokenizer.ggml.mask_token_id" if mask_key == "tokenizer" else None)
     if mask_key == "arch":
         writer.add_uint32(p + "mask_token_id", config["mask_token_id"])

@@ -25,6 +25,7 @@ from mlx_dspark.loading.load import build_draft
 from mlx_dspark.models.dspark import DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs
 from mlx_dspark.loading.pair import check_shared_tensors
+from mlx_dspark.models.dspark_packaging import Packaging
 
 DRAFT_ARCHITECTURE = {"qwen3": "Qwen3DSparkModel", "spark2_5": "Spark2_5DSparkModel"}
 # Target config fields that describe its files, not its layers.
@@ -126,7 +127,11 @@ def load_draft_for_training(
     checkpoint.config = {k: v for k, v in checkpoint.config.items() if k not in _STALE_FIELDS}
     draft, shared = build_draft(checkpoint, target=target, target_source=target_source, dtype=dtype)
     check_finite_weights(draft, what=f"draft ({draft_path})")
-    check_shared_tensors(shared, target, draft_source=str(draft_path), storage=checkpoint.storage)
+    if draft.args.packaging != Packaging():
+        # the trainer builds DeepSpec's blocks (anchor-first, full vocabulary, no scales)
+        raise ValueError(f"{draft_path}: the draft is packaged as {draft.args.packaging}; training supports DeepSpec's layout only")
+    if check_shared_tensors(shared, target, draft_source=str(draft_path), storage=checkpoint.storage):
+        raise ValueError(f"{draft_path}: the draft's embedding differs from the target's in a few rows; training such a draft is not supported")
     mx.eval(draft.parameters())
     return draft, checkpoint.config
 

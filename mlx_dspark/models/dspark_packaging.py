@@ -1,0 +1,85 @@
+"""How a published DSpark draft is packaged beyond DeepSpec's layout, read once from its config.
+
+Upstream llama.cpp (conversion/qwen.py `DFlashModel` / `DSparkModel`, src/models/dflash.cpp) reads
+these from SpecForge / EAGLE-3 / z-lab exports; each is a config field here (top level or under
+`dflash_config`), written by our GGUF reader from the `dflash.*` keys of the same meaning:
+
+- `sample_from_anchor` (default true): false is a bonus-anchor block: row 0 (the anchor) yields no
+  draft, drafts and the Markov chain start at row 1, so a block holds `block_size - 1` drafts.
+  EAGLE-3-style configs (`transformer_layer_config` / `aux_hidden_state_layer_ids`) default to false.
+- `attention_value_scale`: the attention output (after the output projection) times this.
+- `attention_scale`: the softmax scale instead of 1/sqrt(head_dim) (GGUF `attention.scale`).
+- `input_embedding_scale`: the block's token embeddings times this.
+- `markov_w2_scale`: the Markov bias times this (GGUF tensor `markov_w2.scale`, one value).
+- `draft_vocab_size` with a `d2t` tensor: a reduced draft vocabulary (see `models/draft_vocab.py`).
+- `output_multiplier` / `final_logit_softcapping`: refused when they change anything: upstream's
+  DSpark graph reads them but applies them nowhere (only DFlash2's does), so what such a draft was
+  trained with is unknown.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+PACKAGING_FIELDS = (
+    "sample_from_anchor",
+    "attention_value_scale",
+    "attention_scale",
+    "input_embedding_scale",
+    "markov_w2_scale",
+    "draft_vocab_size",
+    "output_multiplier",
+    "final_logit_softcapping",
+)
+EAGLE3_MARKERS = ("transformer_layer_config", "aux_hidden_state_layer_ids")
+
+
+def _scale(fields: dict, name: str, *, source: str) -> Optional[float]:
+    value = fields.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
+        raise ValueError(f"{source}: field {name!r} must be a finite non-zero number, got {value!r}")
+    return None if value == 1 else float(value)
+
+
+@dataclass(frozen=True)
+class Packaging:
+    sample_from_anchor: bool = True
+    value_scale: Optional[float] = None  # None: 1
+    attention_scale: Optional[float] = None  # None: 1/sqrt(head_dim)
+    embedding_scale: Optional[float] = None  # None: 1
+    markov_w2_scale: Optional[float] = None  # None: 1
+    draft_vocab_size: Optional[int] = None  # None: the target's whole vocabulary
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any], *, vocab_size: int, source: str) -> "Packaging":
+        anchor = fields.get("sample_from_anchor", True)
+        if not isinstance(anchor, bool):
+            raise ValueError(f"{source}: field 'sample_from_anchor' must be true or false, got {anchor!r}")
+        for name, identity in (("output_multiplier", 1), ("final_logit_softcapping", 0)):
+            value = fields.get(name)
+            if value is not None and value != identity:
+                raise ValueError(
+                    f"{source}: field {name!r} is {value!r}; not supported: upstream's DSpark runtime reads it but "
+                    "applies it nowhere, so how the draft's logits were trained with it is unknown"
+                )
+        draft_vocab = fields.get("draft_vocab_size")
+        if draft_vocab is not None:
+            if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or not 1 <= draft_vocab <= vocab_size:
+                raise ValueError(f"{source}: field 'draft_vocab_size' must be an integer in [1, {vocab_size}], got {draft_vocab!r}")
+        return cls(
+            sample_from_anchor=anchor,
+            value_scale=_scale(fields, "attention_value_scale", source=source),
+            attention_scale=_scale(fields, "attention_scale", source=source),
+            embedding_scale=_scale(fields, "input_embedding_scale", source=source),
+            markov_w2_scale=_scale(fields, "markov_w2_scale", source=source),
+            draft_vocab_size=draft_vocab,
+        )
+
+    @property
+    def first_draft_row(self) -> int:
+        """The block row of draft token 1: 0 (the anchor row predicts) or 1 (a bonus-anchor block)."""
+        return 0 if self.sample_from_anchor else 1
