@@ -177,14 +177,18 @@ class Batches:
         self._epoch = -1
         self._order: np.ndarray | None = None
 
-    def __call__(self, step: int) -> Batch:
+    def picks(self, step: int) -> np.ndarray:
+        """The chunk indices of step `step`'s global batch, in order."""
         epoch, index = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:
             self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.chunks))
             self._epoch = epoch
         assert self._order is not None
-        picks = self._order[index * self.batch_size : (index + 1) * self.batch_size]
-        return collate([self.chunks[i] for i in picks], pad_id=self.pad_id)
+        return self._order[index * self.batch_size : (index + 1) * self.batch_size]
+
+    def __call__(self, step: int, share: slice = slice(None)) -> Batch:
+        """The batch of `step`, or the `share` of its sequences one data-parallel rank computes."""
+        return collate([self.chunks[i] for i in self.picks(step)[share]], pad_id=self.pad_id)
 
 
 def sequential_batches(chunks: list[Chunk], *, batch_size: int, pad_id: int) -> Iterator[Batch]:
