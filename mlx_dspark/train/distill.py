@@ -149,20 +149,20 @@ def continue_batch(
     """(new tokens, stopped at an end-of-sequence token) per prompt; the prompts have one length."""
     assert len({len(p.ids) for p in prompts}) == 1, "a batch holds prompts of one length"
     modes = [mode_of(p.index, options) for p in prompts]
+    greedy = mx.array([m == "greedy" for m in modes])
+    # one draw per row from its own key: the same tokens in any batch (vmap of the one-row draw)
+    draw = mx.vmap(lambda key, row: mx.random.categorical(row, key=key))
     cache = target.make_cache()
     logits, _ = target(mx.array([p.ids for p in prompts], dtype=mx.int32), cache, last_only=True)
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     for step in range(options.max_tokens):
         last = logits[:, -1].astype(mx.float32)  # (B, V)
-        picks = []
-        for row, mode in enumerate(modes):
-            if mode == "greedy":
-                picks.append(mx.argmax(last[row]))
-            else:
-                key = _draw_key(options.seed, prompts[row].index, step)
-                picks.append(mx.random.categorical(last[row] / options.temperature, key=key))
-        tokens = mx.stack(picks).astype(mx.int32)
+        tokens = mx.argmax(last, axis=-1)
+        if not all(m == "greedy" for m in modes):
+            keys = mx.stack([_draw_key(options.seed, p.index, step) for p in prompts])
+            tokens = mx.where(greedy, tokens, draw(keys, last / options.temperature))
+        tokens = tokens.astype(mx.int32)
         for row, token in enumerate(tokens.tolist()):
             if done[row]:
                 continue
