@@ -109,7 +109,7 @@ def test_train_reads_the_regenerated_records_beside_the_text(tiny_qwen3_target, 
 
 @pytest.mark.skipif(not mx.distributed.is_available("ring"), reason="this MLX build has no ring backend")
 def test_two_ranks_share_the_prompts_and_continue_a_single_process_run(tiny_qwen3_target, sources, tmp_path):
-    from tests.test_train_distributed import _free_port
+    from tests.test_train_distributed import free_port, launcher
 
     pair = mlx_dspark.load(str(tiny_qwen3_target))
     reference = _run(pair, tiny_qwen3_target, sources, tmp_path / "reference")
@@ -118,9 +118,8 @@ def test_two_ranks_share_the_prompts_and_continue_a_single_process_run(tiny_qwen
     part = next(out.glob("part-*.jsonl"))
     part.write_text("".join(part.read_text(encoding="utf-8").splitlines(keepends=True)[:3]), encoding="utf-8")
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
-    launcher = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
     command = [
-        *launcher, "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(_free_port()), "--",
+        *launcher(), "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(free_port()), "--",
         sys.executable, "-m", "mlx_dspark.train.regenerate", "--target", str(tiny_qwen3_target), "--data", str(sources),
         "--out", str(out), *flags,
     ]  # fmt: skip

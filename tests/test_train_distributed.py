@@ -32,7 +32,7 @@ def test_shares_cover_the_global_batch_in_order():
         World(None, rank=0, size=4).share(3)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     # the ring backend listens on port and port + 1 for two ranks on one address
     for _ in range(20):
         with socket.socket() as a:
@@ -49,6 +49,14 @@ def _free_port() -> int:
     pytest.skip("no two consecutive free ports on loopback")
 
 
+def launcher() -> list[str]:
+    """`mlx.launch` beside this interpreter (the console script), else its module."""
+    script = Path(sys.executable).with_name("mlx.launch")
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
+
+
 def _launch_available() -> bool:
     return mx.distributed.is_available("ring")
 
@@ -56,8 +64,7 @@ def _launch_available() -> bool:
 def _train(args: list[str], *, ranks: int) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "mlx_dspark.train", *args]
     if ranks > 1:
-        launcher = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
-        command = [*launcher, "-n", str(ranks), "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(_free_port()), "--", *command]
+        command = [*launcher(), "-n", str(ranks), "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(free_port()), "--", *command]
     result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
