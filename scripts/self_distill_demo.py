@@ -41,13 +41,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=384, help="regenerated continuations")
     parser.add_argument("--new-tokens", type=int, default=192)
     parser.add_argument("--measure-files", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--anchors", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--variants", default="text,text+distilled", help="comma-separated: text, text+distilled, distilled (the drafts to train)"
+    )
     args = parser.parse_args()
 
     train_files, held_out = corpus_files()
     text = [str(p) for p in train_files[::4]]
     prompt_files = [p for i, p in enumerate(train_files) if i % 4]
-    report: dict = {"steps": args.steps, "text_files": len(text)}
+    report: dict = {"steps": args.steps, "batch_size": args.batch_size, "anchors": args.anchors, "text_files": len(text)}
 
     started = time.perf_counter()
     pair = mlx_dspark.load(str(DEMO_TARGET), dtype="float32")
@@ -64,14 +69,17 @@ def main() -> None:
     report["regenerate_seconds"] = round(time.perf_counter() - started)
     log(f"regenerated {args.prompts} continuations in {report['regenerate_seconds']} s")
 
-    for name, data in (("text only", text), ("text + self-distilled", text + [str(distilled)])):
+    variants = {"text": ("text only", text), "text+distilled": ("text + self-distilled", text + [str(distilled)]),
+                "distilled": ("self-distilled only", [str(distilled)])}  # fmt: skip
+    for key in args.variants.split(","):
+        name, data = variants[key]
         out = args.work / name.replace(" ", "_").replace("+", "plus")
         started = time.perf_counter()
         train_draft(
             DEMO_TARGET,
             out,
-            data=DataOptions(train=data, seq_len=256, batch_size=8),
-            options=TrainOptions(steps=args.steps, anchors=32, lr=3e-3, seed=args.seed, progress=False, log_every=25),
+            data=DataOptions(train=data, seq_len=256, batch_size=args.batch_size),
+            options=TrainOptions(steps=args.steps, anchors=args.anchors, lr=3e-3, seed=args.seed, progress=False, log_every=25),
             shape=DraftShape(num_layers=3, num_taps=3, sliding_window=128, markov_rank=64, markov_head_type="vanilla"),
             precision=Precision(target_dtype="float32"),
             force=True,
@@ -82,7 +90,7 @@ def main() -> None:
         acceptance.pop("sample_output", None)
         report[name] = {"train_seconds": seconds, "acceptance": acceptance}
         log(f"{name}: {json.dumps(report[name])}")
-    (args.work / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (args.work / f"report-{args.variants.replace(',', '_').replace('+', '-')}.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(report, indent=2))
 
 
