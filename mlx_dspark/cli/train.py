@@ -87,8 +87,12 @@ def train(
     confidence_target: str = typer.Option("sampled", "--confidence-target", help="sampled (1 - TV, DeepSpec) or greedy."),
     calibrate: bool = typer.Option(False, "--calibrate", help="Fit confidence temperatures on --valid-data afterwards."),
     no_progress: bool = typer.Option(False, "--no-progress"),
+    log_every: int = typer.Option(50, "--log-every", help="A plain log line (loss, tokens/s, ETA) every N steps; 0: none."),
 ) -> None:
-    """Train (or fine-tune) a DSpark draft for a frozen target, in MLX."""
+    """Train (or fine-tune) a DSpark draft for a frozen target, in MLX.
+
+    Data-parallel on several processes or Macs: `mlx.launch -n 2 -- python -m mlx_dspark.train ...`
+    (or `--hostfile`); the global batch is --batch-size, split over the ranks (docs/SCALING.md)."""
     from mlx_dspark.train.loop import TrainOptions
     from mlx_dspark.train.losses import LossWeights
     from mlx_dspark.train.session import DataOptions, DraftShape, Precision, train_draft
@@ -103,6 +107,7 @@ def train(
             steps=steps, anchors=anchors, lr=lr, warmup_ratio=warmup_ratio, weight_decay=weight_decay,
             max_grad_norm=max_grad_norm, seed=seed, checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints, grad_checkpoint=grad_checkpoint, progress=not no_progress,
+            log_every=log_every,
             losses=LossWeights(
                 ce=ce_weight, l1=l1_weight, kl=kl_weight, confidence=confidence_weight,
                 decay_gamma=decay_gamma or None, confidence_target=confidence_target,

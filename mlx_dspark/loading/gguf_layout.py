@@ -115,7 +115,8 @@ def _family_fields(meta: Metadata, arch: str, family: str, sizes: dict[str, Any]
             }}  # fmt: skip
         return {
             "model_type": "qwen3",
-            "hidden_act": "silu",
+            # upstream's key for the draft MLP (absent: SiLU); a qwen3-style draft of a spark2_5 target may be GELU
+            "hidden_act": meta.get(p + "hidden_activation", "silu"),
             **rope_fields,
             "rope_scaling": None,
             "layer_types": layer_types,

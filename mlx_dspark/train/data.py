@@ -4,8 +4,9 @@ Sources (files, or directories read recursively in sorted order, hidden entries 
 - any non-.jsonl file: UTF-8 text, every token trained on;
 - `.jsonl`, one JSON object a line, one of
   `{"text": ...}` (every token), `{"prompt": ..., "completion": ...}` (the completion and the end-of-sequence
-  token only), `{"messages": [{"role", "content"}, ...]}` (rendered with the target's chat template;
-  the assistant turns only).
+  token only; no end-of-sequence token with `"finished": false`, as `train.regenerate` marks a
+  continuation cut at its token limit), `{"messages": [{"role", "content"}, ...]}` (rendered with the
+  target's chat template; the assistant turns only).
 
 A document is cut into chunks of at most `seq_len` tokens. `Batches` picks the chunks of step `s`
 from a permutation seeded by (seed, epoch), so a run resumed at step `s` sees exactly the batches
@@ -98,7 +99,7 @@ def _record(tokenizer: Any, record: Any, *, where: str) -> tuple[list[int], list
         prompt = _encode(tokenizer, record["prompt"], special=True)
         completion = _encode(tokenizer, record["completion"], special=False)
         eos = tokenizer.eos_token_id
-        if eos is not None:
+        if eos is not None and record.get("finished", True) is not False:  # regenerated text cut at max_tokens: no eos
             completion.append(int(eos))
         return prompt + completion, [False] * len(prompt) + [True] * len(completion)
     if isinstance(record.get("text"), str):
@@ -177,14 +178,18 @@ class Batches:
         self._epoch = -1
         self._order: np.ndarray | None = None
 
-    def __call__(self, step: int) -> Batch:
+    def picks(self, step: int) -> np.ndarray:
+        """The chunk indices of step `step`'s global batch, in order."""
         epoch, index = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:
             self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.chunks))
             self._epoch = epoch
         assert self._order is not None
-        picks = self._order[index * self.batch_size : (index + 1) * self.batch_size]
-        return collate([self.chunks[i] for i in picks], pad_id=self.pad_id)
+        return self._order[index * self.batch_size : (index + 1) * self.batch_size]
+
+    def __call__(self, step: int, share: slice = slice(None)) -> Batch:
+        """The batch of `step`, or the `share` of its sequences one data-parallel rank computes."""
+        return collate([self.chunks[i] for i in self.picks(step)[share]], pad_id=self.pad_id)
 
 
 def sequential_batches(chunks: list[Chunk], *, batch_size: int, pad_id: int) -> Iterator[Batch]:

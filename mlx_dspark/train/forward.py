@@ -14,7 +14,7 @@ The Markov head is teacher-forced: the previous token of block position k is the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,14 +46,22 @@ class DraftOutputs:
     confidence_logits: Optional[mx.array]  # (N, bs) float32 uncalibrated, None without a confidence head
 
 
-def sample_anchors(loss_mask: np.ndarray, *, num_anchors: int, rng: np.random.Generator) -> Anchors:
-    """Up to `num_anchors` distinct anchors per sequence, where the anchor and the token after it are trainable."""
+def sample_anchors(
+    loss_mask: np.ndarray, *, num_anchors: int, rng: np.random.Generator | Sequence[np.random.Generator]
+) -> Anchors:
+    """Up to `num_anchors` distinct anchors per sequence, where the anchor and the token after it are trainable.
+
+    `rng` is one generator for the whole batch, or one per sequence (training keys each by the
+    sequence's index in the global batch, so a data-parallel rank draws the anchors one process would)."""
     valid = loss_mask[:, :-1] & loss_mask[:, 1:]  # (B, S-1)
+    rngs = [rng] * valid.shape[0] if isinstance(rng, np.random.Generator) else list(rng)
+    if len(rngs) != valid.shape[0]:
+        raise ValueError(f"{len(rngs)} anchor generators for {valid.shape[0]} sequences")
     seqs, positions = [], []
     for b in range(valid.shape[0]):
         candidates = np.flatnonzero(valid[b])
         if len(candidates) > num_anchors:
-            candidates = np.sort(rng.choice(candidates, size=num_anchors, replace=False))
+            candidates = np.sort(rngs[b].choice(candidates, size=num_anchors, replace=False))
         seqs.append(np.full(len(candidates), b, dtype=np.int32))
         positions.append(candidates.astype(np.int32))
     return Anchors(np.concatenate(seqs), np.concatenate(positions))

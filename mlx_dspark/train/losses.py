@@ -66,10 +66,31 @@ def position_weights(valid: mx.array, decay_gamma: Optional[float]) -> mx.array:
     return valid * mx.exp(-positions / decay_gamma)[None]
 
 
-def dspark_loss(outputs: DraftOutputs, targets: BlockTargets, weights: LossWeights) -> tuple[mx.array, dict[str, mx.array]]:
-    """(scalar loss, metrics) for one batch of blocks; metrics are weighted means, without gradient."""
+@dataclass
+class LossTotals:
+    """The normalizers of the weighted means: the sum of the position weights and the number of blocks.
+
+    A data-parallel rank passes the global sums (over every rank's blocks), so that its loss is its
+    share of the global mean and the rank losses add up to the single-process loss."""
+
+    weight: mx.array  # scalar
+    blocks: mx.array  # scalar
+
+
+def loss_totals(targets: BlockTargets, weights: LossWeights) -> LossTotals:
+    w = position_weights(targets.valid, weights.decay_gamma)
+    return LossTotals(weight=w.sum(), blocks=(targets.valid[:, 0] > 0).sum().astype(mx.float32))
+
+
+def dspark_loss(
+    outputs: DraftOutputs, targets: BlockTargets, weights: LossWeights, *, totals: Optional[LossTotals] = None
+) -> tuple[mx.array, dict[str, mx.array]]:
+    """(scalar loss, metrics) for one batch of blocks; metrics are weighted means, without gradient.
+
+    `totals` (default: this batch's own) are the normalizers of the means."""
     w = position_weights(targets.valid, weights.decay_gamma)  # (N, bs)
-    total_weight = mx.maximum(w.sum(), 1e-6)
+    totals = totals or loss_totals(targets, weights)
+    total_weight = mx.maximum(totals.weight, 1e-6)
 
     def mean(per_position: mx.array) -> mx.array:
         return (per_position * w).sum() / total_weight
@@ -93,19 +114,22 @@ def dspark_loss(outputs: DraftOutputs, targets: BlockTargets, weights: LossWeigh
         bce = nn.losses.binary_cross_entropy(outputs.confidence_logits, labels, with_logits=True, reduction="none")
         metrics["confidence"] = mean(bce)
         loss = loss + weights.confidence * metrics["confidence"]
-    metrics.update(acceptance_metrics(rate, hit, targets.valid))
+    metrics.update(acceptance_metrics(rate, hit, targets.valid, blocks=totals.blocks))
     metrics["loss"] = loss
     return loss, {k: mx.stop_gradient(v) for k, v in metrics.items()}
 
 
-def acceptance_metrics(rate: mx.array, hit: mx.array, valid: mx.array) -> dict[str, mx.array]:
+def acceptance_metrics(
+    rate: mx.array, hit: mx.array, valid: mx.array, *, blocks: Optional[mx.array] = None
+) -> dict[str, mx.array]:
     """Teacher-forced estimates of the mean acceptance length (accepted drafts + 1) of a full block.
 
     `tau_greedy`: 1 + the number of leading positions whose draft argmax is the target's argmax;
     `tau_sampled`: 1 + sum_k prod_{j<=k} (1 - TV(j)) (DeepSpec's `tau_probabilistic`). A block counts
-    only its valid positions (near the end of a sequence it is shorter).
+    only its valid positions (near the end of a sequence it is shorter). `blocks` (default: the blocks
+    of this batch) normalizes the means.
     """
-    blocks = mx.maximum((valid[:, 0] > 0).sum(), 1)
+    blocks = mx.maximum((valid[:, 0] > 0).sum() if blocks is None else blocks, 1)
     tau_greedy = 1.0 + mx.cumprod(hit * valid, axis=1).sum(axis=1)
     tau_sampled = 1.0 + mx.cumprod(rate * valid, axis=1).sum(axis=1)
     return {

@@ -26,7 +26,8 @@ from mlx_dspark.train.drafts import (
     new_draft_config,
     save_draft,
 )
-from mlx_dspark.train.loop import CHECKPOINTS, Trainer, TrainOptions, evaluate, run_summary
+from mlx_dspark.train.distributed import init_world
+from mlx_dspark.train.loop import CHECKPOINTS, REPORTING_OPTIONS, Trainer, TrainOptions, evaluate, run_summary
 
 TRAINING_FILE = "training.json"
 
@@ -65,6 +66,10 @@ class Precision:
 
 def _log(message: str) -> None:
     print(f"[train] {message}", file=sys.stderr, flush=True)
+
+
+def _silent(message: str) -> None:
+    pass
 
 
 def _prepare_out(out: Path, *, resume: bool, force: bool) -> None:
@@ -149,7 +154,11 @@ def train_draft(
     if calibrate is not None and not data.valid:
         raise ValueError("calibration needs held-out data: pass --valid-data")
     out = Path(out).expanduser()
-    _prepare_out(out, resume=resume, force=force)
+    world = init_world()
+    if world.is_main:
+        _prepare_out(out, resume=resume, force=force)
+    else:
+        log = _silent  # rank 0 alone reports
     started = time.perf_counter()
     precision = precision or Precision()
     pair = load(target, dtype=precision.target_dtype, quantize=precision.target_quantize)
@@ -163,20 +172,26 @@ def train_draft(
     log(
         f"draft: {num_params / 1e6:.2f}M parameters, {draft.args.num_hidden_layers} layers, taps {draft.args.target_layer_ids}; "
         f"data: {len(chunks)} training chunks ({sum(len(c.tokens) for c in chunks)} tokens), {len(valid)} held-out"
+        + (f"; {world.size} data-parallel ranks" if world.size > 1 else "")
     )
     fingerprint = {
-        "options": {k: v for k, v in asdict(options).items() if k not in ("progress", "checkpoint_every", "keep_checkpoints")},
+        "options": {k: v for k, v in asdict(options).items() if k not in REPORTING_OPTIONS},
         "data": {"seq_len": data.seq_len, "batch_size": data.batch_size, "chunks": len(chunks), "tokens": sum(len(c.tokens) for c in chunks)},
         "draft": init_draft if init_draft is not None else asdict(shape or DraftShape()),
     }
     fingerprint = json.loads(json.dumps(fingerprint))  # as it reads back from trainer_state.json
     batches = Batches(chunks, batch_size=data.batch_size, seed=options.seed, pad_id=pad_id)
-    trainer = Trainer(draft, pair.target, config, batches, options, out_dir=out, fingerprint=fingerprint)
+    trainer = Trainer(draft, pair.target, config, batches, options, out_dir=out, fingerprint=fingerprint, world=world)
     start = trainer.resume() if resume else 0
     if resume:
         log(f"resuming at step {start}" if start else "no checkpoint to resume from: starting at step 0")
     final = trainer.run(start=start, log=log)
-    summary = run_summary(options, start=start, wall=time.perf_counter() - started, final=final)
+    if not world.is_main:
+        return out  # the other ranks' work ends with the last step; rank 0 evaluates and saves
+    summary = run_summary(
+        options, start=start, wall=time.perf_counter() - started, final=final, world_size=world.size,
+        history=trainer.history,
+    )  # fmt: skip
     summary["draft_parameters"] = num_params
     if valid:
         metrics = evaluate(
