@@ -27,7 +27,7 @@ FORBIDDEN = {
 # the thin `python -m` shells and console-script targets that may import cli/
 ENTRY_POINTS = {
     "mlx_dspark.generate", "mlx_dspark.server", "mlx_dspark.chat", "mlx_dspark.benchmark",
-    "mlx_dspark.convert", "mlx_dspark.train.__main__", "mlx_dspark.train.calibrate",
+    "mlx_dspark.convert", "mlx_dspark.train.__main__", "mlx_dspark.train.calibrate", "mlx_dspark.rank_vocab",
 }  # fmt: skip
 TOP_LEVEL_LIMIT = 8
 LINE_LIMIT = 450

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from mlx_dspark.models.layer_types import FULL_ATTENTION, SLIDING_ATTENTION
 
@@ -141,14 +141,28 @@ class SlidingKVCache:
             self.state = (mx.array(keys), mx.array(values), offset)
 
 
+KV_BITS = (4, 8)
+KV_GROUP_SIZE = 64
+
+
+def check_kv_bits(bits: Optional[int]) -> None:
+    if bits is not None and bits not in KV_BITS:
+        raise ValueError(f"kv_bits {bits!r} is not supported; expected one of {KV_BITS}, or none for float caches")
+
+
 def make_target_cache(
-    layer_types: Sequence[str], *, window: Optional[int], max_rollback: int = 8
+    layer_types: Sequence[str], *, window: Optional[int], max_rollback: int = 8, kv_bits: Optional[int] = None
 ) -> list[Any]:
-    """One cache per layer: `KVCache` for full layers, `SlidingKVCache(window)` for sliding ones."""
+    """One cache per layer: `KVCache` for full layers, `SlidingKVCache(window)` for sliding ones.
+
+    kv_bits: full layers get mlx-lm's `QuantizedKVCache` instead (trimmable: rollback moves its offset);
+    sliding layers keep float caches (bounded by their window, they are not where long contexts grow).
+    """
+    check_kv_bits(kv_bits)
     caches: list[Any] = []
     for i, layer_type in enumerate(layer_types):
         if layer_type == FULL_ATTENTION:
-            caches.append(KVCache())
+            caches.append(KVCache() if kv_bits is None else QuantizedKVCache(group_size=KV_GROUP_SIZE, bits=kv_bits))
         elif layer_type == SLIDING_ATTENTION:
             if window is None:
                 raise ValueError(f"layer {i} is {SLIDING_ATTENTION!r} but no sliding_window is set")

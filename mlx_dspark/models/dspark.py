@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx_dspark.models.draft_cache import ContextCache
 from mlx_dspark.models import family_module
 from mlx_dspark.models.dspark_args import DraftArgs
+from mlx_dspark.models.draft_vocab import DraftVocabulary
 from mlx_dspark.models.dspark_heads import ConfidenceHead, Proposal, draft_tokens, make_markov_head
 
 __all__ = ["SHARED_PREFIXES", "DSparkDraft", "DraftArgs", "DecoderLayer", "block_mask"]
@@ -61,6 +62,10 @@ class DecoderLayer(nn.Module):
 
 
 class DSparkDraft(nn.Module):
+    # A reduced vocabulary to draft from (models/draft_vocab.py), set by the loader; None: the full one.
+    # A plain attribute, not a parameter: its arrays are rows of the target's LM head and of markov_w2.
+    vocabulary: Optional[DraftVocabulary] = None
+
     def __init__(self, args: DraftArgs):
         super().__init__()
         self.args = args
@@ -152,7 +157,9 @@ class DSparkDraft(nn.Module):
         if not greedy and temperature <= 0:
             raise ValueError(f"sampled drafting needs temperature > 0, got {temperature}; use greedy=True")
         hidden = self.block_hidden(anchor, ctx, target=target)[:, :num_tokens]  # o(1..K), (B, K, H)
-        base = target.lm_head_logits(hidden).astype(mx.float32)  # z(1..K): one LM head matmul
+        vocabulary = self.vocabulary
+        # z(1..K): one LM head matmul, over the reduced vocabulary's rows when there is one
+        base = (target.lm_head_logits(hidden) if vocabulary is None else vocabulary.logits(hidden)).astype(mx.float32)
         return draft_tokens(
             anchor,
             hidden,
@@ -162,4 +169,5 @@ class DSparkDraft(nn.Module):
             confidence_with_markov=self.args.confidence_head_with_markov,
             greedy=greedy,
             temperature=temperature,
+            vocabulary=vocabulary,
         )

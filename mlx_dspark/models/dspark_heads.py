@@ -9,7 +9,7 @@ Attribute names mirror DeepSpec's checkpoints (`markov_head.*`, `confidence_head
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,10 +32,11 @@ class VanillaMarkov(nn.Module):
         return None
 
     def step(
-        self, prev_embedding: mx.array, hidden: mx.array, state: mx.array | None
+        self, prev_embedding: mx.array, hidden: mx.array, state: mx.array | None, *, out: Optional[Callable] = None
     ) -> tuple[mx.array, mx.array | None]:
-        """(bias (B, V), next state) from W1[x(k-1)] (B, r) and o(k) (B, H)."""
-        return self.markov_w2(prev_embedding), state
+        """(bias (B, V), next state) from W1[x(k-1)] (B, r) and o(k) (B, H); `out` replaces the
+        rank -> vocabulary projection W2 (a reduced vocabulary's rows of it)."""
+        return (out or self.markov_w2)(prev_embedding), state
 
 
 class GatedMarkov(VanillaMarkov):
@@ -45,9 +46,9 @@ class GatedMarkov(VanillaMarkov):
         super().__init__(vocab_size=vocab_size, markov_rank=markov_rank)
         self.gate_proj = nn.Linear(hidden_size + markov_rank, markov_rank)
 
-    def step(self, prev_embedding, hidden, state):
+    def step(self, prev_embedding, hidden, state, *, out=None):
         gate = mx.sigmoid(self.gate_proj(mx.concatenate([hidden, prev_embedding], axis=-1)))
-        return self.markov_w2(gate * prev_embedding), state
+        return (out or self.markov_w2)(gate * prev_embedding), state
 
 
 class RNNMarkov(VanillaMarkov):
@@ -60,12 +61,12 @@ class RNNMarkov(VanillaMarkov):
     def initial_state(self, prev_embedding):
         return mx.zeros_like(prev_embedding)  # s(0) = 0, (B, r)
 
-    def step(self, prev_embedding, hidden, state):
+    def step(self, prev_embedding, hidden, state, *, out=None):
         joint = self.joint_proj(mx.concatenate([state, prev_embedding, hidden], axis=-1))
         gate_raw, candidate_raw, output_raw = mx.split(joint, 3, axis=-1)
         gate = mx.sigmoid(gate_raw)
         state = gate * state + (1 - gate) * mx.tanh(candidate_raw)
-        return self.markov_w2(mx.tanh(output_raw)), state
+        return (out or self.markov_w2)(mx.tanh(output_raw)), state
 
 
 def make_markov_head(
@@ -126,12 +127,16 @@ def draft_tokens(
     confidence_with_markov: bool,
     greedy: bool,
     temperature: float,
+    vocabulary: Optional[Any] = None,
 ) -> Proposal:
     """Sequential drafting over k = 1..K with x(0) = anchor (B,): o(k) = hidden[:, k-1], z(k) = base[:, k-1].
 
     Greedy: x(k) = argmax logits(k); else a draw from softmax(logits(k) / T) with the global MLX RNG.
+    With a `vocabulary` (models/draft_vocab.py) `base` and the Markov bias cover its K ids only; the
+    tokens are mapped back to target ids and `draft_probs` scattered onto the full vocabulary.
     Lazy: builds the graph only (no host synchronization).
     """
+    out = None if vocabulary is None else vocabulary.markov_bias
     prev = anchor
     prev_embeddings, tokens, token_probs, draft_probs = [], [], [], []
     state = None
@@ -141,7 +146,7 @@ def draft_tokens(
             embedding = markov_head.prev_embedding(prev)  # W1[x(k-1)], (B, r)
             if k == 0:
                 state = markov_head.initial_state(embedding)
-            bias, state = markov_head.step(embedding, hidden[:, k], state)
+            bias, state = markov_head.step(embedding, hidden[:, k], state, out=out)
             logits = logits + bias.astype(mx.float32)
             prev_embeddings.append(embedding)
         if greedy:
@@ -149,7 +154,10 @@ def draft_tokens(
         else:
             scaled = logits * (1.0 / temperature)
             token = mx.random.categorical(scaled)
-            draft_probs.append(mx.softmax(scaled, axis=-1))
+            probs = mx.softmax(scaled, axis=-1)
+            draft_probs.append(probs if vocabulary is None else vocabulary.scatter(probs))
+        if vocabulary is not None:
+            token = vocabulary.to_target(token)  # W1 and the target read target ids
         token = token.astype(anchor.dtype)
         token_probs.append(mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)))
         tokens.append(token)

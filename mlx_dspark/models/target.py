@@ -54,8 +54,11 @@ class TargetModel(nn.Module):
     def embedding(self) -> nn.Module:
         return getattr(self.model, self.embed_name)
 
+    # Bits of the full-attention layers' KV caches (load(kv_bits=)); None: float caches.
+    kv_bits: Optional[int] = None
+
     def make_cache(self, *, max_rollback: int = 8) -> list[Any]:
-        return make_target_cache(self.layer_types, window=self.args.window, max_rollback=max_rollback)
+        return make_target_cache(self.layer_types, window=self.args.window, max_rollback=max_rollback, kv_bits=self.kv_bits)
 
     def embed(self, ids: mx.array) -> mx.array:
         return self.embedding(ids)
