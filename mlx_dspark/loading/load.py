@@ -33,7 +33,7 @@ from mlx_dspark.loading.precision import (
 )
 from mlx_dspark.loading.rank_vocab import find_rank_file, read_ranked_ids
 from mlx_dspark.loading.tokenizer import load_tokenizer
-from mlx_dspark.models.cache import check_kv_bits
+from mlx_dspark.models.cache import check_kv_bits, kv_group_size
 from mlx_dspark.models.draft_vocab import DraftVocabulary
 from mlx_dspark.loading.weights import fill_model
 
@@ -187,6 +187,7 @@ def load(
     target_model.eval()
     mx.eval(target_model.parameters())
     if kv_bits is not None:
+        kv_group_size(target_model.args.head_dim)  # a head_dim the caches cannot group is refused here, not mid-prefill
         target_model.kv_bits = kv_bits  # read by make_cache: the full-attention layers' caches
     if draft_model is not None:
         if draft_quantize:  # the draft's own precision: its measured source-precision parts stay in float

@@ -142,7 +142,7 @@ class SlidingKVCache:
 
 
 KV_BITS = (4, 8)
-KV_GROUP_SIZE = 64
+KV_GROUP_SIZES = (64, 32)  # mlx-lm's default first; a group never spans two heads
 
 
 def check_kv_bits(bits: Optional[int]) -> None:
@@ -150,8 +150,21 @@ def check_kv_bits(bits: Optional[int]) -> None:
         raise ValueError(f"kv_bits {bits!r} is not supported; expected one of {KV_BITS}, or none for float caches")
 
 
+def kv_group_size(head_dim: int) -> int:
+    """The quantization group of a head's keys / values: 64 when it divides head_dim, else 32."""
+    for size in KV_GROUP_SIZES:
+        if head_dim % size == 0:
+            return size
+    raise ValueError(f"kv_bits needs a head_dim divisible by {' or '.join(map(str, KV_GROUP_SIZES))}, got head_dim {head_dim}")
+
+
 def make_target_cache(
-    layer_types: Sequence[str], *, window: Optional[int], max_rollback: int = 8, kv_bits: Optional[int] = None
+    layer_types: Sequence[str],
+    *,
+    window: Optional[int],
+    max_rollback: int = 8,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
 ) -> list[Any]:
     """One cache per layer: `KVCache` for full layers, `SlidingKVCache(window)` for sliding ones.
 
@@ -162,7 +175,7 @@ def make_target_cache(
     caches: list[Any] = []
     for i, layer_type in enumerate(layer_types):
         if layer_type == FULL_ATTENTION:
-            caches.append(KVCache() if kv_bits is None else QuantizedKVCache(group_size=KV_GROUP_SIZE, bits=kv_bits))
+            caches.append(KVCache() if kv_bits is None else QuantizedKVCache(group_size=kv_group_size, bits=kv_bits))
         elif layer_type == SLIDING_ATTENTION:
             if window is None:
                 raise ValueError(f"layer {i} is {SLIDING_ATTENTION!r} but no sliding_window is set")
