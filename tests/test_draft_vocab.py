@@ -167,12 +167,15 @@ def test_rank_vocab_cli_and_load_with_draft_vocab(tiny_qwen3_pair, tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text("the cat sat on the mat. the cat sat. " * 20)
     out = tmp_path / "rank.json"
-    result = CliRunner().invoke(rank_app, ["--model", str(target_path), "--data", str(data), "--out", str(out)])
+    other = tmp_path / "more.txt"
+    other.write_text("a mat, a cat.")
+    result = CliRunner().invoke(rank_app, ["--model", str(target_path), "--out", str(out), "--data", str(data), str(other)])
     assert result.exit_code == 0, result.output
     ranked = json.loads(out.read_text())
     vocab_size = json.loads((target_path / "config.json").read_text())["vocab_size"]
     assert ranked["vocab_size"] == vocab_size and sorted(ranked["ranked_ids"]) == list(range(vocab_size))
     assert ranked["counts"] == sorted(ranked["counts"], reverse=True) and ranked["counts"][0] > 0
+    assert ranked["source"]["files"] == [str(data), str(other)]
 
     pair = load(target_path, draft_path, draft_vocab=16, draft_vocab_file=out)
     assert pair.draft.vocabulary.size == 16

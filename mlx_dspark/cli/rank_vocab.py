@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import typer
 
@@ -17,10 +17,12 @@ app = typer.Typer(add_completion=False, help="Rank the target's vocabulary by to
 @app.command()
 def cli(
     model: str = typer.Option(..., "--model", help="Target whose tokenizer counts the tokens (what load() takes)."),
-    data: List[Path] = typer.Option(..., "--data", help="Text file(s) to count tokens in (repeat the flag for more)."),
+    data: List[Path] = typer.Option(..., "--data", help="Text file(s) to count tokens in: --data A B C or --data A --data B."),
+    more: Optional[List[Path]] = typer.Argument(None, help="More data files (what follows --data FILE)."),
     out: Path = typer.Option(..., "--out", help=f"The ranking to write; saved as {RANK_FILE} in the draft's directory it is found by itself."),
 ) -> None:
     try:
+        data = [*data, *(more or [])]
         result = rank_vocabulary(model, data, out=out)
     except (ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
