@@ -42,7 +42,8 @@ def draft_bytes(precision: str, head_precision: str, vocab: int) -> dict[str, fl
     return {
         "layers+fc": (DRAFT_LAYERS * layer_params() + TAPS * HIDDEN * HIDDEN) * BITS[precision] / 8,
         "lm_head": vocab * HIDDEN * BITS[head_precision] / 8,
-        "markov": BLOCK * vocab * MARKOV_RANK * BITS["bf16"] / 8,  # kept in bf16 (DRAFT_SOURCE_PRECISION)
+        # DRAFT_SOURCE_PRECISION: kept in bf16 beside a 4-bit draft, quantized with an 8-bit one
+        "markov": BLOCK * vocab * MARKOV_RANK * BITS["bf16" if precision == "4-bit" else precision] / 8,
         "context": kv_bytes(WINDOW, DRAFT_LAYERS),
     }
 

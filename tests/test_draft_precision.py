@@ -43,7 +43,10 @@ def test_draft_quantize_quantizes_only_the_drafts_layers(tiny_spark_pair, bits):
     quantized = _quantized_paths(pair.draft)
     assert "fc" in quantized and any(p.startswith("layers.0.") for p in quantized)
     assert all(m.bits == bits for _, m in pair.draft.named_modules() if isinstance(m, nn.QuantizedLinear))
-    assert not any(p == k or p.startswith(k + ".") for p in quantized for k in DRAFT_SOURCE_PRECISION)
+    assert not any(p == k or p.startswith(k + ".") for p in quantized for k in DRAFT_SOURCE_PRECISION[bits])
+    # measured: an 8-bit Markov head costs nothing, a 4-bit one does (where its rank splits into groups)
+    markov_embedding = "markov_head.markov_w1"
+    assert (markov_embedding in quantized) == (bits == 8 and pair.draft.args.markov_rank % 64 == 0)
     assert not _quantized_paths(pair.target)  # the target keeps its precision
     assert _greedy(pair) == _greedy(load(target), speculative=False)
 
@@ -77,11 +80,12 @@ def test_bad_draft_precision_options_are_clear_errors(tiny_qwen3_pair):
         load(target, kv_bits=2)
 
 
-def test_convert_draft_q_bits_equals_load_time_draft_quantize(tiny_spark_pair, tmp_path):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_convert_draft_q_bits_equals_load_time_draft_quantize(tiny_spark_pair, tmp_path, bits):
     target, draft = tiny_spark_pair
-    out = convert(draft, tmp_path / "d4", draft_q_bits=4, log=lambda _: None)
+    out = convert(draft, tmp_path / "d", draft_q_bits=bits, log=lambda _: None)
     converted = load(target, out)
-    at_load = load(target, draft, draft_quantize=4)
+    at_load = load(target, draft, draft_quantize=bits)
     a, b = dict(tree_flatten(converted.draft.parameters())), dict(tree_flatten(at_load.draft.parameters()))
     assert a.keys() == b.keys()
     for k in a:
@@ -151,3 +155,16 @@ def test_bad_precision_flags_are_one_error_line(tiny_spark_pair, extra, message)
     target, draft = tiny_spark_pair
     result = CliRunner().invoke(generate_app, ["--model", str(target), "--draft", str(draft), "--max-tokens", "4", *extra])
     assert result.exit_code == 2 and message in result.stderr, result.output
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_markov_head_is_quantized_at_8_bits_and_kept_at_4(bits):
+    """On the demo draft (Markov rank 64, which splits into groups): the measured choice of DRAFT_SOURCE_PRECISION."""
+    from mlx_dspark.cli.common import demo_pair
+
+    demo = demo_pair()
+    pair = load(demo.target, demo.draft, dtype="float32", draft_quantize=bits)
+    quantized = _quantized_paths(pair.draft)
+    assert ("markov_head.markov_w2" in quantized) == (bits == 8)
+    assert ("markov_head.markov_w1" in quantized) == (bits == 8)
+    assert "confidence_head.proj" not in quantized and "layers.0.mlp.up_proj" in quantized

@@ -25,7 +25,7 @@ def cli(
     q_group_size: Optional[int] = typer.Option(None, "--q-group-size", help="group size with -q: 32, 64 or 128 (default 64)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="cast floating weights: bfloat16, float16 or float32"),
     draft_q_bits: Optional[int] = typer.Option(
-        None, "--draft-q-bits", help="a draft only, instead of -q: 4 or 8 bits, its Markov and confidence heads kept in float"
+        None, "--draft-q-bits", help="a draft only, instead of -q: 4 or 8 bits, its confidence head (and at 4 bits its Markov head) kept in float"
     ),
     force: bool = typer.Option(False, "--force", help="overwrite a non-empty destination"),
     keep_shared: bool = typer.Option(False, "--keep-shared", help="keep a draft's copies of the target's embedding / LM head"),

@@ -82,7 +82,8 @@ def convert(
     if draft_q_bits is not None:
         if quantize:
             raise ValueError("give either quantize (-q) or draft_q_bits (--draft-q-bits), not both")
-        quantize, q_bits, keep = True, draft_q_bits, DRAFT_SOURCE_PRECISION
+        check_quantize_options(bits=draft_q_bits, group_size=q_group_size)
+        quantize, q_bits, keep = True, draft_q_bits, DRAFT_SOURCE_PRECISION[draft_q_bits]
     if quantize:
         check_quantize_options(bits=q_bits, group_size=q_group_size)
     mx_dtype = parse_dtype(dtype)

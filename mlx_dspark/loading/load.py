@@ -134,8 +134,8 @@ def load(
       A GGUF's `target_layers` is read as upstream llama.cpp's current converters write it, HF id + 1;
       a file from an older converter that wrote the HF ids unchanged needs this override, e.g.
       `draft_tap_ids=[2, 10, 18, 25, 33]` for the Spark-X2.6-4B draft (the ids its model card lists).
-    draft_quantize: the draft's own precision: 4 or 8 bits (its layers; `DRAFT_SOURCE_PRECISION` parts
-      stay in float), 0 to keep it in float beside a `quantize`d target; None: as `quantize`.
+    draft_quantize: the draft's own precision: 4 or 8 bits (its layers; the parts `DRAFT_SOURCE_PRECISION`
+      names for that width stay in float), 0 to keep it in float beside a `quantize`d target; None: as `quantize`.
     draft_dtype: the draft's floating dtype, replacing `dtype` for it.
     draft_vocab: draft over the K most frequent target tokens only (FR-Spec; `models/draft_vocab.py`),
       ranked by `draft_vocab_file` (from `python -m mlx_dspark.rank_vocab`), by default the
@@ -191,7 +191,7 @@ def load(
         target_model.kv_bits = kv_bits  # read by make_cache: the full-attention layers' caches
     if draft_model is not None:
         if draft_quantize:  # the draft's own precision: its measured source-precision parts stay in float
-            predicate = quant_predicate(draft_model, group_size=q_group_size, keep=DRAFT_SOURCE_PRECISION)
+            predicate = quant_predicate(draft_model, group_size=q_group_size, keep=DRAFT_SOURCE_PRECISION[draft_quantize])
             nn.quantize(draft_model, q_group_size, draft_quantize, class_predicate=predicate)
         elif quantize is not None and draft_quantize is None:
             nn.quantize(draft_model, q_group_size, quantize, class_predicate=quant_predicate(draft_model, group_size=q_group_size))
