@@ -50,7 +50,11 @@ def target_head(target: Any) -> nn.Module:
 class DraftVocabulary:
     """K target token ids the draft proposes from, with the LM head and Markov projection cut to them."""
 
-    def __init__(self, ids: Sequence[int], *, target: Any, markov_head: Optional[nn.Module] = None):
+    def __init__(
+        self, ids: Sequence[int], *, target: Any, markov_head: Optional[nn.Module] = None, lm_head: Optional[nn.Module] = None
+    ):
+        """`lm_head`: a head that already has K outputs (a draft packaged with its own reduced head and a
+        `d2t` map); default the target's head cut to `ids`."""
         vocab_size = int(target.args.vocab_size)
         ids = [int(i) for i in ids]
         if not ids:
@@ -62,9 +66,10 @@ class DraftVocabulary:
             raise ValueError("draft vocabulary ids must be distinct")
         self.vocab_size = vocab_size
         self.ids = mx.array(ids, dtype=mx.int32)  # (K,): reduced index -> target id
-        self.lm_head = RestrictedRows(target_head(target), self.ids)
+        self.lm_head = RestrictedRows(target_head(target), self.ids) if lm_head is None else lm_head
         self.markov_w2 = None if markov_head is None else RestrictedRows(markov_head.markov_w2, self.ids)
-        mx.eval(self.ids, *self.lm_head.arrays(), *([] if self.markov_w2 is None else self.markov_w2.arrays()))
+        head_arrays = self.lm_head.arrays() if isinstance(self.lm_head, RestrictedRows) else []
+        mx.eval(self.ids, *head_arrays, *([] if self.markov_w2 is None else self.markov_w2.arrays()))
 
     @property
     def size(self) -> int:
