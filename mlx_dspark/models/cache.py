@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import QuantizedKVCache as _MlxLmQuantizedKVCache
 
 from mlx_dspark.models.layer_types import FULL_ATTENTION, SLIDING_ATTENTION
 
@@ -139,6 +140,15 @@ class SlidingKVCache:
             self.state = (None, None, offset)
         else:
             self.state = (mx.array(keys), mx.array(values), offset)
+
+
+class QuantizedKVCache(_MlxLmQuantizedKVCache):
+    """mlx-lm's quantized cache (trim = move the offset back), whose `nbytes` also works while empty
+    (mlx-lm's reads the missing buffers; a prompt cache's size is asked before its first prefill)."""
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else super().nbytes
 
 
 KV_BITS = (4, 8)
