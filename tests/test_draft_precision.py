@@ -181,3 +181,12 @@ def test_a_prompt_cache_with_quantized_caches_reports_its_size(tiny_spark_pair):
     again = mlx_dspark.generate(pair, PROMPT + first.tokens[:-1], max_tokens=6, prompt_cache=prompt_cache)
     assert again.cached_tokens > 0
     assert again.tokens == mlx_dspark.generate(pair, PROMPT + first.tokens[:-1], max_tokens=6, speculative=False).tokens
+
+
+def test_the_server_checks_the_precision_flags_at_startup():
+    from mlx_dspark.cli.server import app as server_app
+
+    result = CliRunner().invoke(server_app, ["--port", "0", "--kv-bits", "3"])
+    assert result.exit_code == 2 and "--kv-bits must be one of 4, 8" in result.stderr, result.output
+    result = CliRunner().invoke(server_app, ["--port", "0", "--draft-vocab-file", "r.json"])
+    assert result.exit_code == 2 and "--draft-vocab-file needs --draft-vocab" in result.stderr, result.output
