@@ -222,3 +222,23 @@ def test_bad_rankings_name_the_file_and_field(tmp_path):
     path.write_text("{}")
     with pytest.raises(ValueError, match="field 'format'"):
         read_ranked_ids(path, size=2, vocab_size=3)
+
+
+def test_reduced_rows_of_quantized_heads_are_the_quantized_logits_at_the_kept_ids():
+    """The demo pair at 8 bits: a tied (QuantizedEmbedding) LM head and a QuantizedLinear markov_w2."""
+    import mlx.nn as nn
+
+    from mlx_dspark.cli.common import demo_pair
+
+    demo = demo_pair()
+    pair = load(demo.target, demo.draft, dtype="float32", quantize=8)
+    target, draft = pair.target, pair.draft
+    assert isinstance(target.embedding, nn.QuantizedEmbedding) and isinstance(draft.markov_head.markov_w2, nn.QuantizedLinear)
+    ids = [9, 2, 330, 1610]
+    vocab = DraftVocabulary(ids, target=target, markov_head=draft.markov_head)
+    hidden = mx.random.normal((1, 7, target.args.hidden_size))
+    np.testing.assert_allclose(np.array(vocab.logits(hidden)), np.array(target.lm_head_logits(hidden))[..., ids], rtol=1e-5, atol=1e-5)
+    features = mx.random.normal((1, draft.args.markov_rank))
+    np.testing.assert_allclose(
+        np.array(vocab.markov_bias(features)), np.array(draft.markov_head.markov_w2(features))[..., ids], rtol=1e-5, atol=1e-5
+    )
