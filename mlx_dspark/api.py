@@ -56,6 +56,7 @@ class GenerationResult:
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     cached_tokens: int = 0
+    target_forwards: int = 0  # the prefill's last one, then one per decode step or verify round
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -325,6 +326,7 @@ class ResultCollector:
         self.tokens: list[int] = []
         self.acceptance_lengths: list[int] = []
         self.proposal_lengths: list[int] = []
+        self.steps = 0  # one target forward each (the first: the prefill's)
         self.last: StepResponse | None = None
 
     def add(self, step: StepResponse) -> None:
@@ -332,6 +334,7 @@ class ResultCollector:
             self.first_time = time.perf_counter() - self.start
         self.text.append(step.text)
         self.tokens.extend(step.tokens)
+        self.steps += 1
         if step.verified:
             self.acceptance_lengths.append(step.accepted + 1)
             self.proposal_lengths.append(step.proposed)
@@ -366,6 +369,7 @@ class ResultCollector:
             time_to_first_token=self.first_time or 0.0,
             total_time=time.perf_counter() - self.start,
             cached_tokens=last.cached_tokens,
+            target_forwards=self.steps,
         )
 
 

@@ -30,6 +30,8 @@ class Options:
     prompts_per_dataset: Optional[int] = None
     dtype: Optional[str] = None
     quantize: Optional[int] = None
+    # load()'s draft precision / reduced vocabulary / KV-bits keywords (--draft-quantize, --draft-vocab, --kv-bits, ...)
+    load_options: dict = field(default_factory=dict)
     mlx_lm_baseline: bool = True
     run_datasets: bool = True
     cost_curve: bool = False
@@ -84,7 +86,8 @@ def run(options: Options, *, meta: dict) -> dict:
     if options.controlled_acceptance and not settings.ignore_eos:
         _note("note: controlled-acceptance runs always ignore stop tokens (they follow a fixed greedy reference)")
     loaded = mlx_dspark.load(
-        options.model, draft=options.draft, dtype=options.dtype, quantize=options.quantize, draft_tap_ids=options.draft_tap_ids
+        options.model, draft=options.draft, dtype=options.dtype, quantize=options.quantize, draft_tap_ids=options.draft_tap_ids,
+        **options.load_options,
     )
     if loaded.draft is None:
         raise ValueError("the benchmark needs a draft: pass --draft")

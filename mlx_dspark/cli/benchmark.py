@@ -117,6 +117,11 @@ def main(
     out: Path = typer.Option(Path("benchmark-results"), "--out", help="Directory for results.json, results.md, plots."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights: float32, bfloat16, float16."),
     quantize: flags.Quantize = None,
+    draft_quantize: flags.DraftQuantize = None,
+    draft_dtype: flags.DraftDtype = None,
+    draft_vocab: flags.DraftVocab = None,
+    draft_vocab_file: flags.DraftVocabFile = None,
+    kv_bits: flags.KvBits = None,
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-tokens (random-weight pairs)."),
     no_mlx_lm_baseline: bool = typer.Option(False, "--no-mlx-lm-baseline", help="Skip mlx-lm's plain generation."),
     skip_datasets: bool = typer.Option(False, "--skip-datasets", help="Only the engine measurements."),
@@ -156,6 +161,7 @@ def main(
     names = [part.strip() for item in (datasets or []) for part in item.split(",") if part.strip()]
     with flag_errors():
         flags.check_quantize(quantize)
+        load_options = flags.draft_load_options(ctx.params)
         tap_ids = flags.parse_tap_ids(draft_tap_ids, draft=draft, model=model)
         generation = flags.generation_options(ctx.params, max_tokens=max_tokens)  # the shared flags, by name
         settings = RunSettings(generation=generation, repeats=repeats, ignore_eos=ignore_eos)
@@ -170,6 +176,7 @@ def main(
         prompts_per_dataset=prompts_per_dataset,
         dtype=dtype,
         quantize=quantize,
+        load_options=load_options,
         mlx_lm_baseline=not no_mlx_lm_baseline,
         run_datasets=not skip_datasets,
         cost_curve=cost_curve,
@@ -187,7 +194,9 @@ def main(
     )
     try:
         with flag_errors():  # a dataset line, a model path, or a --max-draft-tokens the loaded draft cannot take
-            session.run(options, meta=run_meta(dtype=dtype, quantize=quantize))
+            meta = run_meta(dtype=dtype, quantize=quantize)
+            meta["load_options"] = {k: str(v) for k, v in load_options.items()}
+            session.run(options, meta=meta)
     except FileNotFoundError as err:
         fail(str(err))
 

@@ -115,6 +115,17 @@ MaxContext = Annotated[
     ),
 ]
 Quantize = Annotated[Optional[int], typer.Option("--quantize", help="Quantize the target at load time: 4 or 8 bits.")]
+DraftQuantize = Annotated[
+    Optional[int],
+    typer.Option("--draft-quantize", help="The draft's own precision at load time: 4 or 8 bits, or 0 to keep it in float beside a --quantize'd target (default: as --quantize)."),
+]
+DraftDtype = Annotated[Optional[str], typer.Option("--draft-dtype", help="The draft's floating dtype (float32, bfloat16, float16), replacing the target's.")]
+DraftVocab = Annotated[
+    Optional[int],
+    typer.Option("--draft-vocab", help="Draft over the K most frequent tokens only (FR-Spec), ranked by --draft-vocab-file or the draft's vocab_rank.json; lossless."),
+]
+DraftVocabFile = Annotated[Optional[Path], typer.Option("--draft-vocab-file", help="Token ranking from `python -m mlx_dspark.rank_vocab`, for --draft-vocab.")]
+KvBits = Annotated[Optional[int], typer.Option("--kv-bits", help="Quantize the target's full-attention KV caches: 4 or 8 bits (changes the target's numerics).")]
 MODEL_HELP = "Target: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
 DRAFT_HELP = "DSpark draft: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
 DraftTapIds = Annotated[
@@ -241,6 +252,31 @@ def parse_tap_ids(text: Optional[str], *, draft: Optional[str], model: Optional[
     if not ids:
         raise ValueError(f"--draft-tap-ids expects at least one layer id, e.g. 2,10,18,25,33; got {text!r}")
     return ids
+
+
+def draft_load_options(flags: Mapping[str, Any], *, speculative: bool = True) -> dict[str, Any]:
+    """load()'s precision / vocabulary / KV keywords from a command's parsed flags, checked before the load.
+
+    Without a draft (`speculative=False`) the draft's flags are dropped: --no-draft runs the target alone."""
+    from mlx_dspark.loading.precision import DTYPES
+    from mlx_dspark.models.cache import KV_BITS
+
+    quantize, dtype = flags.get("draft_quantize"), flags.get("draft_dtype")
+    vocab, vocab_file, kv_bits = flags.get("draft_vocab"), flags.get("draft_vocab_file"), flags.get("kv_bits")
+    if quantize is not None and quantize != 0 and quantize not in Q_BITS:
+        raise ValueError(f"--draft-quantize must be 0 (float) or one of {', '.join(map(str, Q_BITS))}, got {quantize}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--draft-dtype must be one of {', '.join(sorted(DTYPES))}, got {dtype!r}")
+    if vocab is not None and vocab < 1:
+        raise ValueError(f"--draft-vocab must be an integer >= 1 (tokens the draft scores), got {vocab}")
+    if vocab_file is not None and vocab is None:
+        raise ValueError("--draft-vocab-file needs --draft-vocab K (how many of its ranked tokens the draft scores)")
+    if kv_bits is not None and kv_bits not in KV_BITS:
+        raise ValueError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, got {kv_bits}")
+    options: dict[str, Any] = {"kv_bits": kv_bits}
+    if speculative:
+        options.update(draft_quantize=quantize, draft_dtype=dtype, draft_vocab=vocab, draft_vocab_file=vocab_file)
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def check_quantize(bits: Optional[int]) -> None:

@@ -24,6 +24,9 @@ def cli(
     q_bits: Optional[int] = typer.Option(None, "--q-bits", help="bits per weight with -q: 4 or 8 (default 4)"),
     q_group_size: Optional[int] = typer.Option(None, "--q-group-size", help="group size with -q: 32, 64 or 128 (default 64)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="cast floating weights: bfloat16, float16 or float32"),
+    draft_q_bits: Optional[int] = typer.Option(
+        None, "--draft-q-bits", help="a draft only, instead of -q: 4 or 8 bits, its confidence head (and at 4 bits its Markov head) kept in float"
+    ),
     force: bool = typer.Option(False, "--force", help="overwrite a non-empty destination"),
     keep_shared: bool = typer.Option(False, "--keep-shared", help="keep a draft's copies of the target's embedding / LM head"),
     draft_tap_ids: Optional[str] = typer.Option(
@@ -40,6 +43,8 @@ def cli(
         fail(f"--q-bits must be one of {', '.join(map(str, Q_BITS))}, got {q_bits}", 2)
     if q_group_size is not None and q_group_size not in Q_GROUP_SIZES:
         fail(f"--q-group-size must be one of {', '.join(map(str, Q_GROUP_SIZES))}, got {q_group_size}", 2)
+    if draft_q_bits is not None and (quantize or draft_q_bits not in Q_BITS):
+        fail(f"--draft-q-bits must be one of {', '.join(map(str, Q_BITS))} and replaces -q, got {draft_q_bits}" + (" with -q" if quantize else ""), 2)
     if dtype is not None and dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(sorted(DTYPES))}, got {dtype!r}", 2)
     try:
@@ -57,6 +62,7 @@ def cli(
             force=force,
             keep_shared=keep_shared,
             draft_tap_ids=tap_ids,
+            draft_q_bits=draft_q_bits,
         )
     except (ValueError, FileNotFoundError) as e:
         fail(str(e), 1)

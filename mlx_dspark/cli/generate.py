@@ -67,7 +67,13 @@ def generate(
     chat_template_args: flags.ChatTemplateArgs = None,
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Use the prompt as raw text."),
     quantize: flags.Quantize = None,
+    draft_quantize: flags.DraftQuantize = None,
+    draft_dtype: flags.DraftDtype = None,
+    draft_vocab: flags.DraftVocab = None,
+    draft_vocab_file: flags.DraftVocabFile = None,
+    kv_bits: flags.KvBits = None,
     max_context: flags.MaxContext = None,
+    compare: bool = typer.Option(False, "--compare", help="Also run plain decoding on the same prompt: both speeds, and whether the outputs are identical."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the result instead of streaming."),
 ) -> None:
     """Stream a completion to stdout; a summary goes to stderr."""
@@ -76,6 +82,7 @@ def generate(
 
     with flag_errors():
         flags.check_quantize(quantize)
+        precision = flags.draft_load_options(ctx.params, speculative=not no_draft)  # --no-draft: the target's only
         tap_ids = flags.parse_tap_ids(draft_tap_ids, draft=draft, model=model)
         # Without --max-tokens, a long prompt shortens the default to the context left (as OpenAI does).
         default_max_tokens = flags.DEFAULT_OPTIONS.max_tokens
@@ -98,7 +105,7 @@ def generate(
         speculative = draft is not None and not no_draft
         pair = load(
             model, draft=draft if speculative else None, dtype=dtype, quantize=quantize,
-            draft_tap_ids=tap_ids if speculative else None,
+            draft_tap_ids=tap_ids if speculative else None, **precision,
         )  # fmt: skip
     except (ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
@@ -123,6 +130,14 @@ def generate(
                 sys.stdout.flush()
             collector.add(step)
     result = collector.result()
+    plain = None
+    if compare:  # the baseline on the same prompt and options: plain decoding with the target alone
+        plain_options = dataclasses.replace(options, speculation=dataclasses.replace(options.speculation, speculative=False))
+        plain_collector = ResultCollector()
+        with flag_errors():
+            for step in stream_generate(pair, request, options=plain_options):
+                plain_collector.add(step)
+        plain = plain_collector.result()
     if as_json:
         print(
             json.dumps(
@@ -138,6 +153,8 @@ def generate(
                     "acceptance_lengths": result.acceptance_lengths,
                     "mean_acceptance_length": result.mean_acceptance_length,
                     "speculative": pair.draft is not None and not no_draft,
+                    "target_forwards": result.target_forwards,
+                    **({} if plain is None else {"plain": _comparison(result, plain, greedy=options.sampling.greedy)}),
                 }
             )
         )
@@ -145,12 +162,35 @@ def generate(
         print()
     summary = (
         f"prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.1f} tok/s | "
-        f"generation: {len(result.tokens)} tokens, {result.generation_tps:.1f} tok/s"
+        f"generation: {len(result.tokens)} tokens, {result.generation_tps:.1f} tok/s | "
+        f"{result.target_forwards} target forwards for {len(result.tokens)} tokens"
     )
     if result.acceptance_lengths:
         summary += f" | mean acceptance length {result.mean_acceptance_length:.2f} over {result.rounds} rounds"
     summary += f" | peak memory {result.peak_memory_gb:.3f} GB"
     typer.echo(summary, err=True)
+    if plain is not None:
+        c = _comparison(result, plain, greedy=options.sampling.greedy)
+        same = {True: "yes", False: f"no (first difference at token {c['first_difference']})", None: "not expected (sampling)"}[c["identical"]]
+        typer.echo(
+            f"compare: plain {plain.generation_tps:.1f} tok/s ({plain.target_forwards} target forwards), "
+            f"this run {result.generation_tps:.1f} tok/s: {c['speedup']:.2f}x | outputs identical: {same}",
+            err=True,
+        )
+
+
+def _comparison(result, plain, *, greedy: bool) -> dict:
+    """Speeds of a run and its plain-decoding baseline; identical outputs are expected only when greedy."""
+    first = next((i for i, (a, b) in enumerate(zip(result.tokens, plain.tokens)) if a != b), None)
+    if first is None and len(result.tokens) != len(plain.tokens):
+        first = min(len(result.tokens), len(plain.tokens))
+    return {
+        "generation_tps": plain.generation_tps,
+        "target_forwards": plain.target_forwards,
+        "speedup": result.generation_tps / plain.generation_tps if plain.generation_tps else 0.0,
+        "identical": (first is None) if greedy else None,
+        "first_difference": first,
+    }
 
 
 def main() -> None:

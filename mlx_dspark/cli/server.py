@@ -62,6 +62,11 @@ def serve(
     cost_curve_file: flags.CostCurveFile = None,
     chat_template_args: flags.ChatTemplateArgs = None,
     quantize: flags.Quantize = None,
+    draft_quantize: flags.DraftQuantize = None,
+    draft_dtype: flags.DraftDtype = None,
+    draft_vocab: flags.DraftVocab = None,
+    draft_vocab_file: flags.DraftVocabFile = None,
+    kv_bits: flags.KvBits = None,
     max_context: flags.MaxContext = None,
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
     allow_origin: list[str] = typer.Option([], "--allow-origin",
@@ -81,6 +86,7 @@ def serve(
     # The same checks a request gets, at startup, so a bad flag is one line instead of a 400 per request.
     with flag_errors({**flags.FLAGS, "max_tokens": "--max-tokens-default"}):
         flags.check_quantize(quantize)
+        precision = flags.draft_load_options(ctx.params, speculative=not no_draft)
         tap_ids = flags.parse_tap_ids(draft_tap_ids, draft=draft, model=model)
         if max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
@@ -99,7 +105,7 @@ def serve(
     speculative = draft is not None and not no_draft
     loader = functools.partial(
         load, model, draft=draft if speculative else None, dtype=dtype, quantize=quantize,
-        draft_tap_ids=tap_ids if speculative else None,
+        draft_tap_ids=tap_ids if speculative else None, **precision,
     )  # fmt: skip
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,

@@ -34,7 +34,7 @@ from mlx_dspark.loading.checkpoint import (
 from mlx_dspark.models import target_module
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_name, canonical_names, is_draft_config, layer_family, with_tensor_fields
-from mlx_dspark.loading.precision import check_quantize_options, parse_dtype, quant_predicate
+from mlx_dspark.loading.precision import DRAFT_SOURCE_PRECISION, check_quantize_options, parse_dtype, quant_predicate
 from mlx_dspark.loading.weights import check_tensors
 from mlx_dspark.loading.gguf_convert import convert_gguf
 from mlx_dspark.loading.mlx_output import AUX_FILES, check_destination, clear_outputs, write_config
@@ -69,19 +69,30 @@ def convert(
     force: bool = False,
     keep_shared: bool = False,
     draft_tap_ids: Optional[Sequence[int]] = None,
+    draft_q_bits: Optional[int] = None,
     max_shard_bytes: Optional[int] = None,
     log: Callable[[str], None] = _log,
 ) -> Path:
     """Convert the checkpoint at `hf_path` into an MLX directory at `mlx_path`; returns its path.
 
     draft_tap_ids (GGUF drafts only): the tapped target layers as Hugging Face ids, replacing the file's
-    `target_layers` (see `load(draft_tap_ids=)`); written into the converted config."""
+    `target_layers` (see `load(draft_tap_ids=)`); written into the converted config.
+    draft_q_bits (drafts only, instead of `quantize`): quantize as `load(draft_quantize=)` does, the
+    draft's `DRAFT_SOURCE_PRECISION` parts kept in float."""
+    keep: tuple[str, ...] = ()
+    if draft_q_bits is not None:
+        if quantize:
+            raise ValueError("give either quantize (-q) or draft_q_bits (--draft-q-bits), not both")
+        check_quantize_options(bits=draft_q_bits, group_size=q_group_size)
+        quantize, q_bits, keep = True, draft_q_bits, DRAFT_SOURCE_PRECISION[draft_q_bits]
     if quantize:
         check_quantize_options(bits=q_bits, group_size=q_group_size)
     mx_dtype = parse_dtype(dtype)
     src = resolve_path(hf_path, role="source")
     dst = Path(mlx_path).expanduser()
     check_destination(src, dst, force=force)
+    if is_gguf(src) and keep:
+        raise ValueError(f"{src}: draft_q_bits (--draft-q-bits) reads safetensors drafts; convert a GGUF with -q --q-bits")
     if is_gguf(src):
         return convert_gguf(
             src, dst, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, dtype=mx_dtype,
@@ -98,6 +109,8 @@ def convert(
         raise ValueError(f"{source}: the checkpoint is already quantized ({config['quantization']}); convert it without -q")
     files = weight_files(src)
     model, kind = _skeleton(config, files, src=src)
+    if keep and kind != "draft":
+        raise ValueError(f"{source}: draft_q_bits (--draft-q-bits) applies to a DSpark draft; this is a target (use -q)")
 
     def sanitize(weights: dict[str, mx.array], file: str) -> dict[str, mx.array]:
         if kind == "target":
@@ -107,7 +120,7 @@ def convert(
         return {**model.sanitize(weights), **kept}
 
     expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-    predicate = quant_predicate(model, group_size=q_group_size)
+    predicate = quant_predicate(model, group_size=q_group_size, keep=keep)
     quant_modules = {path for path, m in model.named_modules() if predicate(path, m)} if quantize else set()
     _check_names(files, sanitize, expected, src=src, what=kind, keep_shared=kind == "draft" and keep_shared)
 

@@ -24,8 +24,17 @@ from mlx_dspark.models import target_module
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.pair import check_shared_tensors, validate_pair
-from mlx_dspark.loading.precision import check_quantize_options, parse_dtype, quant_predicate
+from mlx_dspark.loading.precision import (
+    DRAFT_SOURCE_PRECISION,
+    check_draft_quantize,
+    check_quantize_options,
+    parse_dtype,
+    quant_predicate,
+)
+from mlx_dspark.loading.rank_vocab import find_rank_file, read_ranked_ids
 from mlx_dspark.loading.tokenizer import load_tokenizer
+from mlx_dspark.models.cache import check_kv_bits, kv_group_size
+from mlx_dspark.models.draft_vocab import DraftVocabulary
 from mlx_dspark.loading.weights import fill_model
 
 
@@ -111,6 +120,11 @@ def load(
     quantize: Optional[int] = None,
     q_group_size: int = 64,
     draft_tap_ids: Optional[Sequence[int]] = None,
+    draft_quantize: Optional[int] = None,
+    draft_dtype: str | mx.Dtype | None = None,
+    draft_vocab: Optional[int] = None,
+    draft_vocab_file: str | Path | None = None,
+    kv_bits: Optional[int] = None,
 ) -> LoadedModel:
     """Load a target and optionally its DSpark draft.
 
@@ -130,12 +144,29 @@ def load(
       A GGUF's `target_layers` is read as upstream llama.cpp's current converters write it, HF id + 1;
       a file from an older converter that wrote the HF ids unchanged needs this override, e.g.
       `draft_tap_ids=[2, 10, 18, 25, 33]` for the Spark-X2.6-4B draft (the ids its model card lists).
+    draft_quantize: the draft's own precision: 4 or 8 bits (its layers; the parts `DRAFT_SOURCE_PRECISION`
+      names for that width stay in float), 0 to keep it in float beside a `quantize`d target; None: as `quantize`.
+    draft_dtype: the draft's floating dtype, replacing `dtype` for it.
+    draft_vocab: draft over the K most frequent target tokens only (FR-Spec; `models/draft_vocab.py`),
+      ranked by `draft_vocab_file` (from `python -m mlx_dspark.rank_vocab`), by default the
+      `vocab_rank.json` beside the draft. Lossless: the target still verifies over its full vocabulary.
+    kv_bits: 4 or 8: the target's full-attention KV caches quantized (mlx-lm's QuantizedKVCache);
+      sliding layers stay in float. This changes the target's numerics (not identical to float caches).
     """
     mx_dtype = parse_dtype(dtype)
+    draft_mx_dtype = mx_dtype if draft_dtype is None else parse_dtype(draft_dtype)
     if quantize is not None:
         check_quantize_options(bits=quantize, group_size=q_group_size)
-    if draft_tap_ids is not None and draft is None:
-        raise ValueError("draft_tap_ids only applies with a draft; pass draft= as well")
+    check_draft_quantize(draft_quantize)
+    if draft_quantize:
+        check_quantize_options(bits=draft_quantize, group_size=q_group_size)
+    check_kv_bits(kv_bits)
+    for name, value in (("draft_tap_ids", draft_tap_ids), ("draft_quantize", draft_quantize), ("draft_dtype", draft_dtype),
+                        ("draft_vocab", draft_vocab), ("draft_vocab_file", draft_vocab_file)):
+        if value is not None and draft is None:
+            raise ValueError(f"{name} only applies with a draft; pass draft= as well")
+    if draft_vocab_file is not None and draft_vocab is None:
+        raise ValueError("draft_vocab_file needs draft_vocab (K, the number of ranked tokens the draft scores)")
     target_path = resolve_path(target, role="target")
     target_checkpoint = read_checkpoint(target_path, role="target")
     target_model = build_target(target_checkpoint, dtype=mx_dtype)
@@ -154,7 +185,7 @@ def load(
         draft_config = draft_checkpoint.config
         draft_model, shared = build_draft(
             draft_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
-            dtype=mx_dtype, tap_ids=draft_tap_ids,
+            dtype=draft_mx_dtype, tap_ids=draft_tap_ids,
         )  # fmt: skip
         check_finite_weights(draft_model, what=f"draft ({draft_path})")  # before the shared copies are compared
         own_rows = check_shared_tensors(shared, target_model, draft_source=str(draft_path), storage=draft_checkpoint.storage)
@@ -163,13 +194,31 @@ def load(
     target_config = target_checkpoint.config
     del target_checkpoint  # the raw (uncast, unsanitized) weights are no longer needed
 
-    for model in (target_model, draft_model):
-        if model is None:
-            continue
-        if quantize is not None:
-            nn.quantize(model, q_group_size, quantize, class_predicate=quant_predicate(model, group_size=q_group_size))
-        model.eval()
-        mx.eval(model.parameters())
+    if quantize is not None:
+        nn.quantize(target_model, q_group_size, quantize, class_predicate=quant_predicate(target_model, group_size=q_group_size))
+    target_model.eval()
+    mx.eval(target_model.parameters())
+    if kv_bits is not None:
+        kv_group_size(target_model.args.head_dim)  # a head_dim the caches cannot group is refused here, not mid-prefill
+        target_model.kv_bits = kv_bits  # read by make_cache: the full-attention layers' caches
+    if draft_model is not None:
+        if draft_quantize:  # the draft's own precision: its measured source-precision parts stay in float
+            predicate = quant_predicate(draft_model, group_size=q_group_size, keep=DRAFT_SOURCE_PRECISION[draft_quantize])
+            nn.quantize(draft_model, q_group_size, draft_quantize, class_predicate=predicate)
+        elif quantize is not None and draft_quantize is None:
+            nn.quantize(draft_model, q_group_size, quantize, class_predicate=quant_predicate(draft_model, group_size=q_group_size))
+        draft_model.eval()
+        if draft_vocab is not None:
+            if draft_model.args.packaging.draft_vocab_size is not None:
+                raise ValueError(
+                    f"{draft_path}: this draft already drafts over a reduced vocabulary of its own (d2t, "
+                    f"{draft_model.args.packaging.draft_vocab_size} rows); draft_vocab / --draft-vocab applies to drafts "
+                    "that share the target's LM head"
+                )
+            rank_file = find_rank_file(draft_vocab_file, draft_path=draft_path)
+            ids = read_ranked_ids(rank_file, size=draft_vocab, vocab_size=target_model.args.vocab_size)
+            draft_model.vocabulary = DraftVocabulary(ids, target=target_model, markov_head=getattr(draft_model, "markov_head", None))
+        mx.eval(draft_model.parameters())
     return LoadedModel(
         target=target_model,
         draft=draft_model,

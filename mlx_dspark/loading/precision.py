@@ -11,6 +11,11 @@ import mlx.nn as nn
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 Q_BITS = (4, 8)
 Q_GROUP_SIZES = (32, 64, 128)
+# What stays in source precision when the draft is quantized on its own (draft_quantize=), per bit width,
+# as module path prefixes: chosen by the acceptance measured on the demo pair (benchmarks/RESULTS.md,
+# "Issue 20"): an 8-bit Markov head cost nothing measurable, a 4-bit one did; the confidence head is
+# tiny and calibrated, so it always stays.
+DRAFT_SOURCE_PRECISION = {8: ("confidence_head",), 4: ("markov_head", "confidence_head")}
 
 
 def parse_dtype(dtype: str | mx.Dtype | None) -> Optional[mx.Dtype]:
@@ -33,12 +38,26 @@ def quantizable(path: str, module: nn.Module, *, group_size: int) -> bool:
     return hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0
 
 
-def quant_predicate(model: nn.Module, *, group_size: int) -> Callable[[str, nn.Module], bool]:
+def quant_predicate(
+    model: nn.Module, *, group_size: int, keep: tuple[str, ...] = ()
+) -> Callable[[str, nn.Module], bool]:
     """mlx-lm's choice of layers to quantize: `quantizable` ones, minus those the model's family keeps
-    in source precision (its `quant_predicate`, as mlx-lm's model of the family declares it)."""
+    in source precision (its `quant_predicate`, as mlx-lm's model of the family declares it) and the
+    modules under the `keep` prefixes."""
     family = getattr(model, "quant_predicate", None)
 
     def predicate(path: str, module: nn.Module) -> bool:
+        if any(path == k or path.startswith(k + ".") for k in keep):
+            return False
         return quantizable(path, module, group_size=group_size) and (family is None or family(path, module))
 
     return predicate
+
+
+def check_draft_quantize(bits: Optional[int]) -> None:
+    """`draft_quantize`: None follows the target's `quantize`, 0 keeps the draft in float, else 4 or 8."""
+    if bits is not None and bits != 0 and bits not in Q_BITS:
+        raise ValueError(
+            f"draft_quantize {bits!r} is not supported; expected 0 (keep the draft in float), "
+            f"{' or '.join(map(str, Q_BITS))} bits, or none to follow quantize"
+        )

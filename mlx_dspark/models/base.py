@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
 
 # Exact (erf) GELU, as the reference's `ACT2FN["gelu"]`; never the tanh approximation.
 gelu = nn.gelu
@@ -148,8 +149,10 @@ class FamilyAttention(nn.Module):
         queries, keys, values = self.project(x, offset)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)  # (B, Hkv, K, D)
-        mask = attention_mask(offset, L, keys.shape[2], window=self.window)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        num_keys = (keys[0] if isinstance(keys, tuple) else keys).shape[2]  # a quantized cache returns (w, scales, biases)
+        mask = attention_mask(offset, L, num_keys, window=self.window)
+        # mlx-lm's call: the fast kernel, or its quantized-KV attention for a QuantizedKVCache
+        out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
         return self.output(out, x)
 
     def attend(

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import QuantizedKVCache as _MlxLmQuantizedKVCache
 
 from mlx_dspark.models.layer_types import FULL_ATTENTION, SLIDING_ATTENTION
 
@@ -141,14 +142,50 @@ class SlidingKVCache:
             self.state = (mx.array(keys), mx.array(values), offset)
 
 
+class QuantizedKVCache(_MlxLmQuantizedKVCache):
+    """mlx-lm's quantized cache (trim = move the offset back), whose `nbytes` also works while empty
+    (mlx-lm's reads the missing buffers; a prompt cache's size is asked before its first prefill)."""
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else super().nbytes
+
+
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (64, 32)  # mlx-lm's default first; a group never spans two heads
+
+
+def check_kv_bits(bits: Optional[int]) -> None:
+    if bits is not None and bits not in KV_BITS:
+        raise ValueError(f"kv_bits {bits!r} is not supported; expected one of {KV_BITS}, or none for float caches")
+
+
+def kv_group_size(head_dim: int) -> int:
+    """The quantization group of a head's keys / values: 64 when it divides head_dim, else 32."""
+    for size in KV_GROUP_SIZES:
+        if head_dim % size == 0:
+            return size
+    raise ValueError(f"kv_bits needs a head_dim divisible by {' or '.join(map(str, KV_GROUP_SIZES))}, got head_dim {head_dim}")
+
+
 def make_target_cache(
-    layer_types: Sequence[str], *, window: Optional[int], max_rollback: int = 8
+    layer_types: Sequence[str],
+    *,
+    window: Optional[int],
+    max_rollback: int = 8,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
 ) -> list[Any]:
-    """One cache per layer: `KVCache` for full layers, `SlidingKVCache(window)` for sliding ones."""
+    """One cache per layer: `KVCache` for full layers, `SlidingKVCache(window)` for sliding ones.
+
+    kv_bits: full layers get mlx-lm's `QuantizedKVCache` instead (trimmable: rollback moves its offset);
+    sliding layers keep float caches (bounded by their window, they are not where long contexts grow).
+    """
+    check_kv_bits(kv_bits)
     caches: list[Any] = []
     for i, layer_type in enumerate(layer_types):
         if layer_type == FULL_ATTENTION:
-            caches.append(KVCache())
+            caches.append(KVCache() if kv_bits is None else QuantizedKVCache(group_size=kv_group_size, bits=kv_bits))
         elif layer_type == SLIDING_ATTENTION:
             if window is None:
                 raise ValueError(f"layer {i} is {SLIDING_ATTENTION!r} but no sliding_window is set")

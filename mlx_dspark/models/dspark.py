@@ -22,8 +22,9 @@ import numpy as np
 from mlx_dspark.models.draft_cache import ContextCache
 from mlx_dspark.models import family_module
 from mlx_dspark.models.dspark_args import DraftArgs
+from mlx_dspark.models.draft_vocab import DraftVocabulary
 from mlx_dspark.models.dspark_heads import ConfidenceHead, Proposal, draft_tokens, make_markov_head
-from mlx_dspark.models import draft_vocab
+from mlx_dspark.models import d2t
 
 __all__ = ["SHARED_PREFIXES", "DSparkDraft", "DraftArgs", "DecoderLayer", "block_mask"]
 
@@ -70,6 +71,10 @@ class DecoderLayer(nn.Module):
 
 
 class DSparkDraft(nn.Module):
+    # A reduced vocabulary to draft from (models/draft_vocab.py), set by the loader; None: the full one.
+    # A plain attribute, not a parameter: its arrays are rows of the target's LM head and of markov_w2.
+    vocabulary: Optional[DraftVocabulary] = None
+
     def __init__(self, args: DraftArgs):
         super().__init__()
         self.args = args
@@ -92,7 +97,7 @@ class DSparkDraft(nn.Module):
         if packaging.draft_vocab_size is not None:
             # a reduced vocabulary: the draft's own LM head over its rows, and their target ids
             self.lm_head = nn.Linear(hidden, packaging.draft_vocab_size, bias=False)
-            setattr(self, draft_vocab.PARAMETER_NAME, mx.zeros((packaging.draft_vocab_size,), dtype=mx.int32))
+            setattr(self, d2t.PARAMETER_NAME, mx.zeros((packaging.draft_vocab_size,), dtype=mx.int32))
         self._embedding_rows: Optional[tuple[list[int], mx.array]] = None  # (ids, rows (n, H)): see set_embedding_rows
 
     @property
@@ -120,19 +125,19 @@ class DSparkDraft(nn.Module):
         own_head = packaging.draft_vocab_size is not None
         out = {}
         for k, v in weights.items():
-            if k in draft_vocab.DROPPED or (k.startswith(SHARED_PREFIXES) and not (own_head and k.startswith("lm_head."))):
+            if k in d2t.DROPPED or (k.startswith(SHARED_PREFIXES) and not (own_head and k.startswith("lm_head."))):
                 continue
-            if k == draft_vocab.CHECKPOINT_NAME:
+            if k == d2t.CHECKPOINT_NAME:
                 if not own_head:
                     raise ValueError("the draft has a 'd2t' tensor (a reduced vocabulary) but its config sets no draft_vocab_size")
-                ids = draft_vocab.absolute_ids(
+                ids = d2t.absolute_ids(
                     np.array(v), vocab_size=self.args.vocab_size, draft_vocab_size=packaging.draft_vocab_size, source="the draft"
                 )
-                k, v = draft_vocab.PARAMETER_NAME, mx.array(ids)
+                k, v = d2t.PARAMETER_NAME, mx.array(ids)
             elif not self.args.rope_is_neox_style and k.endswith(_INTERLEAVED_ROPE):
                 v = _rotate_half_order(v, self.args.layers.head_dim)
             out[k] = v
-        if own_head and draft_vocab.PARAMETER_NAME not in out:
+        if own_head and d2t.PARAMETER_NAME not in out:
             raise ValueError(f"draft_vocab_size is {packaging.draft_vocab_size} but the draft has no 'd2t' tensor mapping its rows to target ids")
         return out
 
@@ -204,11 +209,14 @@ class DSparkDraft(nn.Module):
             raise ValueError(f"sampled drafting needs temperature > 0, got {temperature}; use greedy=True")
         first = self.args.packaging.first_draft_row
         hidden = self.block_hidden(anchor, ctx, target=target)[:, first : first + num_tokens]  # o(1..K), (B, K, H)
-        d2t = getattr(self, draft_vocab.PARAMETER_NAME, None)
-        if d2t is None:
-            base = target.lm_head_logits(hidden).astype(mx.float32)  # z(1..K): one LM head matmul
+        draft_ids = getattr(self, d2t.PARAMETER_NAME, None)
+        vocabulary = self.vocabulary
+        if draft_ids is not None:
+            base = self.lm_head(hidden).astype(mx.float32)  # z(1..K) over the draft's own rows (d2t)
+        elif vocabulary is not None:
+            base = vocabulary.logits(hidden).astype(mx.float32)  # over the reduced vocabulary's rows (FR-Spec)
         else:
-            base = self.lm_head(hidden).astype(mx.float32)  # over the draft's rows
+            base = target.lm_head_logits(hidden).astype(mx.float32)  # one LM head matmul
         return draft_tokens(
             anchor,
             hidden,
@@ -218,8 +226,9 @@ class DSparkDraft(nn.Module):
             confidence_with_markov=self.args.confidence_head_with_markov,
             greedy=greedy,
             temperature=temperature,
-            draft_to_target=d2t,
+            draft_to_target=draft_ids,
             vocab_size=self.args.vocab_size,
+            vocabulary=vocabulary,
         )
 
 

@@ -9,12 +9,12 @@ Attribute names mirror DeepSpec's checkpoints (`markov_head.*`, `confidence_head
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dspark.models.draft_vocab import scatter_probs, to_target
+from mlx_dspark.models.d2t import scatter_probs, to_target
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -30,10 +30,10 @@ class VanillaMarkov(nn.Module):
         self.markov_w2 = nn.Linear(markov_rank, output_size or vocab_size, bias=False)
         self._bias_scale = bias_scale  # config, not a parameter
 
-    def project(self, x: mx.array) -> mx.array:
-        """W2 · x (B, r) -> (B, V)."""
-        out = self.markov_w2(x)
-        return out if self._bias_scale is None else out * self._bias_scale
+    def project(self, x: mx.array, *, out: Optional[Callable] = None) -> mx.array:
+        """W2 · x (B, r) -> (B, V); `out` in place of W2 (a reduced vocabulary's rows of it)."""
+        bias = (out or self.markov_w2)(x)
+        return bias if self._bias_scale is None else bias * self._bias_scale
 
     def prev_embedding(self, tokens: mx.array) -> mx.array:
         return self.markov_w1(tokens)  # (B, r)
@@ -42,10 +42,11 @@ class VanillaMarkov(nn.Module):
         return None
 
     def step(
-        self, prev_embedding: mx.array, hidden: mx.array, state: mx.array | None
+        self, prev_embedding: mx.array, hidden: mx.array, state: mx.array | None, *, out: Optional[Callable] = None
     ) -> tuple[mx.array, mx.array | None]:
-        """(bias (B, V), next state) from W1[x(k-1)] (B, r) and o(k) (B, H)."""
-        return self.project(prev_embedding), state
+        """(bias (B, V), next state) from W1[x(k-1)] (B, r) and o(k) (B, H); `out` replaces the
+        rank -> vocabulary projection W2 (a reduced vocabulary's rows of it)."""
+        return self.project(prev_embedding, out=out), state
 
 
 class GatedMarkov(VanillaMarkov):
@@ -55,9 +56,9 @@ class GatedMarkov(VanillaMarkov):
         super().__init__(vocab_size=vocab_size, markov_rank=markov_rank, **kw)
         self.gate_proj = nn.Linear(hidden_size + markov_rank, markov_rank)
 
-    def step(self, prev_embedding, hidden, state):
+    def step(self, prev_embedding, hidden, state, *, out=None):
         gate = mx.sigmoid(self.gate_proj(mx.concatenate([hidden, prev_embedding], axis=-1)))
-        return self.project(gate * prev_embedding), state
+        return self.project(gate * prev_embedding, out=out), state
 
 
 class RNNMarkov(VanillaMarkov):
@@ -70,12 +71,12 @@ class RNNMarkov(VanillaMarkov):
     def initial_state(self, prev_embedding):
         return mx.zeros_like(prev_embedding)  # s(0) = 0, (B, r)
 
-    def step(self, prev_embedding, hidden, state):
+    def step(self, prev_embedding, hidden, state, *, out=None):
         joint = self.joint_proj(mx.concatenate([state, prev_embedding, hidden], axis=-1))
         gate_raw, candidate_raw, output_raw = mx.split(joint, 3, axis=-1)
         gate = mx.sigmoid(gate_raw)
         state = gate * state + (1 - gate) * mx.tanh(candidate_raw)
-        return self.project(mx.tanh(output_raw)), state
+        return self.project(mx.tanh(output_raw), out=out), state
 
 
 def make_markov_head(
@@ -145,14 +146,18 @@ def draft_tokens(
     temperature: float,
     draft_to_target: Optional[mx.array] = None,
     vocab_size: Optional[int] = None,
+    vocabulary: Optional[Any] = None,
 ) -> Proposal:
     """Sequential drafting over k = 1..K with x(0) = anchor (B,): o(k) = hidden[:, k-1], z(k) = base[:, k-1].
 
     Greedy: x(k) = argmax logits(k); else a draw from softmax(logits(k) / T) with the global MLX RNG.
-    With `draft_to_target` (a reduced draft vocabulary, `models/draft_vocab.py`) the logits are over
-    the draft rows: the pick is mapped to its target id and `draft_probs` spread over `vocab_size`.
+    With `draft_to_target` (a draft trained with a reduced vocabulary, `models/d2t.py`) the logits are
+    over the draft rows: the pick is mapped to its target id and `draft_probs` spread over `vocab_size`.
+    With a `vocabulary` (FR-Spec, `models/draft_vocab.py`) `base` and the Markov bias cover its K ids
+    only; the tokens are mapped back to target ids and `draft_probs` scattered onto the full vocabulary.
     Lazy: builds the graph only (no host synchronization).
     """
+    out = None if vocabulary is None else vocabulary.markov_bias
     prev = anchor
     prev_embeddings, tokens, token_probs, draft_probs = [], [], [], []
     state = None
@@ -162,7 +167,7 @@ def draft_tokens(
             embedding = markov_head.prev_embedding(prev)  # W1[x(k-1)], (B, r)
             if k == 0:
                 state = markov_head.initial_state(embedding)
-            bias, state = markov_head.step(embedding, hidden[:, k], state)
+            bias, state = markov_head.step(embedding, hidden[:, k], state, out=out)
             logits = logits + bias.astype(mx.float32)
             prev_embeddings.append(embedding)
         if greedy:
@@ -171,9 +176,15 @@ def draft_tokens(
             scaled = logits * (1.0 / temperature)
             token = mx.random.categorical(scaled)
             probs = mx.softmax(scaled, axis=-1)
-            draft_probs.append(probs if draft_to_target is None else scatter_probs(probs, draft_to_target, vocab_size))
+            if draft_to_target is not None:
+                probs = scatter_probs(probs, draft_to_target, vocab_size)
+            elif vocabulary is not None:
+                probs = vocabulary.scatter(probs)
+            draft_probs.append(probs)
         if draft_to_target is not None:
             token = to_target(token, draft_to_target)
+        elif vocabulary is not None:
+            token = vocabulary.to_target(token)  # W1 and the target read target ids
         token = token.astype(anchor.dtype)
         token_probs.append(mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)))
         tokens.append(token)

@@ -11,7 +11,7 @@ these from SpecForge / EAGLE-3 / z-lab exports; each is a config field here (top
 - `attention_scale`: the softmax scale instead of 1/sqrt(head_dim) (GGUF `attention.scale`).
 - `input_embedding_scale`: the block's token embeddings times this.
 - `markov_w2_scale`: the Markov bias times this (GGUF tensor `markov_w2.scale`, one value).
-- `draft_vocab_size` with a `d2t` tensor: a reduced draft vocabulary (see `models/draft_vocab.py`).
+- `draft_vocab_size` with a `d2t` tensor: a reduced draft vocabulary (see `models/d2t.py`).
 - `output_multiplier` / `final_logit_softcapping`: refused when they change anything: upstream's
   DSpark graph reads them but applies them nowhere (only DFlash2's does), so what such a draft was
   trained with is unknown.

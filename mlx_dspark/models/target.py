@@ -12,7 +12,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dspark.models.cache import make_target_cache
+from mlx_dspark.models.cache import kv_group_size, make_target_cache
 from mlx_dspark.models.base import check_tap_ids, gather_taps
 
 
@@ -54,8 +54,14 @@ class TargetModel(nn.Module):
     def embedding(self) -> nn.Module:
         return getattr(self.model, self.embed_name)
 
+    # Bits of the full-attention layers' KV caches (load(kv_bits=) sets it); None: float caches.
+    kv_bits: Optional[int] = None
+
     def make_cache(self, *, max_rollback: int = 8) -> list[Any]:
-        return make_target_cache(self.layer_types, window=self.args.window, max_rollback=max_rollback)
+        group = 64 if self.kv_bits is None else kv_group_size(self.args.head_dim)
+        return make_target_cache(
+            self.layer_types, window=self.args.window, max_rollback=max_rollback, kv_bits=self.kv_bits, kv_group_size=group
+        )
 
     def embed(self, ids: mx.array) -> mx.array:
         return self.embedding(ids)
