@@ -185,3 +185,19 @@ def test_export_command_refuses_to_overwrite_without_force(tiny_qwen3_pair, tmp_
         third = subprocess.run([*command, "--force"], capture_output=True, text=True, timeout=120)
         assert third.returncode == 0, third.stderr
     _assert_same_draft(target, draft, tmp_path / "d.gguf")
+
+
+def test_gguf_export_takes_the_tokenizer_of_a_target_gguf(tiny_spark_pair, tmp_path):
+    from gguf import GGUFReader
+
+    from mlx_dspark.testing.gguf_writer import write_gguf_target
+
+    target, draft = tiny_spark_pair
+    target_gguf = write_gguf_target(target, tmp_path / "target.gguf")
+    out = tmp_path / "draft.gguf"
+    export_draft(draft, out, to="gguf", target=target_gguf)
+    ours, theirs = GGUFReader(out).fields, GGUFReader(target_gguf).fields
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.ggml.eos_token_id"):
+        assert ours[key].contents() == theirs[key].contents(), key
+    assert ours["tokenizer.ggml.mask_token_id"].contents() == json.loads((draft / "config.json").read_text())["mask_token_id"]
+    _assert_same_draft(target, draft, out)
