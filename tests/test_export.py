@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 
 import mlx_dspark
 from mlx_dspark.loading.convert import convert
-from mlx_dspark.loading.export import export_draft
+from mlx_dspark.export.write import export_draft
 from mlx_dspark.testing.gguf_writer import write_gguf_draft
 from mlx_dspark.testing.tiny import write_tiny_draft
 

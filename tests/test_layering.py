@@ -16,19 +16,20 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mlx_dspark"
 
 # the rooms below the package, from the bottom up; a room may import itself and the rooms allowed it
 FORBIDDEN = {
-    "models": ("engine", "loading", "serve", "bench", "train", "cli", "api", "testing"),
-    "engine": ("loading", "serve", "bench", "train", "cli", "api", "testing"),
-    "loading": ("engine", "serve", "bench", "train", "cli", "api"),
+    "models": ("engine", "loading", "export", "serve", "bench", "train", "cli", "api", "testing"),
+    "engine": ("loading", "export", "serve", "bench", "train", "cli", "api", "testing"),
+    "loading": ("engine", "export", "serve", "bench", "train", "cli", "api"),
     "serve": ("bench", "train", "cli", "testing", "loading"),
     "bench": ("serve", "cli", "train", "testing"),
     "train": ("serve", "cli", "bench", "testing"),
     "api": ("serve", "bench", "train", "cli", "testing", "loading"),
+    "export": ("engine", "serve", "bench", "train", "cli", "api", "testing"),
     "testing": ("engine", "serve", "bench", "train", "cli", "api"),
 }
 # the thin `python -m` shells and console-script targets that may import cli/
 ENTRY_POINTS = {
     "mlx_dspark.generate", "mlx_dspark.server", "mlx_dspark.chat", "mlx_dspark.benchmark",
-    "mlx_dspark.convert", "mlx_dspark.train.__main__", "mlx_dspark.train.calibrate", "mlx_dspark.export",
+    "mlx_dspark.convert", "mlx_dspark.train.__main__", "mlx_dspark.train.calibrate", "mlx_dspark.export.__main__",
     "mlx_dspark.train.regenerate", "mlx_dspark.rank_vocab",
 }  # fmt: skip
 TOP_LEVEL_LIMIT = 8

@@ -1,4 +1,4 @@
-"""`python -m mlx_dspark.export --to gguf|deepspec DRAFT OUT [--target T]`: flags over `loading.export`.
+"""`python -m mlx_dspark.export --to gguf|deepspec DRAFT OUT [--target T]`: flags over `export.write`.
 
     # llama.cpp (`llama-server -md OUT.gguf --spec-type draft-dspark`): the dflash GGUF, with the
     # target's tokenizer in it
@@ -35,7 +35,7 @@ def cli(
         None, "--draft-tap-ids", help="GGUF drafts from older converters: the tapped layers as Hugging Face ids"
     ),
 ) -> None:
-    from mlx_dspark.loading.export import FORMATS, export_draft
+    from mlx_dspark.export.write import FORMATS, export_draft
 
     def fail(message: str) -> None:
         typer.echo(f"error: {message}", err=True)

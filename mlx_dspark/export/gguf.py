@@ -23,7 +23,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
-from mlx_dspark.loading.export_source import ExportDraft
+from mlx_dspark.export.source import ExportDraft
 from mlx_dspark.loading.gguf_tokenizer import CONTROL, LLAMA3_SPLIT, NORMAL, QWEN2_SPLIT, UNUSED, USER_DEFINED, GGUFTokenizer
 
 ARCH = "dflash"

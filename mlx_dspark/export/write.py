@@ -1,8 +1,8 @@
 """Exporting a draft for other engines: `export_draft(DRAFT, OUT, to="gguf" | "deepspec")`.
 
-`gguf`: upstream llama.cpp's DSpark draft GGUF (`export_gguf.py`); `deepspec`: DeepSpec's Hugging
-Face layout, read by DeepSpec, vLLM and SGLang (`export_deepspec.py`). The source is any draft we load
-(`export_source.py`); existing outputs are only replaced with `force=True`.
+`gguf`: upstream llama.cpp's DSpark draft GGUF (`gguf.py`); `deepspec`: DeepSpec's Hugging
+Face layout, read by DeepSpec, vLLM and SGLang (`deepspec.py`). The source is any draft we load
+(`source.py`); existing outputs are only replaced with `force=True`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mlx_dspark.loading.checkpoint import is_gguf, read_checkpoint, resolve_path
-from mlx_dspark.loading.export_deepspec import write_deepspec
-from mlx_dspark.loading.export_gguf import check_exportable, hf_tokenizer, write_draft_gguf
-from mlx_dspark.loading.export_source import read_draft_for_export
+from mlx_dspark.export.deepspec import write_deepspec
+from mlx_dspark.export.gguf import check_exportable, hf_tokenizer, write_draft_gguf
+from mlx_dspark.export.source import read_draft_for_export
 from mlx_dspark.loading.precision import parse_dtype
 
 FORMATS = ("gguf", "deepspec")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_dspark.loading.export_source import EMBED, HEAD, ExportDraft
+from mlx_dspark.export.source import EMBED, HEAD, ExportDraft
 from mlx_dspark.models.dspark_args import DSPARK_FIELDS, NESTED_FIELDS
 
 ARCHITECTURES = {"qwen3": "Qwen3DSparkModel", "spark2_5": "Spark2_5DSparkModel"}
