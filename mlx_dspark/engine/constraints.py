@@ -87,7 +87,7 @@ class Constraint:
             rules.append(f"call_{i}: {_lark_literal(shape.begin)} args_{i} {_lark_literal(shape.end)}\nargs_{i}: {body}")
         calls = " | ".join(f"call_{i}" for i in range(len(shapes)))
         start = "start: call (SEP? call)*" if parallel else "start: call"
-        lark = "\n".join([start, f"call: {calls}", "SEP: /[ \\t\\r\\n]+/", *rules])
+        lark = "\n".join([start, f"call: {calls}", "SEP: /[ \\t\\r\\n]{1,3}/", *rules])
         return cls("tool_calls", _llg().LLMatcher.grammar_from_lark(lark))
 
 
