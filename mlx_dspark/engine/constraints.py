@@ -22,6 +22,9 @@ class ConstraintError(ValueError):
     """A schema, regex or grammar the engine cannot use; `field` is the constraint kind it came from."""
 
     def __init__(self, field: str, message: str) -> None:
+        # the engine's messages span lines (source excerpts, ^ pointers): one line, for a CLI error or a 400
+        parts = [line.strip() for line in message.splitlines()]
+        message = " ".join(part for part in parts if part and set(part) != {"^"})
         super().__init__(f"{field}: {message}")
         self.field = field
 
