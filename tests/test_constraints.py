@@ -109,7 +109,7 @@ def test_a_forced_tool_call_parses_and_validates(model, prompt):
     result = _check_identical(model, prompt, constraint, max_tokens=80)
     assert result.finish_reason == "stop", result.text
     calls = _tool_calls(result.text, begin, end)
-    assert len(calls) == 1 and result.text == f"{begin}{json.dumps(calls[0], separators=(',', ':'), ensure_ascii=False)}{end}"
+    assert len(calls) == 1 and result.text.startswith(begin) and result.text.endswith(end)
     jsonschema.validate(calls[0], TOOL_SCHEMA)
 
 

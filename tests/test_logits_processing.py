@@ -102,6 +102,9 @@ class ParityGrammar:
         bits = self.allowed(list(prefix))
         return np.array([sum(1 << t for t in range(VOCAB) if bits[t])], dtype=np.int32)
 
+    def masks(self, draft) -> np.ndarray:
+        return np.stack([self.mask(list(draft[:j])) for j in range(len(draft) + 1)])
+
     def valid_prefix(self, tokens) -> int:
         for i, token in enumerate(tokens):
             if not self.allowed(list(tokens[:i]))[token]:

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "tool_calls")
+# JSON whitespace between tokens: bounded (a weak model cannot spend its budget on blanks), but present,
+# since llguidance's no-whitespace mode also forbids tokens across lexeme boundaries (`{"` as one token)
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,12}"}
 
 
 class ConstraintError(ValueError):
@@ -86,7 +89,7 @@ class Constraint:
             if not (isinstance(shape.begin, str) and isinstance(shape.end, str)):
                 raise ConstraintError("tool_calls", f"shape {i}: begin and end must be strings")
             # JSON string literals are valid Lark literals; %json embeds the schema as its own rule (compact JSON)
-            body = f"%json {json.dumps({**shape.schema, 'x-guidance': {'whitespace_flexible': False}})}"
+            body = f"%json {json.dumps({**shape.schema, 'x-guidance': JSON_OPTIONS})}"
             rules.append(f"call_{i}: {_lark_literal(shape.begin)} args_{i} {_lark_literal(shape.end)}\nargs_{i}: {body}")
         calls = " | ".join(f"call_{i}" for i in range(len(shapes)))
         start = "start: call (SEP? call)*" if parallel else "start: call"
@@ -118,8 +121,7 @@ def _check_schema(field: str, schema: Any) -> Mapping[str, Any]:
 def _from_schema(field: str, schema: Any) -> str:
     schema = _check_schema(field, schema)
     try:
-        # whitespace_flexible False: compact JSON, so no token budget goes to indentation
-        return _llg().LLMatcher.grammar_from_json_schema(dict(schema), defaults={"whitespace_flexible": False})
+        return _llg().LLMatcher.grammar_from_json_schema(dict(schema), defaults=JSON_OPTIONS)
     except ValueError as err:
         raise ConstraintError(field, str(err)) from None
 

@@ -128,7 +128,7 @@ def plain_steps(
     `processor` (penalties, logit_bias, a constraint, logprobs) processes each step's logits.
     """
     prompt_cache = PromptCache(target, max_snapshots=0) if prompt_cache is None else prompt_cache
-    processor = processor or LogitsProcessor(vocab_size=target.args.vocab_size, history=())
+    processor = processor or LogitsProcessor.passthrough()
     logits = prefill_cached(target, prompt_cache, prompt, step_size=prefill_step_size, cancel=cancel)
     lease, cache = prompt_cache.lease, prompt_cache.target_cache
     token, logprobs = _draw(sampler, processor, logits[None], mx.zeros((0,), mx.int32))
@@ -187,7 +187,7 @@ def speculative_steps(
         target, prompt_cache, prompt, tap_ids=tap_ids, proposer=proposer, step_size=prefill_step_size, cancel=cancel
     )
     lease, cache = prompt_cache.lease, prompt_cache.target_cache
-    processor = processor or LogitsProcessor(vocab_size=target.args.vocab_size, history=())
+    processor = processor or LogitsProcessor.passthrough()
     hook = processor.draft_hook() if getattr(proposer, "takes_logits_hook", False) else None
     anchor, logprobs = _draw(sampler, processor, logits[None], mx.zeros((0,), mx.int32))
     anchor = anchor.astype(mx.int32).reshape(1)

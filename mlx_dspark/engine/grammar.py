@@ -9,6 +9,7 @@ by the verify pass of the same round.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -27,6 +28,7 @@ class GrammarState:
         self._cache: dict[tuple[int, ...], np.ndarray] = {}  # draft prefix -> mask row, this round only
         self._stopped: dict[tuple[int, ...], bool] = {}  # draft prefix -> the grammar has ended after it
         self.masks_computed = 0  # for the benchmark's overhead figures
+        self.host_seconds = 0.0  # time spent in mask() / masks() / valid_prefix / commit, likewise
 
     # -- committed state ---------------------------------------------------------------------------
 
@@ -57,13 +59,17 @@ class GrammarState:
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` (a draft) the grammar allows in a row from the committed state."""
-        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
+        started = time.perf_counter()
+        valid = self.matcher.validate_tokens(list(tokens)) if tokens else 0
+        self.host_seconds += time.perf_counter() - started
+        return valid
 
     def mask(self, prefix: Sequence[int]) -> np.ndarray:
         """The mask row (words,) after the committed tokens + `prefix` (a legal draft prefix)."""
         key = tuple(int(t) for t in prefix)
         row = self._cache.get(key)
         if row is None:
+            started = time.perf_counter()
             row = np.zeros((1, self.words), np.int32)
             consumed = self.matcher.try_consume_tokens(list(key)) if key else 0
             # Only a prefix ending in end-of-sequence at the grammar's end stops short; nothing follows it.
@@ -74,6 +80,7 @@ class GrammarState:
                 self.matcher.rollback(consumed)
             row = self._finish(row[0])
             self._cache[key] = row
+            self.host_seconds += time.perf_counter() - started
         return row
 
     def ends_after(self, prefix: Sequence[int]) -> bool:
@@ -91,6 +98,7 @@ class GrammarState:
         draft = [int(t) for t in draft]
         missing = [j for j in range(len(draft) + 1) if tuple(draft[:j]) not in self._cache]
         if len(missing) > 1:
+            started = time.perf_counter()
             # one native call walks the whole draft (it consumes and rolls back itself)
             rows = np.zeros((len(draft) + 1, self.words), np.int32)
             self._executor.unsafe_compute_mask_ptr_with_draft_token(
@@ -98,6 +106,7 @@ class GrammarState:
             )
             for j in range(len(draft) + 1):
                 self._cache[tuple(draft[:j])] = self._finish(rows[j])
+            self.host_seconds += time.perf_counter() - started
         return np.stack([self.mask(draft[:j]) for j in range(len(draft) + 1)])
 
     def _finish(self, row: np.ndarray) -> np.ndarray:

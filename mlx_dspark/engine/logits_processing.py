@@ -61,6 +61,11 @@ class LogitsProcessor:
             self.penalties = sampling
         self.changes_logits = self.bias is not None or self.penalties is not None or grammar is not None
 
+    @classmethod
+    def passthrough(cls) -> "LogitsProcessor":
+        """Changes nothing and reports no logprobs (the loops' default)."""
+        return cls(vocab_size=0, history=())
+
     # -- the target's rows ---------------------------------------------------------------------------
 
     def target_logits(self, logits: mx.array, pending: mx.array) -> mx.array:
@@ -76,7 +81,10 @@ class LogitsProcessor:
             mx.async_eval(out)  # launch the forward first: the masks are computed while it runs
             pending_ids = pending.tolist()
             start = len(pending_ids) - n + 1
-            masks = np.stack([self.grammar.mask(pending_ids[: start + j]) for j in range(n)])
+            if start == 0:  # verify rows: every prefix of the draft (those drafting computed are reused)
+                masks = self.grammar.masks(pending_ids)
+            else:
+                masks = np.stack([self.grammar.mask(pending_ids[: start + j]) for j in range(n)])
             out = apply_masks(out, masks)
         return out
 
