@@ -78,8 +78,10 @@ class LogitsProcessor:
         n = logits.shape[0]
         out = self._device_rows(logits, pending, n)
         if self.grammar is not None:
-            mx.async_eval(out)  # launch the forward first: the masks are computed while it runs
+            # Read the pending tokens first (they precede the forward anyway), then launch the forward
+            # and compute the masks while it runs: a read after the launch would wait for the forward.
             pending_ids = pending.tolist()
+            mx.async_eval(out)
             start = len(pending_ids) - n + 1
             if start == 0:  # verify rows: every prefix of the draft (those drafting computed are reused)
                 masks = self.grammar.masks(pending_ids)
