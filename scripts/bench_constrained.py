@@ -34,6 +34,15 @@ SCHEMA = {
     "additionalProperties": False,
 }
 PROMPT = "def parse(self, data):\n    \"\"\"Return the request as JSON: "
+# The demo target learned Python: code inside a JSON string is what it (and its draft) can predict
+CODE_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 40}, "code": {"type": "string"}},
+    "required": ["name", "code"],
+    "additionalProperties": False,
+}
+CODE_PROMPT = "class Request:\n    def __init__(self, url, data=None):\n        self.url = url\n        "
+SCHEMAS = {"record": (SCHEMA, PROMPT), "code": (CODE_SCHEMA, CODE_PROMPT)}
 
 
 def run_once(model, prompt_ids, options) -> dict:
@@ -77,6 +86,7 @@ def main() -> None:
     parser.add_argument("--draft")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--schema", choices=sorted(SCHEMAS), default="record")
     args = parser.parse_args()
     if args.model is None:
         from mlx_dspark.cli.common import DEMO_DTYPE, demo_pair
@@ -85,8 +95,9 @@ def main() -> None:
         model = load(str(demo.target), draft=str(demo.draft), dtype=DEMO_DTYPE)
     else:
         model = load(args.model, draft=args.draft)
-    prompt_ids = encode_prompt(model.tokenizer, PROMPT)
-    constraint = Constraint.json_schema(SCHEMA)
+    schema, prompt = SCHEMAS[args.schema]
+    prompt_ids = encode_prompt(model.tokenizer, prompt)
+    constraint = Constraint.json_schema(schema)
     base = GenerationOptions(max_tokens=args.max_tokens, constraint=constraint)
     variants = {
         "plain (constrained)": dataclasses.replace(base, speculation=SpeculationOptions(speculative=False)),

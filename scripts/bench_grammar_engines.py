@@ -174,19 +174,19 @@ def bench_outlines(vocab: list[bytes], tokens: list[int]) -> dict:
     times = []
     for t in tokens:
         start = time.perf_counter()
-        guide.write_mask_into(mask.ctypes.data, mask.nbytes, mask.itemsize)
+        guide.write_mask_into(mask.ctypes.data, mask.size, mask.itemsize)
         times.append(time.perf_counter() - start)
         guide.advance(t)
     guide.reset()
     for t in tokens[:5]:
         guide.advance(t)
     before = mask.copy()
-    guide.write_mask_into(before.ctypes.data, before.nbytes, before.itemsize)
+    guide.write_mask_into(before.ctypes.data, before.size, before.itemsize)
     for t in tokens[5:8]:
         guide.advance(t)
     guide.rollback_state(3)
     after = mask.copy()
-    guide.write_mask_into(after.ctypes.data, after.nbytes, after.itemsize)
+    guide.write_mask_into(after.ctypes.data, after.size, after.itemsize)
     return {"tokenizer_s": tokenizer_s, "compile_s": compile_s, "mask_us": _us(times), "rollback": bool((before == after).all())}
 
 

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "tool_calls")
 # JSON whitespace between tokens: bounded (a weak model cannot spend its budget on blanks), but present,
 # since llguidance's no-whitespace mode also forbids tokens across lexeme boundaries (`{"` as one token)
-JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,12}"}
+JSON_OPTIONS = {"whitespace_pattern": r"\x20?"}
 
 
 class ConstraintError(ValueError):
