@@ -126,14 +126,16 @@ class LogitsProcessor:
         if not self.changes_logits:
             return None
         masked = self.grammar is not None and self.mask_draft
-        drawn: list[int] = []  # host copies of the draft tokens so far (masked drafting only)
+        drawn: list[int] = []  # host copies of this proposal's draft tokens so far (masked drafting only)
 
         def hook(logits: mx.array, drafted: list) -> mx.array | None:
             pending = mx.concatenate([t.reshape(-1) for t in drafted]) if drafted else mx.zeros((0,), mx.int32)
             out = self._device_rows(logits, pending, logits.shape[0])
             if not masked:
                 return out
-            if drafted:
+            if not drafted:
+                drawn.clear()  # a new proposal
+            else:
                 drawn.append(int(drafted[-1].item()))  # the host read per draft position
                 if drawn[-1] in self.grammar.eos_ids:
                     return None
