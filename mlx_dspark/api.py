@@ -16,12 +16,15 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.context import ContextLengthError, context_length, fit_max_tokens  # noqa: F401  (re-exported)
+from mlx_dspark.engine.constraints import Constraint
 from mlx_dspark.engine.decode import GenerationCancelled, Round, plain_steps, speculative_steps  # noqa: F401  (re-exported)
+from mlx_dspark.engine.grammar import GrammarState
+from mlx_dspark.engine.logprobs import TokenLogprob
 from mlx_dspark.engine.options import DEFAULT_OPTIONS, GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.propose import DraftProposer, Proposer
-from mlx_dspark.engine.cost_probe import cost_curve_for
-from mlx_dspark.engine.schedule import CostCurve, require_confidence_head
+from mlx_dspark.engine.propose import Proposer
+from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.steps import compile_request, make_steps
 
 
 @dataclass
@@ -40,6 +43,7 @@ class StepResponse:
     generation_tps: float
     peak_memory_gb: float
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache (not prefilled)
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when options.logprobs is set
 
 
 @dataclass
@@ -57,6 +61,7 @@ class GenerationResult:
     total_time: float = 0.0
     cached_tokens: int = 0
     target_forwards: int = 0  # the prefill's last one, then one per decode step or verify round
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when options.logprobs is set
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -110,58 +115,6 @@ def encode_prompt(
     raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
 
 
-def _steps(
-    model: Any,
-    prompt_ids: list[int],
-    options: GenerationOptions,
-    proposer: Proposer | None,
-    prompt_cache: PromptCache | None,
-    cancel: threading.Event | None,
-) -> Iterator[Round]:
-    vocab = model.target.args.vocab_size
-    bad = [t for t in prompt_ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-    sampling, speculation = options.sampling, options.speculation
-    step_size = options.prefill_step_size
-    if not speculation.speculative:
-        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
-                           prefill_step_size=step_size, cancel=cancel)
-    if proposer is None and model.draft is not None:
-        proposer = DraftProposer(
-            model.draft,
-            model.target,
-            greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
-            temperature=max(sampling.temperature, 1e-6),
-            context=None if prompt_cache is None else prompt_cache.draft_context,
-        )
-    if proposer is None:
-        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
-                           prefill_step_size=step_size, cancel=cancel)
-    if speculation.confidence_threshold > 0 and isinstance(proposer, DraftProposer):
-        # as llama-server refuses --spec-draft-p-min > 0 for a DSpark draft without a confidence head
-        require_confidence_head(
-            proposer.draft, source=getattr(model, "draft_path", None) or "the draft",
-            need=f"confidence_threshold {speculation.confidence_threshold}", fix="set it to 0",
-        )  # fmt: skip
-    if speculation.verify_schedule == "confidence":
-        if isinstance(proposer, DraftProposer):
-            require_confidence_head(proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
-        if speculation.cost_curve is None:  # this machine's curve for the pair, measured once and cached on disk
-            speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
-    return speculative_steps(
-        model.target,
-        proposer,
-        prompt_ids,
-        sampler=sampling,
-        speculation=speculation,
-        max_tokens=options.max_tokens,
-        prompt_cache=prompt_cache,
-        prefill_step_size=step_size,
-        cancel=cancel,
-    )
-
-
 def _held_back(text: str, stops: Sequence[str]) -> int:
     """How many trailing characters could still grow into a stop string (so are not shown yet)."""
     hold = 0
@@ -192,6 +145,13 @@ def stream_generate(
     top_k: int = _SAMPLING.top_k,
     min_p: float = _SAMPLING.min_p,
     seed: int | None = _SAMPLING.seed,
+    presence_penalty: float = _SAMPLING.presence_penalty,
+    frequency_penalty: float = _SAMPLING.frequency_penalty,
+    repetition_penalty: float = _SAMPLING.repetition_penalty,
+    penalty_last_n: int = _SAMPLING.penalty_last_n,
+    logit_bias: dict[int, float] | None = None,
+    logprobs: int | None = DEFAULT_OPTIONS.logprobs,
+    constraint: Constraint | None = DEFAULT_OPTIONS.constraint,
     draft_sampling: str = _SPECULATION.draft_sampling,
     speculative: bool = _SPECULATION.speculative,
     confidence_threshold: float = _SPECULATION.confidence_threshold,
@@ -199,6 +159,7 @@ def stream_generate(
     max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
     verify_schedule: str = _SPECULATION.verify_schedule,
     cost_curve: CostCurve | None = _SPECULATION.cost_curve,
+    mask_draft: bool = _SPECULATION.mask_draft,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
@@ -225,7 +186,13 @@ def stream_generate(
         stop=stop or (),
         stop_token_ids=stop_token_ids or (),
         chat_template_kwargs=chat_template_kwargs,
-        sampling=SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed),
+        logprobs=logprobs,
+        constraint=constraint,
+        sampling=SamplingOptions(
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, penalty_last_n=penalty_last_n,
+            logit_bias=logit_bias or (),
+        ),
         speculation=SpeculationOptions(
             speculative=speculative,
             draft_sampling=draft_sampling,
@@ -234,13 +201,15 @@ def stream_generate(
             max_draft_tokens=max_draft_tokens,
             verify_schedule=verify_schedule,
             cost_curve=cost_curve,
+            mask_draft=mask_draft,
         ),
     )
     if options is None:
         options = built
     elif built != DEFAULT_OPTIONS:
         raise ValueError("give the generation options either as `options=` or as keywords, not both")
-    return _stream(model, prompt, options, proposer, prompt_cache, cancel)
+    grammar = compile_request(model, options)  # here, not in the stream: a bad constraint fails at the call
+    return _stream(model, prompt, options, proposer, prompt_cache, cancel, grammar)
 
 
 def _stream(
@@ -250,6 +219,7 @@ def _stream(
     proposer: Proposer | None,
     prompt_cache: PromptCache | None,
     cancel: threading.Event | None,
+    grammar: GrammarState | None,
 ) -> Iterator[StepResponse]:
     tokenizer = model.tokenizer
     stops = options.stop
@@ -268,7 +238,7 @@ def _stream(
     generated = 0
     start = time.perf_counter()
     first_token_time = None
-    for step in _steps(model, prompt_ids, options, proposer, prompt_cache, cancel):
+    for step in make_steps(model, prompt_ids, options, proposer, prompt_cache, cancel, grammar):
         now = time.perf_counter()
         if first_token_time is None:
             first_token_time = now
@@ -308,6 +278,7 @@ def _stream(
             generation_tps=(generated - 1) / elapsed if generated > 1 and elapsed > 0 else 0.0,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             cached_tokens=cached,
+            logprobs=None if step.logprobs is None else step.logprobs[: len(tokens)],
         )
         if finish_reason is not None:
             return
@@ -327,6 +298,7 @@ class ResultCollector:
         self.acceptance_lengths: list[int] = []
         self.proposal_lengths: list[int] = []
         self.steps = 0  # one target forward each (the first: the prefill's)
+        self.logprobs: list[TokenLogprob] | None = None
         self.last: StepResponse | None = None
 
     def add(self, step: StepResponse) -> None:
@@ -335,6 +307,8 @@ class ResultCollector:
         self.text.append(step.text)
         self.tokens.extend(step.tokens)
         self.steps += 1
+        if step.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + step.logprobs
         if step.verified:
             self.acceptance_lengths.append(step.accepted + 1)
             self.proposal_lengths.append(step.proposed)
@@ -370,6 +344,7 @@ class ResultCollector:
             total_time=time.perf_counter() - self.start,
             cached_tokens=last.cached_tokens,
             target_forwards=self.steps,
+            logprobs=self.logprobs,
         )
 
 
@@ -394,6 +369,13 @@ def generate(
     top_k: int = _SAMPLING.top_k,
     min_p: float = _SAMPLING.min_p,
     seed: int | None = _SAMPLING.seed,
+    presence_penalty: float = _SAMPLING.presence_penalty,
+    frequency_penalty: float = _SAMPLING.frequency_penalty,
+    repetition_penalty: float = _SAMPLING.repetition_penalty,
+    penalty_last_n: int = _SAMPLING.penalty_last_n,
+    logit_bias: dict[int, float] | None = None,
+    logprobs: int | None = DEFAULT_OPTIONS.logprobs,
+    constraint: Constraint | None = DEFAULT_OPTIONS.constraint,
     draft_sampling: str = _SPECULATION.draft_sampling,
     speculative: bool = _SPECULATION.speculative,
     confidence_threshold: float = _SPECULATION.confidence_threshold,
@@ -401,6 +383,7 @@ def generate(
     max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
     verify_schedule: str = _SPECULATION.verify_schedule,
     cost_curve: CostCurve | None = _SPECULATION.cost_curve,
+    mask_draft: bool = _SPECULATION.mask_draft,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
@@ -425,6 +408,13 @@ def generate(
         top_k=top_k,
         min_p=min_p,
         seed=seed,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        penalty_last_n=penalty_last_n,
+        logit_bias=logit_bias,
+        logprobs=logprobs,
+        constraint=constraint,
         draft_sampling=draft_sampling,
         speculative=speculative,
         confidence_threshold=confidence_threshold,
@@ -432,6 +422,7 @@ def generate(
         max_draft_tokens=max_draft_tokens,
         verify_schedule=verify_schedule,
         cost_curve=cost_curve,
+        mask_draft=mask_draft,
         stop=stop,
         stop_token_ids=stop_token_ids,
         chat_template_kwargs=chat_template_kwargs,

@@ -13,7 +13,7 @@ own (`set_embedding_rows`, e.g. a trained mask row), or a reduced vocabulary wit
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -196,6 +196,7 @@ class DSparkDraft(nn.Module):
         greedy: bool = True,
         temperature: float = 1.0,
         num_tokens: Optional[int] = None,
+        logits_hook: Optional[Callable] = None,
     ) -> Proposal:
         """Draft `num_tokens` (default `num_drafts`) tokens after `anchor` (B,) at position p = context length.
 
@@ -229,6 +230,7 @@ class DSparkDraft(nn.Module):
             draft_to_target=draft_ids,
             vocab_size=self.args.vocab_size,
             vocabulary=vocabulary,
+            logits_hook=logits_hook,
         )
 
 

@@ -147,6 +147,7 @@ def draft_tokens(
     draft_to_target: Optional[mx.array] = None,
     vocab_size: Optional[int] = None,
     vocabulary: Optional[Any] = None,
+    logits_hook: Optional[Callable[[mx.array, list], Optional[mx.array]]] = None,
 ) -> Proposal:
     """Sequential drafting over k = 1..K with x(0) = anchor (B,): o(k) = hidden[:, k-1], z(k) = base[:, k-1].
 
@@ -155,9 +156,15 @@ def draft_tokens(
     over the draft rows: the pick is mapped to its target id and `draft_probs` spread over `vocab_size`.
     With a `vocabulary` (FR-Spec, `models/draft_vocab.py`) `base` and the Markov bias cover its K ids
     only; the tokens are mapped back to target ids and `draft_probs` scattered onto the full vocabulary.
-    Lazy: builds the graph only (no host synchronization).
+    `logits_hook(logits(k), [x(1), .., x(k-1)])` (the engine's penalties / bias / grammar mask, over the
+    target's vocabulary) replaces logits(k) before the draw, or returns None to end the proposal before
+    position k; a reduced vocabulary's logits go through it spread over the target's ids (-inf elsewhere).
+    Lazy: builds the graph only (no host synchronization), unless the hook reads the tokens.
     """
     out = None if vocabulary is None else vocabulary.markov_bias
+    row_ids = draft_to_target if draft_to_target is not None else (None if vocabulary is None else vocabulary.ids)
+    if vocabulary is not None:
+        vocab_size = vocabulary.vocab_size
     prev = anchor
     prev_embeddings, tokens, token_probs, draft_probs = [], [], [], []
     state = None
@@ -170,6 +177,17 @@ def draft_tokens(
             bias, state = markov_head.step(embedding, hidden[:, k], state, out=out)
             logits = logits + bias.astype(mx.float32)
             prev_embeddings.append(embedding)
+        if logits_hook is not None:
+            if row_ids is None:
+                logits = logits_hook(logits, tokens)
+            else:  # the hook reads target ids: spread the reduced rows over them, then take them back
+                full = mx.full((*logits.shape[:-1], vocab_size), -mx.inf, dtype=logits.dtype)
+                full[..., row_ids] = logits
+                hooked = logits_hook(full, tokens)
+                logits = None if hooked is None else hooked[..., row_ids]
+            if logits is None:
+                prev_embeddings = prev_embeddings[:k]
+                break
         if greedy:
             token = mx.argmax(logits, axis=-1)
         else:
@@ -190,6 +208,10 @@ def draft_tokens(
         tokens.append(token)
         prev = token
     confidence = None
+    if not tokens:  # the hook ended the proposal before its first position
+        empty = mx.zeros((anchor.shape[0], 0), anchor.dtype)
+        return Proposal(tokens=empty, draft_probs=None, token_probs=empty.astype(mx.float32), confidence=None)
+    hidden = hidden[:, : len(tokens)]
     if confidence_head is not None:
         features = hidden
         if confidence_with_markov:
