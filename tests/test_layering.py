@@ -21,6 +21,7 @@ FORBIDDEN = {
     "serve": ("bench", "train", "cli", "testing", "loading"),
     "bench": ("serve", "cli", "train", "testing"),
     "train": ("serve", "cli", "bench", "testing"),
+    "chat_format": ("loading", "serve", "bench", "train", "cli", "api", "testing"),
     "api": ("serve", "bench", "train", "cli", "testing", "loading"),
     "testing": ("engine", "serve", "bench", "train", "cli", "api"),
 }
