@@ -62,6 +62,7 @@ class OutputParser:
         self._buffer = ""  # text of the current section not yet emitted
         self._after_marker = in_reasoning  # drop the whitespace that opens a section after a marker
         self._calls = 0
+        self._gap = ""  # whitespace dropped before an opened call: restored if the call stays text
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, *, in_reasoning: bool = False, parse_tools: bool = True,
@@ -111,8 +112,8 @@ class OutputParser:
         """The end of the output: what was held back; an unclosed call stays text (as content)."""
         events: list[tuple[str, Any]] = []
         if self.state == TOOL:
-            self.state = CONTENT
-            self._emit(self._tools[0] + self._buffer, events)
+            self.state, self._after_marker = CONTENT, False
+            self._emit(self._gap + self._tools[0] + self._buffer, events)
         elif not (self.called and self.state == CONTENT and not self._buffer.strip()):
             self._emit(self._buffer, events)
         self._buffer = ""
@@ -135,10 +136,13 @@ class OutputParser:
             self._parse_call(text, events)
         else:
             self._emit(text.rstrip(), events)
+            self._gap = "" if self._after_marker else text[len(text.rstrip()):]
 
     def _switch(self, marker: str) -> None:
-        if self.state == CONTENT:
-            self.state = REASONING if self._think and marker == self._think[0] else TOOL
+        if self._think and marker == self._think[0]:
+            self.state = REASONING
+        elif self._tools and marker == self._tools[0]:
+            self.state = TOOL
         else:
             self.state = CONTENT
         self._after_marker = True
@@ -149,8 +153,8 @@ class OutputParser:
         except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
             # Not a call we can read: the text stays visible as content rather than vanish.
             log.warning("tool call text could not be parsed (%s: %s); kept as content", type(err).__name__, err)
-            self.state = CONTENT
-            self._emit(f"{self._tools[0]}{text}{self._tools[1]}", events)
+            self.state, self._after_marker = CONTENT, False
+            self._emit(f"{self._gap}{self._tools[0]}{text}{self._tools[1]}", events)
             return
         for call in parsed if isinstance(parsed, list) else [parsed]:
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):

@@ -102,9 +102,11 @@ def check_function(function: dict, *, where: str, parameters_key: str = "paramet
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
         raise ToolError(f"{where}.{parameters_key}", f"must be a JSON Schema object, got {type(parameters).__name__}")
-    out = {"name": name, "parameters": parameters}
+    # OpenAI's order (name, description, parameters): templates write the tool as JSON in this order
+    out: dict[str, Any] = {"name": name}
     if description is not None:
         out["description"] = description
+    out["parameters"] = parameters
     return out
 
 
