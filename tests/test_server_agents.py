@@ -1,0 +1,259 @@
+"""Agent protocols against the server, each through its official client, unchanged: OpenAI chat with
+tools and tool history (whole and streamed), OpenAI Responses (whole, streamed, resumed), Anthropic
+Messages (create, stream, tool-use round trip, count_tokens, errors), reasoning text.
+
+The tiny pairs' output is random, so every expectation comes from `mlx_dspark.api.generate` on the
+same loaded pair and the same conversation (greedy): the server must render, generate and read it
+exactly as the Python API does. Forcing a call needs the engine's constraints (a 400 until present).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai package is not installed (pip install -e '.[test]')")
+anthropic = pytest.importorskip("anthropic", reason="the anthropic package is not installed (pip install -e '.[test]')")
+
+from mlx_dspark.api import encode_prompt, generate  # noqa: E402
+from tests.test_server import MODEL_ID, call, pair_loader, running_server  # noqa: E402
+
+API_KEY = "sk-agents"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                            "required": ["city"]}}}
+QUESTION = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Weather in Paris?"}]
+HISTORY = QUESTION + [
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
+HAS_CONSTRAINTS = importlib.util.find_spec("mlx_dspark.engine.constraints") is not None
+
+
+@pytest.fixture(scope="module")
+def server(tiny_tools_pair):
+    with running_server(pair_loader(tiny_tools_pair), api_key=API_KEY) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return server.worker.model
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    with anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _calls(calls) -> list[tuple[str, dict]]:
+    return [(c.function.name if hasattr(c, "function") else c.name, json.loads(c.function.arguments if hasattr(c, "function")
+             else c.arguments)) for c in calls or []]
+
+
+# -- OpenAI chat completions -------------------------------------------------------------------------
+
+
+def test_chat_with_tools_and_tool_history_is_the_api_s_answer(oai, model):
+    reply = oai.chat.completions.create(model=MODEL_ID, messages=HISTORY, tools=[WEATHER], max_tokens=12)
+    want = generate(model, HISTORY, tools=[WEATHER], max_tokens=12)
+    assert reply.usage.prompt_tokens == len(encode_prompt(model.tokenizer, HISTORY, tools=[WEATHER]))
+    assert reply.usage.prompt_tokens > len(encode_prompt(model.tokenizer, HISTORY))  # the tools were rendered
+    message = reply.choices[0].message
+    assert (message.content or "") == want.content
+    assert _calls(message.tool_calls) == [(c.name, json.loads(c.arguments)) for c in want.tool_calls]
+    assert reply.choices[0].finish_reason == ("tool_calls" if want.tool_calls else want.finish_reason)
+
+
+def test_streamed_chat_with_tools_reassembles_to_the_whole_reply(oai):
+    options = dict(model=MODEL_ID, messages=HISTORY, tools=[WEATHER], max_tokens=12)
+    whole = oai.chat.completions.create(**options)
+    chunks = list(oai.chat.completions.create(**options, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (whole.choices[0].message.content or "")
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            call_ = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            call_["name"] += (delta.function.name or "") if delta.function else ""
+            call_["arguments"] += (delta.function.arguments or "") if delta.function else ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == _calls(whole.choices[0].message.tool_calls)
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_tool_choice_none_offers_no_tools(oai, model):
+    reply = oai.chat.completions.create(model=MODEL_ID, messages=QUESTION, tools=[WEATHER], tool_choice="none", max_tokens=4)
+    assert reply.usage.prompt_tokens == len(encode_prompt(model.tokenizer, QUESTION))
+
+
+@pytest.mark.skipif(HAS_CONSTRAINTS, reason="this build has constrained decoding")
+def test_forcing_a_call_without_constrained_decoding_is_a_400_naming_tool_choice(oai):
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model=MODEL_ID, messages=QUESTION, tools=[WEATHER], tool_choice=choice, max_tokens=4)
+        assert err.value.body["param"] == "tool_choice" and "constrained decoding" in err.value.body["message"]
+
+
+@pytest.mark.skipif(not HAS_CONSTRAINTS, reason="forcing a call needs the engine's constrained decoding")
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_parses_and_matches_the_tool_s_parameters(oai, choice):
+    jsonschema = pytest.importorskip("jsonschema")
+    options = dict(model=MODEL_ID, messages=QUESTION, tools=[WEATHER], tool_choice=choice, max_tokens=200,
+                   parallel_tool_calls=False)
+    reply = oai.chat.completions.create(**options)
+    assert reply.choices[0].finish_reason == "tool_calls", reply
+    (name, arguments), = _calls(reply.choices[0].message.tool_calls)
+    assert name == "get_weather"
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    chunks = list(oai.chat.completions.create(**options, stream=True))
+    streamed = "".join(d.function.arguments or "" for c in chunks for d in (c.choices[0].delta.tool_calls or []) if d.function)
+    assert json.loads(streamed) == arguments
+
+
+# -- OpenAI Responses --------------------------------------------------------------------------------
+
+
+def test_responses_create_is_the_api_s_answer_and_streams_the_same(oai, model):
+    want = generate(model, HISTORY, tools=[WEATHER], max_tokens=10)
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"}]
+    tools = [{"type": "function", **WEATHER["function"]}]
+    response = oai.responses.create(model=MODEL_ID, instructions="Answer briefly.", input=items, tools=tools,
+                                    max_output_tokens=10)
+    assert response.usage.input_tokens == len(encode_prompt(model.tokenizer, HISTORY, tools=[WEATHER]))
+    assert response.output_text == want.content
+    assert [(c.name, json.loads(c.arguments)) for c in response.output if c.type == "function_call"] == \
+        [(c.name, json.loads(c.arguments)) for c in want.tool_calls]
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    events = list(oai.responses.create(model=MODEL_ID, instructions="Answer briefly.", input=items, tools=tools,
+                                       max_output_tokens=10, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want.content
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_previous_response_id_resumes_the_conversation(oai, model):
+    first = oai.responses.create(model=MODEL_ID, input="Weather in Paris?", max_output_tokens=6)
+    second = oai.responses.create(model=MODEL_ID, previous_response_id=first.id, input="And in Oslo?", max_output_tokens=6)
+    conversation = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "And in Oslo?"}]
+    assert second.usage.input_tokens == len(encode_prompt(model.tokenizer, conversation))
+    assert second.output_text == generate(model, conversation, max_tokens=6).content
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model=MODEL_ID, previous_response_id="resp_unknown", input="hi", max_output_tokens=2)
+    assert err.value.body["param"] == "previous_response_id"
+
+
+def test_responses_function_call_arguments_stream_as_deltas(oai):
+    """A call in the stream is an output item whose arguments arrive as deltas (checked on whatever calls occur)."""
+    events = list(oai.responses.create(model=MODEL_ID, input=QUESTION[1:], tools=[{"type": "function", **WEATHER["function"]}],
+                                       max_output_tokens=12, stream=True))
+    final = events[-1].response
+    for item in final.output:
+        if item.type == "function_call":
+            deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.item_id == item.id]
+            assert "".join(deltas) == item.arguments
+
+
+# -- Anthropic Messages ------------------------------------------------------------------------------
+
+
+def test_messages_create_is_the_api_s_answer(claude, model):
+    message = claude.messages.create(model="claude-sonnet-4-5", system="Answer briefly.", max_tokens=10,
+                                     messages=[{"role": "user", "content": "Weather in Paris?"}])
+    want = generate(model, QUESTION, max_tokens=10)
+    assert "".join(b.text for b in message.content if b.type == "text") == want.content
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 10
+    # Anthropic's input_tokens leave out the prompt tokens read from the prompt cache
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == len(encode_prompt(model.tokenizer, QUESTION))
+    assert message.role == "assistant" and message.id.startswith("msg_")
+
+
+def test_messages_stream_joins_to_the_created_message(claude):
+    options = dict(model="claude-sonnet-4-5", system="Answer briefly.", max_tokens=10,
+                   messages=[{"role": "user", "content": "Weather in Paris?"}])
+    whole = claude.messages.create(**options)
+    with claude.messages.stream(**options) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == "".join(b.text for b in whole.content if b.type == "text")
+    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_a_tool_use_round_trip_renders_as_the_openai_history(claude, model):
+    tools = [{"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER["function"]["parameters"]}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather",
+                                                   "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "sunny, 21 C"}]}]
+    count = claude.messages.count_tokens(model="claude-sonnet-4-5", system="Answer briefly.", tools=tools, messages=messages)
+    assert count.input_tokens == len(encode_prompt(model.tokenizer, HISTORY, tools=[WEATHER]))
+    message = claude.messages.create(model="claude-sonnet-4-5", system="Answer briefly.", tools=tools, messages=messages,
+                                     max_tokens=12)
+    want = generate(model, HISTORY, tools=[WEATHER], max_tokens=12)
+    assert "".join(b.text for b in message.content if b.type == "text") == want.content
+    assert [(b.name, b.input) for b in message.content if b.type == "tool_use"] == \
+        [(c.name, json.loads(c.arguments)) for c in want.tool_calls]
+    assert message.stop_reason == ("tool_use" if want.tool_calls else "max_tokens")
+
+
+def test_anthropic_errors_come_in_anthropic_s_shape(claude, server):
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model="claude", max_tokens=5, messages=[{"role": "robot", "content": "x"}])
+    assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages[0].role" in err.value.body["error"]["message"]
+    with anthropic.Anthropic(base_url=server.url, api_key="sk-wrong", max_retries=0) as wrong:
+        with pytest.raises(anthropic.AuthenticationError):
+            wrong.messages.create(model="claude", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    status, _, body = call(server, "POST", "/v1/messages", {"messages": [{"role": "user", "content": "x"}]},
+                           headers={"x-api-key": API_KEY})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and "max_tokens" in body["error"]["message"]
+
+
+# -- reasoning ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spark_server(tiny_spark_pair):
+    with running_server(pair_loader(tiny_spark_pair)) as srv:
+        yield srv
+
+
+def test_reasoning_effort_sets_spark_s_switch_and_the_thinking_text_is_reasoning_content(spark_server):
+    model = spark_server.worker.model
+    want = generate(model, QUESTION, chat_template_kwargs={"thinking_effort": "high"}, max_tokens=10)
+    assert want.reasoning  # the prompt opened <think>: the output begins as reasoning
+    with openai.OpenAI(base_url=f"{spark_server.url}/v1", api_key="none", max_retries=0) as client:
+        reply = client.chat.completions.create(model=MODEL_ID, messages=QUESTION, max_tokens=10, reasoning_effort="high")
+        chunks = list(client.chat.completions.create(model=MODEL_ID, messages=QUESTION, max_tokens=10,
+                                                     reasoning_effort="high", stream=True))
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning_content"] == want.reasoning and (message.content or "") == want.content
+    streamed = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
+    assert streamed == want.reasoning
+    with anthropic.Anthropic(base_url=spark_server.url, api_key="none", max_retries=0) as claude:
+        message = claude.messages.create(model="claude", max_tokens=10, system="Answer briefly.",
+                                         thinking={"type": "enabled", "budget_tokens": 1024},
+                                         messages=[{"role": "user", "content": "Weather in Paris?"}])
+    assert [b.thinking for b in message.content if b.type == "thinking"] == [want.reasoning]
+
+
+def test_reasoning_effort_on_a_template_without_a_switch_is_a_400(server, spark_server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as client:
+        client.chat.completions.create(model=MODEL_ID, messages=QUESTION, max_tokens=2, reasoning_effort="low")  # qwen3: on
+    status, _, body = call(spark_server, "POST", "/v1/chat/completions",
+                           {"messages": QUESTION, "max_tokens": 2, "reasoning_effort": "extreme"})
+    assert status == 400 and body["error"]["param"] == "reasoning_effort"
