@@ -257,3 +257,30 @@ def test_reasoning_effort_on_a_template_without_a_switch_is_a_400(server, spark_
     status, _, body = call(spark_server, "POST", "/v1/chat/completions",
                            {"messages": QUESTION, "max_tokens": 2, "reasoning_effort": "extreme"})
     assert status == 400 and body["error"]["param"] == "reasoning_effort"
+
+
+# -- the demo pair and the tool parser override ----------------------------------------------------
+
+
+def test_the_demo_pair_chats_out_of_the_box():
+    from mlx_dspark.cli.common import demo_pair
+    from mlx_dspark.loading.load import load
+
+    demo = demo_pair()
+    with running_server(lambda: load(demo.target, draft=demo.draft, dtype=demo.dtype)) as srv:
+        status, _, body = call(srv, "POST", "/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 8, "tools": [WEATHER]})
+        assert status == 200, body
+        want = generate(srv.worker.model, [{"role": "user", "content": "def add(a, b):"}], tools=[WEATHER], max_tokens=8)
+        assert (body["choices"][0]["message"]["content"] or "") == want.content
+        assert srv.worker.model.tokenizer.has_tool_calling
+
+
+def test_a_named_tool_parser_replaces_the_inferred_one(tiny_tools_pair):
+    from mlx_dspark.loading.load import load
+
+    target, _ = tiny_tools_pair
+    assert load(target).tokenizer.tool_parser.__module__.endswith("json_tools")
+    assert load(target, tool_parser="qwen3_coder").tokenizer.tool_parser.__module__.endswith("qwen3_coder")
+    with pytest.raises(ValueError, match="unknown tool parser 'nope'; mlx-lm has .*json_tools"):
+        load(target, tool_parser="nope")

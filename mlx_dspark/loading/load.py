@@ -101,6 +101,7 @@ def load(
     quantize: Optional[int] = None,
     q_group_size: int = 64,
     draft_tap_ids: Optional[Sequence[int]] = None,
+    tool_parser: Optional[str] = None,
 ) -> LoadedModel:
     """Load a target and optionally its DSpark draft.
 
@@ -120,6 +121,8 @@ def load(
       A GGUF's `target_layers` is read as upstream llama.cpp's current converters write it, HF id + 1;
       a file from an older converter that wrote the HF ids unchanged needs this override, e.g.
       `draft_tap_ids=[2, 10, 18, 25, 33]` for the Spark-X2.6-4B draft (the ids its model card lists).
+    tool_parser: an mlx-lm tool parser (a module of `mlx_lm.tool_parsers`, e.g. "json_tools") replacing
+      the one mlx-lm infers from the chat template.
     """
     mx_dtype = parse_dtype(dtype)
     if quantize is not None:
@@ -135,7 +138,8 @@ def load(
             f"{target_checkpoint.config_source}: the checkpoint is already quantized "
             f"({target_checkpoint.config['quantization']}); load it without quantize="
         )
-    tokenizer = load_tokenizer(target_path, target_checkpoint.config, gguf_tokenizer=target_checkpoint.tokenizer)
+    tokenizer = load_tokenizer(target_path, target_checkpoint.config, gguf_tokenizer=target_checkpoint.tokenizer,
+                               tool_parser=tool_parser)
 
     draft_model = draft_config = draft_path = None
     if draft is not None:
