@@ -19,12 +19,15 @@ from mlx_dspark.chat_format.prompt import encode_prompt  # noqa: F401  (re-expor
 from mlx_dspark.chat_format.tools import ToolCall, ToolChoice
 from mlx_dspark.chat_format.turn import OutputCollector, ToolSetup
 from mlx_dspark.engine.context import ContextLengthError, context_length, fit_max_tokens  # noqa: F401  (re-exported)
+from mlx_dspark.engine.constraints import Constraint
 from mlx_dspark.engine.decode import GenerationCancelled, Round, plain_steps, speculative_steps  # noqa: F401  (re-exported)
+from mlx_dspark.engine.grammar import GrammarState
+from mlx_dspark.engine.logprobs import TokenLogprob
 from mlx_dspark.engine.options import DEFAULT_OPTIONS, GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.propose import DraftProposer, Proposer
-from mlx_dspark.engine.cost_probe import cost_curve_for
-from mlx_dspark.engine.schedule import CostCurve, require_confidence_head
+from mlx_dspark.engine.propose import Proposer
+from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.steps import compile_request, make_steps
 
 
 @dataclass
@@ -43,6 +46,7 @@ class StepResponse:
     generation_tps: float
     peak_memory_gb: float
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache (not prefilled)
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when options.logprobs is set
     # chat prompts, on the last step: the text read as reasoning, content and tool calls (chat_format/output.py)
     content: str | None = None
     reasoning: str | None = None
@@ -63,6 +67,7 @@ class GenerationResult:
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when options.logprobs is set
     content: str | None = None  # chat prompts: the text without reasoning and tool calls (`text` is all of it)
     reasoning: str | None = None  # the thinking text, when the template thinks
     tool_calls: list[ToolCall] | None = None  # the calls parsed from the text (with `tools=`)
@@ -76,52 +81,6 @@ class GenerationResult:
     @property
     def rounds(self) -> int:
         return len(self.acceptance_lengths)
-
-
-def _steps(
-    model: Any,
-    prompt_ids: list[int],
-    options: GenerationOptions,
-    proposer: Proposer | None,
-    prompt_cache: PromptCache | None,
-    cancel: threading.Event | None,
-) -> Iterator[Round]:
-    vocab = model.target.args.vocab_size
-    bad = [t for t in prompt_ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-    sampling, speculation = options.sampling, options.speculation
-    step_size = options.prefill_step_size
-    if not speculation.speculative:
-        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
-                           prefill_step_size=step_size, cancel=cancel)
-    if proposer is None and model.draft is not None:
-        proposer = DraftProposer(
-            model.draft,
-            model.target,
-            greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
-            temperature=max(sampling.temperature, 1e-6),
-            context=None if prompt_cache is None else prompt_cache.draft_context,
-        )
-    if proposer is None:
-        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
-                           prefill_step_size=step_size, cancel=cancel)
-    if speculation.verify_schedule == "confidence":
-        if isinstance(proposer, DraftProposer):
-            require_confidence_head(proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
-        if speculation.cost_curve is None:  # this machine's curve for the pair, measured once and cached on disk
-            speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
-    return speculative_steps(
-        model.target,
-        proposer,
-        prompt_ids,
-        sampler=sampling,
-        speculation=speculation,
-        max_tokens=options.max_tokens,
-        prompt_cache=prompt_cache,
-        prefill_step_size=step_size,
-        cancel=cancel,
-    )
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -154,6 +113,13 @@ def stream_generate(
     top_k: int = _SAMPLING.top_k,
     min_p: float = _SAMPLING.min_p,
     seed: int | None = _SAMPLING.seed,
+    presence_penalty: float = _SAMPLING.presence_penalty,
+    frequency_penalty: float = _SAMPLING.frequency_penalty,
+    repetition_penalty: float = _SAMPLING.repetition_penalty,
+    penalty_last_n: int = _SAMPLING.penalty_last_n,
+    logit_bias: dict[int, float] | None = None,
+    logprobs: int | None = DEFAULT_OPTIONS.logprobs,
+    constraint: Constraint | None = DEFAULT_OPTIONS.constraint,
     draft_sampling: str = _SPECULATION.draft_sampling,
     speculative: bool = _SPECULATION.speculative,
     confidence_threshold: float = _SPECULATION.confidence_threshold,
@@ -161,6 +127,7 @@ def stream_generate(
     max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
     verify_schedule: str = _SPECULATION.verify_schedule,
     cost_curve: CostCurve | None = _SPECULATION.cost_curve,
+    mask_draft: bool = _SPECULATION.mask_draft,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
@@ -194,7 +161,13 @@ def stream_generate(
         stop=stop or (),
         stop_token_ids=stop_token_ids or (),
         chat_template_kwargs=chat_template_kwargs,
-        sampling=SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed),
+        logprobs=logprobs,
+        constraint=constraint,
+        sampling=SamplingOptions(
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, penalty_last_n=penalty_last_n,
+            logit_bias=logit_bias or (),
+        ),
         speculation=SpeculationOptions(
             speculative=speculative,
             draft_sampling=draft_sampling,
@@ -203,6 +176,7 @@ def stream_generate(
             max_draft_tokens=max_draft_tokens,
             verify_schedule=verify_schedule,
             cost_curve=cost_curve,
+            mask_draft=mask_draft,
         ),
     )
     if options is None:
@@ -210,7 +184,13 @@ def stream_generate(
     elif built != DEFAULT_OPTIONS:
         raise ValueError("give the generation options either as `options=` or as keywords, not both")
     setup = ToolSetup.of(tools, tool_choice, parallel=parallel_tool_calls)  # a ToolError (ValueError) naming the field
-    return _stream(model, prompt, options, proposer, prompt_cache, cancel, setup)
+    forced = setup.constraint(model.tokenizer)
+    if forced is not None:
+        if options.constraint is not None:
+            raise ValueError("tool_choice forces a tool call: it cannot be combined with constraint=")
+        options = dataclasses.replace(options, constraint=forced)
+    grammar = compile_request(model, options)  # here, not in the stream: a bad constraint fails at the call
+    return _stream(model, prompt, options, proposer, prompt_cache, cancel, grammar, setup)
 
 
 def _stream(
@@ -220,15 +200,13 @@ def _stream(
     proposer: Proposer | None,
     prompt_cache: PromptCache | None,
     cancel: threading.Event | None,
+    grammar: GrammarState | None,
     setup: ToolSetup,
 ) -> Iterator[StepResponse]:
     tokenizer = model.tokenizer
     stops = options.stop
     stop_ids = set(tokenizer.eos_token_ids) | set(options.stop_token_ids)
     prompt_ids = encode_prompt(tokenizer, prompt, chat_template_kwargs=options.chat_template_kwargs, tools=setup.offered)
-    constraint = setup.constraint(tokenizer)
-    if constraint is not None:
-        options = dataclasses.replace(options, constraint=constraint)
     chat = not isinstance(prompt, str) and any(isinstance(m, dict) for m in prompt)
     reader = OutputCollector(setup.parser(tokenizer, prompt_ids)) if chat or setup.tools else None
     max_tokens = fit_max_tokens(len(prompt_ids), options, *context_length(model, options))
@@ -244,7 +222,7 @@ def _stream(
     generated = 0
     start = time.perf_counter()
     first_token_time = None
-    for step in _steps(model, prompt_ids, options, proposer, prompt_cache, cancel):
+    for step in make_steps(model, prompt_ids, options, proposer, prompt_cache, cancel, grammar):
         now = time.perf_counter()
         if first_token_time is None:
             first_token_time = now
@@ -287,6 +265,7 @@ def _stream(
             generation_tps=(generated - 1) / elapsed if generated > 1 and elapsed > 0 else 0.0,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             cached_tokens=cached,
+            logprobs=None if step.logprobs is None else step.logprobs[: len(tokens)],
             content=None if parsed is None else parsed.content,
             reasoning=None if parsed is None else parsed.reasoning,
             tool_calls=None if parsed is None else parsed.tool_calls,
@@ -308,6 +287,7 @@ class ResultCollector:
         self.tokens: list[int] = []
         self.acceptance_lengths: list[int] = []
         self.proposal_lengths: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None
         self.last: StepResponse | None = None
 
     def add(self, step: StepResponse) -> None:
@@ -315,6 +295,8 @@ class ResultCollector:
             self.first_time = time.perf_counter() - self.start
         self.text.append(step.text)
         self.tokens.extend(step.tokens)
+        if step.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + step.logprobs
         if step.verified:
             self.acceptance_lengths.append(step.accepted + 1)
             self.proposal_lengths.append(step.proposed)
@@ -349,6 +331,7 @@ class ResultCollector:
             time_to_first_token=self.first_time or 0.0,
             total_time=time.perf_counter() - self.start,
             cached_tokens=last.cached_tokens,
+            logprobs=self.logprobs,
             content=last.content,
             reasoning=last.reasoning,
             tool_calls=last.tool_calls,
@@ -376,6 +359,13 @@ def generate(
     top_k: int = _SAMPLING.top_k,
     min_p: float = _SAMPLING.min_p,
     seed: int | None = _SAMPLING.seed,
+    presence_penalty: float = _SAMPLING.presence_penalty,
+    frequency_penalty: float = _SAMPLING.frequency_penalty,
+    repetition_penalty: float = _SAMPLING.repetition_penalty,
+    penalty_last_n: int = _SAMPLING.penalty_last_n,
+    logit_bias: dict[int, float] | None = None,
+    logprobs: int | None = DEFAULT_OPTIONS.logprobs,
+    constraint: Constraint | None = DEFAULT_OPTIONS.constraint,
     draft_sampling: str = _SPECULATION.draft_sampling,
     speculative: bool = _SPECULATION.speculative,
     confidence_threshold: float = _SPECULATION.confidence_threshold,
@@ -383,6 +373,7 @@ def generate(
     max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
     verify_schedule: str = _SPECULATION.verify_schedule,
     cost_curve: CostCurve | None = _SPECULATION.cost_curve,
+    mask_draft: bool = _SPECULATION.mask_draft,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
@@ -410,6 +401,13 @@ def generate(
         top_k=top_k,
         min_p=min_p,
         seed=seed,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        penalty_last_n=penalty_last_n,
+        logit_bias=logit_bias,
+        logprobs=logprobs,
+        constraint=constraint,
         draft_sampling=draft_sampling,
         speculative=speculative,
         confidence_threshold=confidence_threshold,
@@ -417,6 +415,7 @@ def generate(
         max_draft_tokens=max_draft_tokens,
         verify_schedule=verify_schedule,
         cost_curve=cost_curve,
+        mask_draft=mask_draft,
         stop=stop,
         stop_token_ids=stop_token_ids,
         chat_template_kwargs=chat_template_kwargs,

@@ -42,13 +42,22 @@ def accept_sampled(
 
     draft_tokens: (l,); draft_probs: (l, V) the distributions the draft tokens were drawn from, or None
     when drafting was greedy (then each is one-hot at its token); target_probs: (l + 1, V) the target's
-    sampling distributions at [anchor, x1..xl].
+    sampling distributions at [anchor, x1..xl]. draft_probs may carry one more row, q(l+1), of a draft
+    token cut before verification because the target cannot produce it (a grammar forbids it): that
+    token counts as rejected, so all-accepted draws its bonus from max(0, P(l) - q(l+1)).
     """
     num_draft = draft_tokens.shape[0]
     vocab_size = target_probs.shape[-1]
     draft_tokens = draft_tokens.astype(mx.int32)
     if draft_probs is None:
         draft_probs = (mx.arange(vocab_size) == draft_tokens[:, None]).astype(target_probs.dtype)
+    # Row a of the residual: max(0, P(a) - q(a+1)) after a rejection, P(l) itself when all survived
+    # (an appended zero row makes that case the same formula).
+    if draft_probs.shape[0] == num_draft + 1:
+        padded_draft_probs = draft_probs
+        draft_probs = draft_probs[:num_draft]
+    else:
+        padded_draft_probs = mx.concatenate([draft_probs, mx.zeros((1, vocab_size), draft_probs.dtype)], axis=0)
 
     if num_draft:
         target_at_draft = mx.take_along_axis(target_probs[:num_draft], draft_tokens[:, None], axis=-1)[:, 0]
@@ -60,9 +69,6 @@ def accept_sampled(
     else:
         accepted = mx.array(0, mx.int32)
 
-    # Row a of the residual: max(0, P(a) - q(a+1)) after a rejection, P(l) itself when all survived
-    # (the appended zero row makes that case the same formula).
-    padded_draft_probs = mx.concatenate([draft_probs, mx.zeros((1, vocab_size), draft_probs.dtype)], axis=0)
     residual = mx.maximum(target_probs - padded_draft_probs, 0.0)  # (l + 1, V)
     row = residual[accepted]
     # A rejection is impossible where P == q; guard the 0/0 anyway by falling back to P(a).

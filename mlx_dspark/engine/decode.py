@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx_dspark.engine.accept import accept_greedy, accept_sampled
 from mlx_dspark.models.cache import trim_caches
 from mlx_dspark.models.finite import check_finite_logits
+from mlx_dspark.engine.logits_processing import LogitsProcessor
 from mlx_dspark.engine.options import PREFILL_STEP_SIZE, SpeculationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import Proposal, Proposer
@@ -42,6 +43,7 @@ class Round:
     proposed: int = 0  # draft tokens sent to verification (l)
     accepted: int = 0  # of those, accepted (a)
     verified: bool = False  # a speculative verify round (False: prefill token or plain decoding)
+    logprobs: list | None = None  # one logprobs.TokenLogprob per committed token, when asked for
 
 
 def _check_cancel(cancel: threading.Event | None, where: str = "between rounds") -> None:
@@ -119,24 +121,37 @@ def plain_steps(
     prefill_step_size: int = PREFILL_STEP_SIZE,
     prompt_cache: PromptCache | None = None,
     cancel: threading.Event | None = None,
+    processor: LogitsProcessor | None = None,
 ) -> Iterator[Round]:
-    """Plain autoregressive decoding with the target alone: the baseline, one token per Round."""
+    """Plain autoregressive decoding with the target alone: the baseline, one token per Round.
+
+    `processor` (penalties, logit_bias, a constraint, logprobs) processes each step's logits.
+    """
     prompt_cache = PromptCache(target, max_snapshots=0) if prompt_cache is None else prompt_cache
+    processor = processor or LogitsProcessor(vocab_size=target.args.vocab_size, history=())
     logits = prefill_cached(target, prompt_cache, prompt, step_size=prefill_step_size, cancel=cancel)
     lease, cache = prompt_cache.lease, prompt_cache.target_cache
-    token = sampler.sample(logits)
-    mx.async_eval(token)
+    token, logprobs = _draw(sampler, processor, logits[None], mx.zeros((0,), mx.int32))
+    mx.async_eval(token, *logprobs)
     while True:
         _check_cancel(cancel)  # before the claim: a cancelled generation leaves the cache reusable
         prompt_cache.claim(lease)
         # Queue the next step before reading this one, so the device never waits on the host.
         next_logits, _ = target(token.reshape(1, 1), cache=cache)
-        next_token = sampler.sample(next_logits[0, -1])
-        mx.async_eval(next_token)
+        next_token, next_logprobs = _draw(sampler, processor, next_logits[0, -1:], token.reshape(1))
+        mx.async_eval(next_token, *next_logprobs)
         committed = int(token.item())
         prompt_cache.record([committed])  # the queued step already took it
-        yield Round(tokens=[committed])
-        token = next_token
+        processor.commit([committed])
+        yield Round(tokens=[committed], logprobs=processor.read_logprobs(logprobs, [committed]))
+        token, logprobs = next_token, next_logprobs
+
+
+def _draw(sampler: Sampler, processor: LogitsProcessor, logits: mx.array, pending: mx.array) -> tuple[mx.array, tuple]:
+    """One token (and its lazy logprob arrays) from one row of logits (1, V) whose context ends with `pending`."""
+    processed = processor.target_logits(logits, pending)
+    token = sampler.sample(processed[0])
+    return token, processor.logprob_arrays(processed, token.reshape(1))
 
 
 def speculative_steps(
@@ -150,13 +165,15 @@ def speculative_steps(
     prefill_step_size: int = PREFILL_STEP_SIZE,
     prompt_cache: PromptCache | None = None,
     cancel: threading.Event | None = None,
+    processor: LogitsProcessor | None = None,
 ) -> Iterator[Round]:
     """Lossless speculative decoding: yields the prefill's token, then one Round per verify forward.
 
     A round proposes at most `speculation.max_draft_tokens` (default: the block size), cut further by
     `p_min`, the confidence threshold and, with `verify_schedule="confidence"`, by the expected rate
     over `speculation.cost_curve` (schedule.py). `max_tokens`, when given, shortens the last proposals
-    so no verify work is spent past it.
+    so no verify work is spent past it. `processor` processes the verify rows and the draft positions
+    (logits_processing.py); acceptance uses the processed distributions.
     """
     draft_length = speculation.draft_length(proposer.block_size)
     schedule = None
@@ -170,12 +187,16 @@ def speculative_steps(
         target, prompt_cache, prompt, tap_ids=tap_ids, proposer=proposer, step_size=prefill_step_size, cancel=cancel
     )
     lease, cache = prompt_cache.lease, prompt_cache.target_cache
-    anchor = sampler.sample(logits).astype(mx.int32).reshape(1)
-    mx.eval(anchor)
+    processor = processor or LogitsProcessor(vocab_size=target.args.vocab_size, history=())
+    hook = processor.draft_hook() if getattr(proposer, "takes_logits_hook", False) else None
+    anchor, logprobs = _draw(sampler, processor, logits[None], mx.zeros((0,), mx.int32))
+    anchor = anchor.astype(mx.int32).reshape(1)
+    mx.eval(anchor, *logprobs)
     anchor_id = int(anchor.item())
     position = len(prompt)  # the anchor's position; caches hold 0 .. position - 1
     emitted = 1
-    yield Round(tokens=[anchor_id])
+    processor.commit([anchor_id])
+    yield Round(tokens=[anchor_id], logprobs=processor.read_logprobs(logprobs, [anchor_id]))
 
     while True:
         _check_cancel(cancel)
@@ -183,26 +204,33 @@ def speculative_steps(
         num_tokens = draft_length
         if max_tokens is not None:
             num_tokens = max(0, min(num_tokens, max_tokens - emitted - 1))
-        proposal = proposer.propose(anchor, position=position, num_tokens=num_tokens) if num_tokens else None
+        proposal = None
+        if num_tokens:
+            extra = {} if hook is None else {"logits_hook": hook}
+            proposal = proposer.propose(anchor, position=position, num_tokens=num_tokens, **extra)
         if proposal is not None:
             # Start the draft on the device while the host builds the verify graph.
             mx.async_eval(proposal.tokens)
         draft_tokens, draft_probs = _admitted(
             proposal, num_tokens, p_min=speculation.p_min, threshold=speculation.confidence_threshold, schedule=schedule
         )
+        draft_tokens, draft_probs = processor.admit(draft_tokens, draft_probs, masked=hook is not None)
         num_draft = draft_tokens.shape[0]
 
         verify_input = mx.concatenate([anchor, draft_tokens]).reshape(1, num_draft + 1)
         logits, features = target(verify_input, cache=cache, tap_ids=tap_ids)
+        target_logits = processor.target_logits(logits[0], draft_tokens)  # (l + 1, V)
         if sampler.greedy:
-            acceptance = accept_greedy(draft_tokens=draft_tokens, target_logits=logits[0])
+            acceptance = accept_greedy(draft_tokens=draft_tokens, target_logits=target_logits)
         else:
             acceptance = accept_sampled(
-                draft_tokens=draft_tokens, draft_probs=draft_probs, target_probs=sampler.probs(logits[0])
+                draft_tokens=draft_tokens, draft_probs=draft_probs, target_probs=sampler.probs(target_logits)
             )
-        mx.eval(acceptance.accepted, acceptance.tokens)  # the round's one host read
+        logprobs = processor.logprob_arrays(target_logits, acceptance.tokens)
+        mx.eval(acceptance.accepted, acceptance.tokens, *logprobs)  # the round's one host read
         accepted = int(acceptance.accepted.item())
         committed = acceptance.tokens[: accepted + 1].tolist()
+        processor.commit(committed)
 
         # Roll back: the target caches keep positions 0 .. position + accepted.
         trim_caches(cache, num_draft - accepted)
@@ -212,7 +240,10 @@ def speculative_steps(
         emitted += accepted + 1
         prompt_cache.record([anchor_id, *committed[:-1]])  # the bonus, the new anchor, is not in the caches
         anchor_id = committed[-1]
-        yield Round(tokens=committed, proposed=num_draft, accepted=accepted, verified=True)
+        yield Round(
+            tokens=committed, proposed=num_draft, accepted=accepted, verified=True,
+            logprobs=processor.read_logprobs(logprobs, committed),
+        )
 
 
 def _admitted(

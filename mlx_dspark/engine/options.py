@@ -13,12 +13,14 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from mlx_dspark.engine.constraints import Constraint
 from mlx_dspark.engine.sample import Sampler
 from mlx_dspark.engine.schedule import VERIFY_SCHEDULES, CostCurve
 
 DRAFT_SAMPLING_MODES = ("greedy", "sample")
 PREFILL_STEP_SIZE = 512  # prompt tokens per prefill forward: bounds the memory of long prompts
 SEED_MAX = 2**64 - 1  # MLX seeds its generator with an unsigned 64-bit integer
+MAX_LOGPROBS = 20  # the most alternatives a step reports per token (OpenAI's top_logprobs limit)
 
 
 class OptionError(ValueError):
@@ -47,9 +49,17 @@ class SamplingOptions(Sampler):
     """The target distribution's knobs (this is the `Sampler` the loops use) and the seed of MLX's generator.
 
     `temperature == 0` is greedy decoding; `seed=None` leaves the generator as it is.
+    The penalties and `logit_bias` change the target's logits before temperature and the filters
+    (logits_processing.py: llama.cpp / mlx-lm meanings); they look at the last `penalty_last_n` tokens of
+    the whole sequence, prompt tokens included (as llama-server does); 0 turns them off.
     """
 
     seed: int | None = None
+    presence_penalty: float = 0.0  # minus this for every token present in the window (OpenAI's, in [-2, 2])
+    frequency_penalty: float = 0.0  # minus this times the token's count in the window (OpenAI's, in [-2, 2])
+    repetition_penalty: float = 1.0  # a present token's logit divided by it (times it when negative); 1 disables
+    penalty_last_n: int = 64  # how many of the most recent tokens the penalties look at
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
 
     def __post_init__(self) -> None:
         if not (_is_number(self.temperature) and self.temperature >= 0):
@@ -62,6 +72,40 @@ class SamplingOptions(Sampler):
             raise OptionError("min_p", self.min_p, "a number in [0, 1) (0 disables it)")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed <= SEED_MAX):
             raise OptionError("seed", self.seed, "an integer in [0, 2**64 - 1], or none for an unseeded run")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (_is_number(getattr(self, name)) and -2.0 <= getattr(self, name) <= 2.0):
+                raise OptionError(name, getattr(self, name), "a number in [-2, 2] (0 disables it)")
+        if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise OptionError("repetition_penalty", self.repetition_penalty, "a number > 0 (1 disables it)")
+        if not (_is_int(self.penalty_last_n) and self.penalty_last_n >= 0):
+            raise OptionError("penalty_last_n", self.penalty_last_n, "an integer >= 0 (0 turns the penalties off)")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+
+    @property
+    def has_penalties(self) -> bool:
+        active = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        return active and self.penalty_last_n > 0
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """A {token id: bias} mapping or (id, bias) pairs -> sorted pairs; ids may be digit strings (JSON keys)."""
+    expected = "a mapping of token ids (integers >= 0) to biases (numbers in [-100, 100])"
+    pairs = value.items() if isinstance(value, Mapping) else value
+    if not isinstance(pairs, (list, tuple)) and not isinstance(value, Mapping):
+        raise OptionError("logit_bias", value, expected)
+    out: dict[int, float] = {}
+    for item in pairs:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            raise OptionError("logit_bias", value, expected)
+        token, bias = item
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        if not (isinstance(token, numbers.Integral) and not isinstance(token, bool) and token >= 0):
+            raise OptionError("logit_bias", value, f"{expected}; bad token id {token!r}")
+        if not (_is_number(bias) and -100.0 <= bias <= 100.0):
+            raise OptionError("logit_bias", value, f"{expected}; bad bias {bias!r} for token {token}")
+        out[int(token)] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -77,6 +121,9 @@ class SpeculationOptions:
     # tokens per second stop rising (schedule.py), by the draft's confidences and the machine's cost curve
     verify_schedule: str = "fixed"
     cost_curve: CostCurve | None = None  # for "confidence"; None = this machine's, measured once and cached
+    # With a constraint: the draft proposes from its grammar-masked distribution (True; one host read per
+    # draft position) or unmasked, its proposal cut at the first token the grammar forbids (False)
+    mask_draft: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.speculative, bool):
@@ -87,6 +134,8 @@ class SpeculationOptions:
         _check_fraction("confidence_threshold", self.confidence_threshold)
         if self.max_draft_tokens is not None and not (_is_int(self.max_draft_tokens) and self.max_draft_tokens >= 1):
             raise OptionError("max_draft_tokens", self.max_draft_tokens, "an integer >= 1, or none for the draft's block size")
+        if not isinstance(self.mask_draft, bool):
+            raise OptionError("mask_draft", self.mask_draft, "true or false")
         if self.verify_schedule not in VERIFY_SCHEDULES:
             raise OptionError("verify_schedule", self.verify_schedule, f"one of {', '.join(VERIFY_SCHEDULES)}")
         if self.cost_curve is not None and not isinstance(self.cost_curve, CostCurve):
@@ -120,6 +169,9 @@ class GenerationOptions:
     chat_template_kwargs: Mapping[str, Any] | None = None  # switches for the chat template
     sampling: SamplingOptions = SamplingOptions()
     speculation: SpeculationOptions = SpeculationOptions()
+    # None: off; 0..20: each committed token's log-probability and that many top alternatives (logprobs.py)
+    logprobs: int | None = None
+    constraint: Constraint | None = None  # the output must match it (constraints.py); compiled per request
 
     def __post_init__(self) -> None:
         if not (_is_int(self.max_tokens) and self.max_tokens >= 1):
@@ -146,6 +198,10 @@ class GenerationOptions:
             raise OptionError("sampling", self.sampling, "a SamplingOptions")
         if not isinstance(self.speculation, SpeculationOptions):
             raise OptionError("speculation", self.speculation, "a SpeculationOptions")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise OptionError("logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}], or none to turn them off")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise OptionError("constraint", self.constraint, "a constraints.Constraint (Constraint.json_schema(...), .regex(...), ...)")
         # Stored as tuples (empty stop strings dropped) and a copied dict, so the object cannot change later.
         object.__setattr__(self, "stop", tuple(s for s in stop if s))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))

@@ -9,7 +9,7 @@ protocol.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -25,6 +25,9 @@ class Proposal:
 
 
 class Proposer(Protocol):
+    """A proposer whose `takes_logits_hook` is true accepts `logits_hook=` in `propose` (the round's
+    penalties / bias / grammar mask for its draft positions); others propose unprocessed (still lossless)."""
+
     tap_ids: Sequence[int]
     block_size: int  # the most draft tokens one proposal can hold
 
@@ -37,6 +40,8 @@ class Proposer(Protocol):
 
 class DraftProposer:
     """The DSpark draft: one block forward per round over its own windowed context cache."""
+
+    takes_logits_hook = True
 
     def __init__(
         self, draft: Any, target: Any, *, greedy: bool, temperature: float, context: list | None = None
@@ -54,7 +59,9 @@ class DraftProposer:
     def extend(self, features: mx.array) -> None:
         self.draft.append_context(features, self.context)
 
-    def propose(self, anchor: mx.array, *, position: int, num_tokens: int) -> Proposal:
+    def propose(
+        self, anchor: mx.array, *, position: int, num_tokens: int, logits_hook: Callable | None = None
+    ) -> Proposal:
         out = self.draft.propose(
             anchor,
             self.context,
@@ -62,6 +69,7 @@ class DraftProposer:
             greedy=self.greedy,
             temperature=self.temperature,
             num_tokens=num_tokens,
+            logits_hook=logits_hook,
         )
         return Proposal(
             tokens=out.tokens,

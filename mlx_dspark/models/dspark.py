@@ -11,7 +11,7 @@ The draft never owns the embedding or the LM head: it calls `target.embed` / `ta
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -140,6 +140,7 @@ class DSparkDraft(nn.Module):
         greedy: bool = True,
         temperature: float = 1.0,
         num_tokens: Optional[int] = None,
+        logits_hook: Optional[Callable] = None,
     ) -> Proposal:
         """Draft `num_tokens` (default block_size) tokens after `anchor` (B,) at position p = context length.
 
@@ -162,4 +163,5 @@ class DSparkDraft(nn.Module):
             confidence_with_markov=self.args.confidence_head_with_markov,
             greedy=greedy,
             temperature=temperature,
+            logits_hook=logits_hook,
         )

@@ -9,7 +9,7 @@ Attribute names mirror DeepSpec's checkpoints (`markov_head.*`, `confidence_head
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -126,11 +126,14 @@ def draft_tokens(
     confidence_with_markov: bool,
     greedy: bool,
     temperature: float,
+    logits_hook: Optional[Callable[[mx.array, list], Optional[mx.array]]] = None,
 ) -> Proposal:
     """Sequential drafting over k = 1..K with x(0) = anchor (B,): o(k) = hidden[:, k-1], z(k) = base[:, k-1].
 
     Greedy: x(k) = argmax logits(k); else a draw from softmax(logits(k) / T) with the global MLX RNG.
-    Lazy: builds the graph only (no host synchronization).
+    `logits_hook(logits(k), [x(1), .., x(k-1)])` (the engine's penalties / bias / grammar mask) replaces
+    logits(k) before the draw, or returns None to end the proposal before position k.
+    Lazy: builds the graph only (no host synchronization), unless the hook reads the tokens.
     """
     prev = anchor
     prev_embeddings, tokens, token_probs, draft_probs = [], [], [], []
@@ -144,6 +147,11 @@ def draft_tokens(
             bias, state = markov_head.step(embedding, hidden[:, k], state)
             logits = logits + bias.astype(mx.float32)
             prev_embeddings.append(embedding)
+        if logits_hook is not None:
+            logits = logits_hook(logits, tokens)
+            if logits is None:
+                prev_embeddings = prev_embeddings[:k]
+                break
         if greedy:
             token = mx.argmax(logits, axis=-1)
         else:
@@ -155,6 +163,10 @@ def draft_tokens(
         tokens.append(token)
         prev = token
     confidence = None
+    if not tokens:  # the hook ended the proposal before its first position
+        empty = mx.zeros((anchor.shape[0], 0), anchor.dtype)
+        return Proposal(tokens=empty, draft_probs=None, token_probs=empty.astype(mx.float32), confidence=None)
+    hidden = hidden[:, : len(tokens)]
     if confidence_head is not None:
         features = hidden
         if confidence_with_markov:

@@ -1,0 +1,96 @@
+"""Which step generator a request runs, built from its options: plain or speculative, and its logits processing.
+
+`api.stream_generate` calls `compile_request` first (a bad constraint fails before any model work), then
+`make_steps` when the stream starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Iterator
+
+from mlx_dspark.engine.constraints import compile_constraint
+from mlx_dspark.engine.cost_probe import cost_curve_for
+from mlx_dspark.engine.decode import Round, plain_steps, speculative_steps
+from mlx_dspark.engine.grammar import GrammarState
+from mlx_dspark.engine.logits_processing import LogitsProcessor
+from mlx_dspark.engine.options import GenerationOptions
+from mlx_dspark.engine.prompt_cache import PromptCache
+from mlx_dspark.engine.propose import DraftProposer, Proposer
+from mlx_dspark.engine.schedule import require_confidence_head
+
+
+def compile_request(model: Any, options: GenerationOptions) -> GrammarState | None:
+    """The request's grammar state, compiled against the model's tokenizer (ConstraintError if refused)."""
+    if options.constraint is None:
+        return None
+    return compile_constraint(options.constraint, model.tokenizer, model.target.args.vocab_size)
+
+
+def make_processor(
+    model: Any, prompt_ids: list[int], options: GenerationOptions, grammar: GrammarState | None
+) -> LogitsProcessor | None:
+    sampling = options.sampling
+    if grammar is None and not sampling.logit_bias and not sampling.has_penalties and options.logprobs is None:
+        return None
+    return LogitsProcessor(
+        vocab_size=model.target.args.vocab_size,
+        history=prompt_ids,
+        sampling=sampling,
+        grammar=grammar,
+        mask_draft=options.speculation.mask_draft,
+        logprobs=options.logprobs,
+    )
+
+
+def make_steps(
+    model: Any,
+    prompt_ids: list[int],
+    options: GenerationOptions,
+    proposer: Proposer | None,
+    prompt_cache: PromptCache | None,
+    cancel: threading.Event | None,
+    grammar: GrammarState | None = None,
+) -> Iterator[Round]:
+    """The step generator for one request; `grammar` from `compile_request` (fresh per request)."""
+    vocab = model.target.args.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+    sampling, speculation = options.sampling, options.speculation
+    step_size = options.prefill_step_size
+    processor = make_processor(model, prompt_ids, options, grammar)
+    if not speculation.speculative:
+        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
+                           prefill_step_size=step_size, cancel=cancel, processor=processor)
+    if proposer is None and model.draft is not None:
+        proposer = DraftProposer(
+            model.draft,
+            model.target,
+            greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
+            temperature=max(sampling.temperature, 1e-6),
+            context=None if prompt_cache is None else prompt_cache.draft_context,
+        )
+    if proposer is None:
+        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
+                           prefill_step_size=step_size, cancel=cancel, processor=processor)
+    if speculation.verify_schedule == "confidence":
+        if isinstance(proposer, DraftProposer):
+            require_confidence_head(proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
+        if speculation.cost_curve is None:  # this machine's curve for the pair, measured once and cached on disk
+            speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
+    return speculative_steps(
+        model.target,
+        proposer,
+        prompt_ids,
+        sampler=sampling,
+        speculation=speculation,
+        max_tokens=options.max_tokens,
+        prompt_cache=prompt_cache,
+        prefill_step_size=step_size,
+        cancel=cancel,
+        processor=processor,
+    )
+
+
