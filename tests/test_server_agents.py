@@ -31,6 +31,10 @@ HISTORY = QUESTION + [
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
 ]
 HAS_CONSTRAINTS = importlib.util.find_spec("mlx_dspark.engine.constraints") is not None
+# A forced call of the random tiny model ends only when the schema bounds it (an enum, no extra keys).
+CITY = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                          "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                                                         "required": ["city"], "additionalProperties": False}}}
 
 
 @pytest.fixture(scope="module")
@@ -108,16 +112,72 @@ def test_forcing_a_call_without_constrained_decoding_is_a_400_naming_tool_choice
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_call_parses_and_matches_the_tool_s_parameters(oai, choice):
     jsonschema = pytest.importorskip("jsonschema")
-    options = dict(model=MODEL_ID, messages=QUESTION, tools=[WEATHER], tool_choice=choice, max_tokens=200,
+    tools = [CITY] if choice == "required" else [CITY, {"type": "function", "function": {"name": "noop"}}]
+    options = dict(model=MODEL_ID, messages=QUESTION, tools=tools, tool_choice=choice, max_tokens=200,
                    parallel_tool_calls=False)
     reply = oai.chat.completions.create(**options)
     assert reply.choices[0].finish_reason == "tool_calls", reply
     (name, arguments), = _calls(reply.choices[0].message.tool_calls)
     assert name == "get_weather"
-    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    jsonschema.validate(arguments, CITY["function"]["parameters"])
     chunks = list(oai.chat.completions.create(**options, stream=True))
-    streamed = "".join(d.function.arguments or "" for c in chunks for d in (c.choices[0].delta.tool_calls or []) if d.function)
-    assert json.loads(streamed) == arguments
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"  # id and name first
+    assert json.loads("".join(d.function.arguments or "" for d in deltas if d.function)) == arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.skipif(not HAS_CONSTRAINTS, reason="forcing a call needs the engine's constrained decoding")
+def test_forced_calls_through_anthropic_and_responses_round_trip(claude, oai, model):
+    tools = [{"name": "get_weather", "input_schema": CITY["function"]["parameters"]}]
+    message = claude.messages.create(model="claude", max_tokens=200, tools=tools, tool_choice={"type": "any",
+                                     "disable_parallel_tool_use": True}, messages=[{"role": "user", "content": "Weather?"}])
+    assert message.stop_reason == "tool_use"
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.input["city"] in ("Paris", "Oslo")
+    follow_up = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": message.content},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
+    reply = claude.messages.create(model="claude", max_tokens=6, tools=tools, messages=follow_up)
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": use.id, "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps(use.input)}}]},
+               {"role": "tool", "tool_call_id": use.id, "content": "sunny"}]
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == \
+        len(encode_prompt(model.tokenizer, history, tools=[{"type": "function", "function": {"name": "get_weather",
+                                                            "parameters": CITY["function"]["parameters"]}}]))
+    response = oai.responses.create(model=MODEL_ID, input="Weather?", tools=[{"type": "function", **CITY["function"]}],
+                                    tool_choice="required", parallel_tool_calls=False, max_output_tokens=200)
+    (call_,) = [item for item in response.output if item.type == "function_call"]
+    assert call_.name == "get_weather" and json.loads(call_.arguments)["city"] in ("Paris", "Oslo")
+
+
+@pytest.mark.skipif(not HAS_CONSTRAINTS, reason="needs the engine's constrained decoding")
+def test_response_format_and_regex_constrain_chat_and_completions(oai, server):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    reply = oai.chat.completions.create(model=MODEL_ID, messages=QUESTION, max_tokens=60,
+                                        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema,
+                                                                                                "strict": True}})
+    assert json.loads(reply.choices[0].message.content)["answer"] in ("yes", "no")
+    text = oai.completions.create(model=MODEL_ID, prompt="Is it?", max_tokens=10, extra_body={"regex": "(yes|no)"})
+    assert text.choices[0].text in ("yes", "no")
+    for body, param in [({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, "response_format"),
+                        ({"regex": "("}, "regex"), ({"regex": "a", "grammar": "start: 'a'"}, "grammar")]:
+        status, _, answer = call(server, "POST", "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4, **body},
+                                 headers={"Authorization": f"Bearer {API_KEY}"})
+        assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_logprobs_and_penalties_are_the_api_s(oai, model):
+    reply = oai.chat.completions.create(model=MODEL_ID, messages=QUESTION, max_tokens=6, logprobs=True, top_logprobs=3,
+                                        presence_penalty=1.5, frequency_penalty=0.5)
+    want = generate(model, QUESTION, max_tokens=6, logprobs=3, presence_penalty=1.5, frequency_penalty=0.5)
+    assert reply.choices[0].message.content == want.content
+    entries = reply.choices[0].logprobs.content
+    assert [e.logprob for e in entries] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-6)
+    assert all(len(e.top_logprobs) == 3 for e in entries)
+    text = oai.completions.create(model=MODEL_ID, prompt="Once upon", max_tokens=4, logprobs=2)
+    assert len(text.choices[0].logprobs.token_logprobs) == 4 and all(len(t) <= 2 for t in text.choices[0].logprobs.top_logprobs)
 
 
 # -- OpenAI Responses --------------------------------------------------------------------------------
