@@ -141,13 +141,12 @@ def parse_request(body: Any, *, defaults: Any, template_kwargs: frozenset[str] =
                            f"{store.capacity} conversations, as its prompt cache does); send the whole input instead",
                            param="previous_response_id", code="previous_response_not_found")
     instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise bad_value("instructions", "a string", instructions)
-        history = [m for m in history if m["role"] != "system"]  # this request's instructions replace earlier ones
-        messages = [{"role": "system", "content": instructions}] + history + messages
-    else:
-        messages = history + messages
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_value("instructions", "a string", instructions)
+    # As OpenAI's: a previous response's instructions are not carried over, only its conversation.
+    history = [m for m in history if m["role"] != "system"]
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    messages = system + history + messages
     knobs = {k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed", "chat_template_kwargs")}
     knobs["max_tokens"] = body.get("max_output_tokens")
     try:
