@@ -166,3 +166,33 @@ def test_a_prompt_ending_in_an_open_think_block_starts_in_reasoning(tiny_spark_p
     assert not starts_in_reasoning(pair.tokenizer, encode_prompt(pair.tokenizer, messages))
     result = generate(pair, messages, chat_template_kwargs={"thinking_effort": "high"}, max_tokens=10)
     assert result.reasoning is not None and result.text.startswith(result.reasoning.lstrip()[:1])
+
+
+JSON_OUTPUT = ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": {"from": 1}}}\n</tool_call>'
+               '<tool_call>{"name":"get_weather","arguments":{}}</tool_call>')
+
+
+@pytest.mark.parametrize("cut", range(1, len(JSON_OUTPUT), 3))
+def test_json_call_arguments_stream_and_join_to_the_parsed_call(cut):
+    parser = OutputParser(think=THINK, tools=CALLS, stream_arguments=True)
+    pieces = [JSON_OUTPUT[:cut], JSON_OUTPUT[cut:]]
+    events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
+    begins = [v for k, v in events if k == "tool_call_begin"]
+    calls = [v for k, v in events if k == "tool_call"]
+    assert [(b.id, b.name) for b in begins] == [(c.id, c.name) for c in calls] and len(calls) == 2
+    streamed: list[str] = []
+    for kind, value in events:
+        if kind == "tool_call_begin":
+            streamed.append("")
+        elif kind == "tool_call_delta":
+            streamed[-1] += value
+    assert streamed == [c.arguments for c in calls] == ['{"city": "Paris", "days": {"from": 1}}', "{}"]
+    assert "".join(v for k, v in events if k == "content") == "Sure."
+
+
+def test_a_streamed_call_cut_short_reports_its_arguments_so_far():
+    parser = OutputParser(tools=CALLS, stream_arguments=True)
+    events = parser.feed('<tool_call>{"name": "f", "arguments": {"path": "a.py", "text": "def f(') + parser.finish()
+    (call,) = [v for k, v in events if k == "tool_call"]
+    assert call.name == "f" and call.arguments == '{"path": "a.py", "text": "def f('
+    assert "".join(v for k, v in events if k == "tool_call_delta") == call.arguments

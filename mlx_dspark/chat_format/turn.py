@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from mlx_dspark.chat_format.output import REASONING, OutputParser, ParsedOutput
+from mlx_dspark.chat_format.output import CALL, CALL_BEGIN, CALL_DELTA, REASONING, OutputParser, ParsedOutput
 from mlx_dspark.chat_format.prompt import starts_in_reasoning
 from mlx_dspark.chat_format.tools import ToolChoice, ToolError, check_choice, check_tools, forced_call_constraint, openai_choice
 
@@ -56,8 +56,10 @@ class OutputCollector:
         if final:
             events += self.parser.finish()
         for kind, value in events:
-            if kind == "tool_call":
+            if kind == CALL:
                 self.output.tool_calls.append(value)
+            elif kind in (CALL_BEGIN, CALL_DELTA):
+                continue  # a streamed call's pieces: the closing CALL event carries it whole
             elif kind == REASONING:
                 self.output.reasoning = (self.output.reasoning or "") + value
             else:

@@ -80,6 +80,7 @@ class ReplyPrinter:
     def __init__(self, out: Any) -> None:
         self.out = out
         self.thinking = False
+        self.streaming: str | None = None  # id of the call being printed
 
     def show(self, events: list[tuple[str, Any]]) -> None:
         for kind, value in events:
@@ -89,8 +90,14 @@ class ReplyPrinter:
             elif kind != "reasoning" and self.thinking:
                 self.out.write(" [/thinking]\n")
                 self.thinking = False
-            if kind == "tool_call":
-                self.out.write(f"\n[tool call] {value.name} {value.arguments}\n")
+            if kind == "tool_call_begin":  # a call whose arguments stream
+                self.out.write(f"\n[tool call] {value.name} ")
+                self.streaming = value.id
+            elif kind == "tool_call_delta":
+                self.out.write(value)
+            elif kind == "tool_call":
+                self.out.write("\n" if self.streaming == value.id else f"\n[tool call] {value.name} {value.arguments}\n")
+                self.streaming = None
             else:
                 self.out.write(value)
         self.out.flush()

@@ -164,27 +164,39 @@ class AnthropicWriter:
         self.tally = Tally(speculative=speculative)
         self.blocks: list[dict] = []  # the message's content, as it grows
         self._open: int | None = None  # index of the block being streamed
+        self._streaming_call: str | None = None  # id of the tool_use whose input is streaming
         self.finish_reason: str | None = None
 
     def _events_for(self, kind: str, value: Any) -> list[tuple[str, dict]]:
         events = []
-        block_type = {"content": "text", "reasoning": "thinking", "tool_call": "tool_use"}[kind]
+        block_type = {"content": "text", "reasoning": "thinking"}.get(kind, "tool_use")
         last = self.blocks[-1] if self.blocks else None
-        if kind != "tool_call" and last is not None and last["type"] == block_type and self._open is not None:
+        if kind in ("content", "reasoning") and last is not None and last["type"] == block_type and self._open is not None:
             key = "text" if block_type == "text" else "thinking"
             last[key] += value
             delta = {"type": "text_delta", "text": value} if block_type == "text" else {"type": "thinking_delta", "thinking": value}
             return [("content_block_delta", {"type": "content_block_delta", "index": self._open, "delta": delta})]
+        if kind == "tool_call_delta":
+            return [("content_block_delta", {"type": "content_block_delta", "index": self._open,
+                                             "delta": {"type": "input_json_delta", "partial_json": value}})]
+        if kind == "tool_call" and self._streaming_call == value.id:  # its arguments streamed: close it
+            self.blocks[-1]["input"] = value.parsed_arguments()
+            self._streaming_call = None
+            return self._close()
         events += self._close()
         index = len(self.blocks)
-        if kind == "tool_call":
-            block = {"type": "tool_use", "id": f"toolu_{value.id[5:]}", "name": value.name, "input": value.parsed_arguments()}
+        if kind in ("tool_call", "tool_call_begin"):
+            block = {"type": "tool_use", "id": f"toolu_{value.id[5:]}", "name": value.name, "input": {}}
             self.blocks.append(block)
             events.append(("content_block_start", {"type": "content_block_start", "index": index,
                                                    "content_block": {**block, "input": {}}}))
+            self._open = index
+            if kind == "tool_call_begin":
+                self._streaming_call = value.id
+                return events
+            block["input"] = value.parsed_arguments()
             events.append(("content_block_delta", {"type": "content_block_delta", "index": index,
                                                    "delta": {"type": "input_json_delta", "partial_json": value.arguments}}))
-            self._open = index
             return events + self._close()
         block = {"type": "text", "text": ""} if block_type == "text" else {"type": "thinking", "thinking": "", "signature": ""}
         self.blocks.append(block)

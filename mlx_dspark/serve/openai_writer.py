@@ -62,6 +62,7 @@ class OpenAIWriter:
         self.text: list[str] = []
         self.logprobs: list | None = None
         self.calls = 0
+        self._streamed: dict[str, int] = {}  # ids of the calls whose arguments streamed -> their index
         self.finish_reason: str | None = None
         self._first = True
         self._offset = 0
@@ -87,12 +88,19 @@ class OpenAIWriter:
             return self._text_chunks(step, step_logprobs, done)
         deltas: list[dict] = []
         for kind, value in parts:
-            if kind == "tool_call":
+            if kind == "tool_call_begin":  # id and name first, then the arguments as they come
+                self._streamed[value.id] = self.calls
+                deltas.append({"tool_calls": [{"index": self.calls, "id": value.id, "type": "function",
+                                               "function": {"name": value.name, "arguments": ""}}]})
+                self.calls += 1
+            elif kind == "tool_call_delta":
+                deltas.append({"tool_calls": [{"index": self.calls - 1, "function": {"arguments": value}}]})
+            elif kind == "tool_call" and value.id not in self._streamed:  # a call that arrived whole
                 header = {"index": self.calls, "id": value.id, "type": "function",
                           "function": {"name": value.name, "arguments": ""}}
                 deltas += [{"tool_calls": [header]}, {"tool_calls": [{"index": self.calls, "function": {"arguments": value.arguments}}]}]
                 self.calls += 1
-            elif value:
+            elif kind in ("content", "reasoning") and value:
                 deltas.append({"reasoning_content": value} if kind == "reasoning" else {"content": value})
         if self._first:
             deltas.insert(0, {"role": "assistant", "content": ""})

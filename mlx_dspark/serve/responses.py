@@ -222,10 +222,12 @@ class ResponsesWriter:
                                    text=part["text"]),
                        self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                                    part=part)]
+        elif item["type"] == "function_call":
+            events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                      arguments=item["arguments"]))
         else:
-            text = item["content"][0]["text"]
             events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                      content_index=0, text=text))
+                                      content_index=0, text=item["content"][0]["text"]))
         return events + [self._event("response.output_item.done", output_index=index, item=item)]
 
     def _events_for(self, kind: str, value: Any) -> list[tuple[str, dict]]:
@@ -235,19 +237,24 @@ class ResponsesWriter:
             last["content"][0]["text"] += value
             delta = "response.output_text.delta" if item_type == "message" else "response.reasoning_text.delta"
             return [self._event(delta, item_id=last["id"], output_index=len(self.output) - 1, content_index=0, delta=value)]
+        if kind == "tool_call_delta":
+            last["arguments"] += value
+            return [self._event("response.function_call_arguments.delta", item_id=last["id"],
+                                output_index=len(self.output) - 1, delta=value)]
+        if kind == "tool_call" and self._open and last["type"] == "function_call" and last["call_id"] == value.id:
+            last["arguments"] = value.arguments  # its arguments streamed: the parsed call closes it
+            return self._close()
         events = self._close()
         index = len(self.output)
-        if kind == "tool_call":
+        if kind in ("tool_call", "tool_call_begin"):
             item = {"type": "function_call", "id": f"fc_{value.id[5:]}", "call_id": value.id, "name": value.name,
                     "arguments": "", "status": "in_progress"}
             self.output.append(item)
+            self._open = True
             events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
-            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                      delta=value.arguments))
-            item.update(arguments=value.arguments, status="completed")
-            events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                      arguments=value.arguments))
-            return events + [self._event("response.output_item.done", output_index=index, item=item)]
+            if kind == "tool_call_begin":
+                return events
+            return events + self._events_for("tool_call_delta", value.arguments) + self._close()
         if item_type == "message":
             part = {"type": "output_text", "text": "", "annotations": []}
             item = {"type": "message", "id": f"msg_{secrets.token_hex(12)}", "status": "in_progress", "role": "assistant",
