@@ -19,6 +19,7 @@ from typing import Annotated, Any, Iterator, Mapping, NoReturn, Optional
 
 import typer
 
+from mlx_dspark.engine.constraints import Constraint, ConstraintError
 from mlx_dspark.engine.options import (
     DEFAULT_OPTIONS,
     DRAFT_SAMPLING_MODES,
@@ -57,7 +58,14 @@ FLAGS = {
     "verify_schedule": "--verify-schedule",
     "cost_curve": "--cost-curve-file",
     "chat_template_kwargs": "--chat-template-args",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "repetition_penalty": "--repetition-penalty",
+    "penalty_last_n": "--penalty-last-n",
+    "logit_bias": "--logit-bias",
+    "mask_draft": "--no-mask-draft",
 }
+CONSTRAINT_FLAGS = {"json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar", "tokenizer": "--model"}
 
 Temp = Annotated[float, typer.Option("--temp", "--temperature", help="Sampling temperature (0 = greedy).")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1] (1 = off).")]
@@ -107,6 +115,30 @@ MaxContext = Annotated[
         help="Tokens the prompt and the completion must fit in (default: the target's max_position_embeddings).",
     ),
 ]
+PresencePenalty = Annotated[
+    float, typer.Option("--presence-penalty", help="Subtract from the logit of every token seen in the last --penalty-last-n, in [-2, 2].")
+]
+FrequencyPenalty = Annotated[
+    float, typer.Option("--frequency-penalty", help="Subtract this times the token's count in the last --penalty-last-n, in [-2, 2].")
+]
+RepetitionPenalty = Annotated[
+    float, typer.Option("--repetition-penalty", help="Divide a seen token's logit by this (mlx-lm / llama.cpp; 1 = off).")
+]
+PenaltyLastN = Annotated[
+    int, typer.Option("--penalty-last-n", help="How many recent tokens (prompt included) the penalties look at; 0 = off.")
+]
+LogitBias = Annotated[
+    Optional[str],
+    typer.Option("--logit-bias", help="Token biases as JSON ('{\"42\": -100}') or ID:BIAS pairs ('42:-100,7:2.5')."),
+]
+JsonSchema = Annotated[Optional[Path], typer.Option("--json-schema", help="Constrain the output to this JSON Schema file.")]
+Regex = Annotated[Optional[str], typer.Option("--regex", help="Constrain the whole output to match this regex.")]
+Grammar = Annotated[
+    Optional[Path], typer.Option("--grammar", help="Constrain the output to this grammar file (llguidance Lark, or llama.cpp GBNF).")
+]
+NoMaskDraft = Annotated[
+    bool, typer.Option("--no-mask-draft", help="With a constraint: let the draft propose unmasked (cut at its first forbidden token).")
+]
 Quantize = Annotated[Optional[int], typer.Option("--quantize", help="Quantize the target at load time: 4 or 8 bits.")]
 MODEL_HELP = "Target: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
 DRAFT_HELP = "DSpark draft: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
@@ -133,6 +165,9 @@ def flag_errors(flags: Mapping[str, str] = FLAGS) -> Iterator[None]:
         yield
     except OptionError as err:
         flag = flags.get(err.field)
+        fail(f"{flag}: {err}" if flag else str(err))
+    except ConstraintError as err:
+        flag = CONSTRAINT_FLAGS.get(err.field)
         fail(f"{flag}: {err}" if flag else str(err))
     except ValueError as err:
         fail(str(err))
@@ -181,7 +216,13 @@ def generation_options(flags: Mapping[str, Any], *, max_tokens: int) -> Generati
             top_k=flags["top_k"],
             min_p=flags["min_p"],
             seed=flags.get("seed", SAMPLING.seed),
+            presence_penalty=flags.get("presence_penalty", SAMPLING.presence_penalty),
+            frequency_penalty=flags.get("frequency_penalty", SAMPLING.frequency_penalty),
+            repetition_penalty=flags.get("repetition_penalty", SAMPLING.repetition_penalty),
+            penalty_last_n=flags.get("penalty_last_n", SAMPLING.penalty_last_n),
+            logit_bias=parse_logit_bias(flags.get("logit_bias")),
         ),
+        constraint=constraint_from_flags(flags),
         speculation=SpeculationOptions(
             speculative=not flags.get("no_draft", False),
             draft_sampling=flags["draft_sampling"],
@@ -190,8 +231,52 @@ def generation_options(flags: Mapping[str, Any], *, max_tokens: int) -> Generati
             max_draft_tokens=flags["max_draft_tokens"],
             verify_schedule=flags.get("verify_schedule", SPECULATION.verify_schedule),
             cost_curve=cost_curve,
+            mask_draft=not flags.get("no_mask_draft", False),
         ),
     )
+
+
+def parse_logit_bias(text: Optional[str]) -> dict:
+    """--logit-bias as a JSON object or ID:BIAS pairs; the values are checked by SamplingOptions."""
+    if not text:
+        return {}
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise OptionError("logit_bias", text, f"a JSON object of token ids to biases ({err})") from None
+        if not isinstance(value, dict):
+            raise OptionError("logit_bias", text, "a JSON object of token ids to biases")
+        return value
+    out = {}
+    for pair in text.split(","):
+        token, sep, bias = pair.strip().partition(":")
+        try:
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise OptionError("logit_bias", text, "ID:BIAS pairs separated by commas, e.g. 42:-100,7:2.5") from None
+    return out
+
+
+def constraint_from_flags(flags: Mapping[str, Any]) -> Optional[Constraint]:
+    """--json-schema FILE, --regex or --grammar FILE (at most one), as a Constraint."""
+    given = [name for name in ("json_schema", "regex", "grammar") if flags.get(name) is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of {', '.join(CONSTRAINT_FLAGS[name] for name in given)}")
+    if not given:
+        return None
+    name = given[0]
+    if name == "regex":
+        return Constraint.regex(text_flag("--regex", flags["regex"]))
+    path = Path(flags[name])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{CONSTRAINT_FLAGS[name]}: cannot read {path}: {err}") from None
+    try:
+        return Constraint.json_schema(text) if name == "json_schema" else Constraint.grammar(text)
+    except ConstraintError as err:
+        raise ConstraintError(err.field, f"{path}: {str(err).split(': ', 1)[-1]}") from None
 
 
 def resolve_cost_curve(pair: Any, options: GenerationOptions) -> GenerationOptions:

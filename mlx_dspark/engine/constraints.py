@@ -22,6 +22,9 @@ class ConstraintError(ValueError):
     """A schema, regex or grammar the engine cannot use; `field` is the constraint kind it came from."""
 
     def __init__(self, field: str, message: str) -> None:
+        # the engine's messages span lines (source excerpts, ^ pointers): one line, for a CLI error or a 400
+        parts = [line.strip() for line in message.splitlines()]
+        message = " ".join(part for part in parts if part and set(part) != {"^"})
         super().__init__(f"{field}: {message}")
         self.field = field
 
@@ -87,7 +90,7 @@ class Constraint:
             rules.append(f"call_{i}: {_lark_literal(shape.begin)} args_{i} {_lark_literal(shape.end)}\nargs_{i}: {body}")
         calls = " | ".join(f"call_{i}" for i in range(len(shapes)))
         start = "start: call (SEP? call)*" if parallel else "start: call"
-        lark = "\n".join([start, f"call: {calls}", "SEP: /[ \\t\\r\\n]+/", *rules])
+        lark = "\n".join([start, f"call: {calls}", "SEP: /[ \\t\\r\\n]{1,3}/", *rules])
         return cls("tool_calls", _llg().LLMatcher.grammar_from_lark(lark))
 
 

@@ -214,7 +214,7 @@ def speculative_steps(
         draft_tokens, draft_probs = _admitted(
             proposal, num_tokens, p_min=speculation.p_min, threshold=speculation.confidence_threshold, schedule=schedule
         )
-        draft_tokens, draft_probs = processor.admit(draft_tokens, draft_probs, masked=hook is not None)
+        draft_tokens, draft_probs = processor.admit(draft_tokens, draft_probs, hooked=hook is not None)
         num_draft = draft_tokens.shape[0]
 
         verify_input = mx.concatenate([anchor, draft_tokens]).reshape(1, num_draft + 1)

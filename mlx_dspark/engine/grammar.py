@@ -31,7 +31,12 @@ class GrammarState:
     # -- committed state ---------------------------------------------------------------------------
 
     def can_start(self) -> bool:
-        return bool(self.mask(()).any()) or self.matcher.is_accepting()
+        """Some first token is legal (or the empty output already matches)."""
+        row = np.zeros((self.words,), np.int32)
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        for token in self.eos_ids:  # llguidance allows end-of-sequence in a dead state: it does not count
+            row[token // 32] &= ~np.int32(np.uint32(1 << (token % 32)).view(np.int32))
+        return bool(row.any()) or self.matcher.is_accepting()
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance over committed tokens (all legal: they were drawn from masked distributions)."""

@@ -133,14 +133,15 @@ class LogitsProcessor:
 
         return hook
 
-    def admit(self, tokens: mx.array, draft_probs: mx.array | None, *, masked: bool) -> tuple[mx.array, mx.array | None]:
-        """Cut an unmasked draft (l,) before its first token the grammar forbids (one host read).
+    def admit(self, tokens: mx.array, draft_probs: mx.array | None, *, hooked: bool) -> tuple[mx.array, mx.array | None]:
+        """Cut a draft (l,) the grammar did not mask (`hooked`: it took `draft_hook`) before its first
+        forbidden token (one host read).
 
         Such a token would be rejected for certain; with sampled drafting its draft distribution row is
         kept (draft_probs gets l' + 1 rows) so the bonus is drawn from the same residual as if it had been
         verified and rejected: the cut stays lossless.
         """
-        if self.grammar is None or masked or tokens.shape[0] == 0:
+        if self.grammar is None or (hooked and self.mask_draft) or tokens.shape[0] == 0:
             return tokens, draft_probs
         valid = self.grammar.valid_prefix(tokens.tolist())
         if valid == tokens.shape[0]:
