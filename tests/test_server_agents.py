@@ -217,15 +217,22 @@ def test_responses_previous_response_id_resumes_the_conversation(oai, model):
     assert err.value.body["param"] == "previous_response_id"
 
 
-def test_responses_function_call_arguments_stream_as_deltas(oai):
-    """A call in the stream is an output item whose arguments arrive as deltas (checked on whatever calls occur)."""
-    events = list(oai.responses.create(model=MODEL_ID, input=QUESTION[1:], tools=[{"type": "function", **WEATHER["function"]}],
-                                       max_output_tokens=12, stream=True))
-    final = events[-1].response
-    for item in final.output:
-        if item.type == "function_call":
-            deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.item_id == item.id]
-            assert "".join(deltas) == item.arguments
+@pytest.mark.skipif(not HAS_CONSTRAINTS, reason="forcing a call needs the engine's constrained decoding")
+def test_forced_calls_stream_their_arguments_in_responses_and_anthropic_events(oai, claude):
+    events = list(oai.responses.create(model=MODEL_ID, input="Weather?", tools=[{"type": "function", **CITY["function"]}],
+                                       tool_choice="required", parallel_tool_calls=False, max_output_tokens=200, stream=True))
+    (item,) = [i for i in events[-1].response.output if i.type == "function_call"]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.item_id == item.id]
+    assert len(deltas) > 1 and "".join(deltas) == item.arguments and json.loads(item.arguments)["city"] in ("Paris", "Oslo")
+    assert events[-1].type == "response.completed"
+    tools = [{"name": "get_weather", "input_schema": CITY["function"]["parameters"]}]
+    with claude.messages.stream(model="claude", max_tokens=200, tools=tools, messages=[{"role": "user", "content": "Weather?"}],
+                                tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    (use,) = [b for b in final.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.input["city"] in ("Paris", "Oslo") and final.stop_reason == "tool_use"
+    assert kinds.count("input_json") > 1  # the SDK's event for each input_json_delta
 
 
 # -- Anthropic Messages ------------------------------------------------------------------------------
