@@ -96,3 +96,13 @@ def test_tools_from_a_file_reach_the_template_and_a_bad_file_is_one_error_line(t
     tools.write_text('[{"type": "function", "function": {"name": "a b"}}]')
     bad = run_chat(tiny_tools_pair, "Hello\n", "--tools", str(tools))
     assert bad.returncode == 2 and bad.stderr.decode().strip().splitlines()[-1].startswith("error: 'tools[0].function.name'")
+
+
+def test_reasoning_prints_between_thinking_marks(tiny_spark_pair, pair):
+    proc = run_chat(tiny_spark_pair, "Hello\n", "--chat-template-args", '{"thinking_effort": "high"}')
+    assert proc.returncode == 0, proc.stderr.decode()
+    want = generate(pair, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}],
+                    max_tokens=MAX_TOKENS, chat_template_kwargs={"thinking_effort": "high"})
+    assert want.reasoning  # the template opened <think>: the reply starts as reasoning
+    shown = f"[thinking] {want.reasoning}" + (f" [/thinking]\n{want.content}\n" if want.content else " [/thinking]\n")
+    assert proc.stdout.decode() == shown

@@ -240,7 +240,8 @@ class ModelWorker:
         except Exception as err:  # noqa: BLE001
             if isinstance(err, ContextLengthError):  # before any model work: the cache is untouched
                 failed = False
-                param = "max_tokens" if err.field == "max_tokens" else ("messages" if request.kind == "chat" else "prompt")
+                prompt_field = {"chat": "messages", "anthropic": "messages", "responses": "input"}.get(request.kind, "prompt")
+                param = "max_tokens" if err.field == "max_tokens" else prompt_field
                 job.events.put(APIError(400, str(err), param=param, code="context_length_exceeded"))
             elif isinstance(err, NonFiniteError):  # the model is broken, not the request
                 log.error("generation failed: %s", err)
