@@ -15,6 +15,9 @@ from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 
+from mlx_dspark.chat_format.prompt import encode_prompt  # noqa: F401  (re-exported)
+from mlx_dspark.chat_format.tools import ToolCall, ToolChoice
+from mlx_dspark.chat_format.turn import OutputCollector, ToolSetup
 from mlx_dspark.engine.context import ContextLengthError, context_length, fit_max_tokens  # noqa: F401  (re-exported)
 from mlx_dspark.engine.constraints import Constraint
 from mlx_dspark.engine.decode import GenerationCancelled, Round, plain_steps, speculative_steps  # noqa: F401  (re-exported)
@@ -44,6 +47,10 @@ class StepResponse:
     peak_memory_gb: float
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache (not prefilled)
     logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when options.logprobs is set
+    # chat prompts, on the last step: the text read as reasoning, content and tool calls (chat_format/output.py)
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 @dataclass
@@ -62,6 +69,9 @@ class GenerationResult:
     cached_tokens: int = 0
     target_forwards: int = 0  # the prefill's last one, then one per decode step or verify round
     logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when options.logprobs is set
+    content: str | None = None  # chat prompts: the text without reasoning and tool calls (`text` is all of it)
+    reasoning: str | None = None  # the thinking text, when the template thinks
+    tool_calls: list[ToolCall] | None = None  # the calls parsed from the text (with `tools=`)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -72,47 +82,6 @@ class GenerationResult:
     @property
     def rounds(self) -> int:
         return len(self.acceptance_lengths)
-
-
-def _check_text(text: str, what: str) -> None:
-    """A lone surrogate (from JSON's "\\ud800", or undecodable bytes under surrogateescape) is not text."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ValueError(
-            f"{what} holds an unpaired surrogate ({text[err.start]!r} at character {err.start}): it is not valid "
-            "Unicode text (send valid UTF-8, or UTF-16 pairs in JSON escapes)"
-        ) from None
-
-
-def encode_prompt(
-    tokenizer: Any,
-    prompt: str | Sequence[int] | Sequence[dict],
-    *,
-    chat_template_kwargs: dict | None = None,
-) -> list[int]:
-    """A string is used as is, token ids as given, chat messages through the chat template."""
-    if isinstance(prompt, str):
-        _check_text(prompt, "the prompt")
-        bos = getattr(tokenizer, "bos_token", None)
-        add_special = bos is None or not prompt.startswith(bos)
-        return list(tokenizer.encode(prompt, add_special_tokens=add_special))
-    items = list(prompt)
-    if not items:
-        raise ValueError("the prompt is empty")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-        return items
-    if all(isinstance(m, dict) for m in items):
-        for i, message in enumerate(items):
-            if "role" not in message or "content" not in message:
-                raise ValueError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(message)}")
-            if isinstance(message["content"], str):
-                _check_text(message["content"], f"chat message {i}")
-        if not getattr(tokenizer, "has_chat_template", True):
-            raise ValueError("the tokenizer has no chat template: pass the prompt as a string")
-        ids = tokenizer.apply_chat_template(items, add_generation_prompt=True, **(chat_template_kwargs or {}))
-        return list(ids)
-    raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -163,6 +132,9 @@ def stream_generate(
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
+    tools: Sequence[dict] | None = None,
+    tool_choice: str | dict | ToolChoice | None = None,
+    parallel_tool_calls: bool = True,
 ) -> Iterator[StepResponse]:
     """Yield a StepResponse per target forward; the last one carries the finish reason.
 
@@ -178,6 +150,10 @@ def stream_generate(
     `GenerationCancelled`.
     `verify_schedule="confidence"` needs a draft with a confidence head (an error otherwise) and uses
     `cost_curve`, or else this machine's curve for the pair (schedule.py: measured once, cached on disk).
+    `tools` (OpenAI function tools) are rendered by the chat template; the last step of a chat prompt
+    carries its text read as `content`, `reasoning` and `tool_calls` (the tokenizer's tool parser);
+    `tool_choice` "required" or {"type": "function", "function": {"name": ...}} forces a call
+    (constrained decoding), "none" offers no tools.
     """
     built = GenerationOptions(
         max_tokens=max_tokens,
@@ -208,8 +184,14 @@ def stream_generate(
         options = built
     elif built != DEFAULT_OPTIONS:
         raise ValueError("give the generation options either as `options=` or as keywords, not both")
+    setup = ToolSetup.of(tools, tool_choice, parallel=parallel_tool_calls)  # a ToolError (ValueError) naming the field
+    forced = setup.constraint(model.tokenizer)
+    if forced is not None:
+        if options.constraint is not None:
+            raise ValueError("tool_choice forces a tool call: it cannot be combined with constraint=")
+        options = dataclasses.replace(options, constraint=forced)
     grammar = compile_request(model, options)  # here, not in the stream: a bad constraint fails at the call
-    return _stream(model, prompt, options, proposer, prompt_cache, cancel, grammar)
+    return _stream(model, prompt, options, proposer, prompt_cache, cancel, grammar, setup)
 
 
 def _stream(
@@ -220,11 +202,14 @@ def _stream(
     prompt_cache: PromptCache | None,
     cancel: threading.Event | None,
     grammar: GrammarState | None,
+    setup: ToolSetup,
 ) -> Iterator[StepResponse]:
     tokenizer = model.tokenizer
     stops = options.stop
     stop_ids = set(tokenizer.eos_token_ids) | set(options.stop_token_ids)
-    prompt_ids = encode_prompt(tokenizer, prompt, chat_template_kwargs=options.chat_template_kwargs)
+    prompt_ids = encode_prompt(tokenizer, prompt, chat_template_kwargs=options.chat_template_kwargs, tools=setup.offered)
+    chat = not isinstance(prompt, str) and any(isinstance(m, dict) for m in prompt)
+    reader = OutputCollector(setup.parser(tokenizer, prompt_ids)) if chat or setup.tools else None
     max_tokens = fit_max_tokens(len(prompt_ids), options, *context_length(model, options))
     if max_tokens != options.max_tokens:
         options = dataclasses.replace(options, max_tokens=max_tokens)
@@ -265,6 +250,9 @@ def _stream(
         new_text = text[shown:visible] if visible > shown else ""
         shown = max(shown, visible)
         elapsed = now - first_token_time
+        if reader is not None:
+            reader.add(new_text, final=finish_reason is not None)
+        parsed = reader.output if reader is not None and finish_reason is not None else None
         yield StepResponse(
             text=new_text,
             tokens=tokens,
@@ -279,6 +267,9 @@ def _stream(
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             cached_tokens=cached,
             logprobs=None if step.logprobs is None else step.logprobs[: len(tokens)],
+            content=None if parsed is None else parsed.content,
+            reasoning=None if parsed is None else parsed.reasoning,
+            tool_calls=None if parsed is None else parsed.tool_calls,
         )
         if finish_reason is not None:
             return
@@ -345,6 +336,9 @@ class ResultCollector:
             cached_tokens=last.cached_tokens,
             target_forwards=self.steps,
             logprobs=self.logprobs,
+            content=last.content,
+            reasoning=last.reasoning,
+            tool_calls=last.tool_calls,
         )
 
 
@@ -387,6 +381,9 @@ def generate(
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
+    tools: Sequence[dict] | None = None,
+    tool_choice: str | dict | ToolChoice | None = None,
+    parallel_tool_calls: bool = True,
 ) -> GenerationResult:
     """Generate a whole completion: `stream_generate` with the same parameters, joined.
 
@@ -426,6 +423,9 @@ def generate(
         stop=stop,
         stop_token_ids=stop_token_ids,
         chat_template_kwargs=chat_template_kwargs,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
     )
     collector = ResultCollector()
     for step in steps:

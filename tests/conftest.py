@@ -9,6 +9,8 @@ read-only (they are shared by every test of the session; write your own with the
 - `tiny_spark_pair`, `tiny_qwen3_pair`: (target_path, draft_path); the draft is a vanilla-Markov DSpark
   draft with a confidence head, 2 sliding layers (window 16), taps [0, 2], block size 7, mask token =
   the tokenizer's `<|mask|>`, and the shared embedding / lm_head copied in (HF / DeepSpec layout).
+- `tiny_tools_pair`: the qwen3 pair with a ChatML template that renders tools (Qwen3's `<tool_call>` JSON
+  format, mlx-lm's `json_tools` parser; `testing.tiny_tokenizer.tools_chat_template`) and thinking.
 - `shared_fixtures`: Path of ../shared/fixtures (the reference tiny checkpoints); skips when absent.
 
 Spark directories carry `auto_map` like the real checkpoint: load their tokenizer with
@@ -18,11 +20,13 @@ letting transformers prompt for custom code.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from mlx_dspark.testing.tiny import write_tiny_draft, write_tiny_target
+from mlx_dspark.testing.tiny_tokenizer import tools_chat_template, write_chat_template
 
 SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"
 
@@ -47,6 +51,14 @@ def tiny_spark_pair(tiny_spark_target) -> tuple[Path, Path]:
 def tiny_qwen3_pair(tiny_qwen3_target) -> tuple[Path, Path]:
     draft = write_tiny_draft(tiny_qwen3_target.parent / "draft", target_path=tiny_qwen3_target, seed=0)
     return tiny_qwen3_target, draft
+
+
+@pytest.fixture(scope="session")
+def tiny_tools_pair(tiny_qwen3_pair, tmp_path_factory) -> tuple[Path, Path]:
+    target, draft = tiny_qwen3_pair
+    copy = shutil.copytree(target, tmp_path_factory.mktemp("tiny-tools") / "target")
+    write_chat_template(copy, tools_chat_template())
+    return copy, draft
 
 
 @pytest.fixture(scope="session")

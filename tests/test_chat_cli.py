@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -71,8 +72,37 @@ def test_a_bad_flag_is_one_error_line(tiny_spark_pair):
     assert proc.stderr.decode().startswith("error: --temp") and len(proc.stderr.decode().strip().splitlines()) == 1
 
 
-def test_without_a_model_it_says_the_demo_pair_cannot_chat():
-    result = subprocess.run([sys.executable, "-m", "mlx_dspark.chat"], input=b"hi\n", capture_output=True, timeout=120)
-    assert result.returncode == 2
-    lines = [line for line in result.stderr.decode().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: chat needs --model"), lines
+def test_without_a_model_it_chats_with_the_demo_pair_through_its_template():
+    from mlx_dspark.cli.common import demo_pair
+
+    demo = demo_pair()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONIOENCODING": "utf-8"}
+    result = subprocess.run([sys.executable, "-m", "mlx_dspark.chat", "--max-tokens", "8"], input=b"def add(a, b):\n",
+                            capture_output=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr.decode()
+    pair = load(demo.target, draft=demo.draft, dtype=demo.dtype)
+    want = generate(pair, [{"role": "user", "content": "def add(a, b):"}], max_tokens=8)
+    assert result.stdout.decode() == f"{want.content}\n"
+    assert len(stats(result.stderr)) == 1
+
+
+def test_tools_from_a_file_reach_the_template_and_a_bad_file_is_one_error_line(tiny_tools_pair, tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]))
+    plain = run_chat(tiny_tools_pair, "Hello\n")
+    with_tools = run_chat(tiny_tools_pair, "Hello\n", "--tools", str(tools))
+    assert with_tools.returncode == 0, with_tools.stderr.decode()
+    assert stats(with_tools.stderr)[0][0] > stats(plain.stderr)[0][0]  # the tool definitions are in the prompt
+    tools.write_text('[{"type": "function", "function": {"name": "a b"}}]')
+    bad = run_chat(tiny_tools_pair, "Hello\n", "--tools", str(tools))
+    assert bad.returncode == 2 and bad.stderr.decode().strip().splitlines()[-1].startswith("error: 'tools[0].function.name'")
+
+
+def test_reasoning_prints_between_thinking_marks(tiny_spark_pair, pair):
+    proc = run_chat(tiny_spark_pair, "Hello\n", "--chat-template-args", '{"thinking_effort": "high"}')
+    assert proc.returncode == 0, proc.stderr.decode()
+    want = generate(pair, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}],
+                    max_tokens=MAX_TOKENS, chat_template_kwargs={"thinking_effort": "high"})
+    assert want.reasoning  # the template opened <think>: the reply starts as reasoning
+    shown = f"[thinking] {want.reasoning}" + (f" [/thinking]\n{want.content}\n" if want.content else " [/thinking]\n")
+    assert proc.stdout.decode() == shown

@@ -22,6 +22,7 @@ FORBIDDEN = {
     "serve": ("bench", "train", "cli", "testing", "loading"),
     "bench": ("serve", "cli", "train", "testing"),
     "train": ("serve", "cli", "bench", "testing"),
+    "chat_format": ("loading", "serve", "bench", "train", "cli", "api", "testing"),
     "api": ("serve", "bench", "train", "cli", "testing", "loading"),
     "export": ("engine", "serve", "bench", "train", "cli", "api", "testing"),
     "testing": ("engine", "serve", "bench", "train", "cli", "api"),

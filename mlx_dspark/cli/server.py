@@ -68,6 +68,9 @@ def serve(
     draft_vocab_file: flags.DraftVocabFile = None,
     kv_bits: flags.KvBits = None,
     max_context: flags.MaxContext = None,
+    tool_parser: Optional[str] = typer.Option(
+        None, "--tool-parser", help="mlx-lm tool parser for the model's tool calls (e.g. json_tools, qwen3_coder); "
+        "default: the one mlx-lm infers from the chat template."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
     allow_origin: list[str] = typer.Option([], "--allow-origin",
                                            help="Let web pages from this origin call the server (repeatable; '*' for any)."),
@@ -92,6 +95,13 @@ def serve(
             raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
         defaults = flags.generation_options(ctx.params, max_tokens=max_tokens_default)  # the shared flags, by name
         prompt_cache = _prompt_cache_budget(prompt_cache_size, prompt_cache_bytes)
+        if tool_parser is not None:
+            from mlx_dspark.loading.tokenizer import check_tool_parser
+
+            try:
+                check_tool_parser(tool_parser)
+            except ValueError as err:
+                raise ValueError(f"--tool-parser: {err}") from None
 
     model_id = served_model_name or model or DEMO_MODEL_ID
     dtype = None
@@ -100,12 +110,12 @@ def serve(
             demo = flags.demo_pair()
         except FileNotFoundError as err:
             fail(str(err))
-        typer.echo(f"[mlx_dspark] {demo.note}; it has no chat template: use /v1/completions", err=True)
+        typer.echo(f"[mlx_dspark] {demo.note}; its small chat template renders tools (its replies stay code-like)", err=True)
         model, draft, dtype = str(demo.target), draft or str(demo.draft), demo.dtype
     speculative = draft is not None and not no_draft
     loader = functools.partial(
         load, model, draft=draft if speculative else None, dtype=dtype, quantize=quantize,
-        draft_tap_ids=tap_ids if speculative else None, **precision,
+        draft_tap_ids=tap_ids if speculative else None, tool_parser=tool_parser, **precision,
     )  # fmt: skip
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,

@@ -125,6 +125,7 @@ def load(
     draft_vocab: Optional[int] = None,
     draft_vocab_file: str | Path | None = None,
     kv_bits: Optional[int] = None,
+    tool_parser: Optional[str] = None,
 ) -> LoadedModel:
     """Load a target and optionally its DSpark draft.
 
@@ -152,6 +153,8 @@ def load(
       `vocab_rank.json` beside the draft. Lossless: the target still verifies over its full vocabulary.
     kv_bits: 4 or 8: the target's full-attention KV caches quantized (mlx-lm's QuantizedKVCache);
       sliding layers stay in float. This changes the target's numerics (not identical to float caches).
+    tool_parser: an mlx-lm tool parser (a module of `mlx_lm.tool_parsers`, e.g. "json_tools") replacing
+      the one mlx-lm infers from the chat template.
     """
     mx_dtype = parse_dtype(dtype)
     draft_mx_dtype = mx_dtype if draft_dtype is None else parse_dtype(draft_dtype)
@@ -176,7 +179,8 @@ def load(
             f"{target_checkpoint.config_source}: the checkpoint is already quantized "
             f"({target_checkpoint.config['quantization']}); load it without quantize="
         )
-    tokenizer = load_tokenizer(target_path, target_checkpoint.config, gguf_tokenizer=target_checkpoint.tokenizer)
+    tokenizer = load_tokenizer(target_path, target_checkpoint.config, gguf_tokenizer=target_checkpoint.tokenizer,
+                               tool_parser=tool_parser)
 
     draft_model = draft_config = draft_path = None
     if draft is not None:

@@ -54,8 +54,21 @@ def tokenizer_directory(path: Path, *, gguf_tokenizer: Any = None) -> Path:
     return gguf_tokenizer.directory()  # ValueError naming the fix when the metadata describes no supported tokenizer
 
 
-def load_tokenizer(path: Path, config: dict, *, gguf_tokenizer: Any = None):
-    """The tokenizer of the target at `path` (a checkpoint directory or a GGUF file)."""
+def check_tool_parser(name: str) -> str:
+    """An mlx-lm tool parser's name (a module of mlx_lm.tool_parsers); ValueError listing them."""
+    import pkgutil
+
+    import mlx_lm.tool_parsers
+
+    names = sorted(m.name for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__))
+    if name not in names:
+        raise ValueError(f"unknown tool parser {name!r}; mlx-lm has {', '.join(names)}")
+    return name
+
+
+def load_tokenizer(path: Path, config: dict, *, gguf_tokenizer: Any = None, tool_parser: str | None = None):
+    """The tokenizer of the target at `path` (a checkpoint directory or a GGUF file); `tool_parser`
+    names mlx-lm's tool parser instead of the one it infers from the chat template."""
     from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
     directory = tokenizer_directory(path, gguf_tokenizer=gguf_tokenizer)
@@ -65,6 +78,8 @@ def load_tokenizer(path: Path, config: dict, *, gguf_tokenizer: Any = None):
     # transformers from stopping to ask; a blank model config keeps it from reading config.json at all
     # (beside a GGUF there may be none; a config converted from a GGUF names a family transformers lacks).
     extra: dict[str, Any] = {"trust_remote_code": False}
+    if tool_parser is not None:
+        extra["tool_parser_type"] = check_tool_parser(tool_parser)  # mlx-lm reads it from the tokenizer config
     if "auto_map" in config or is_gguf(path) or not _transformers_knows(config.get("model_type")):
         from transformers import PretrainedConfig
 

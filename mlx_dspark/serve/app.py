@@ -27,6 +27,7 @@ from mlx_dspark.serve.protocol import (
 )
 from mlx_dspark.serve.guards import host_name, is_loopback_name, normalize_origin
 from mlx_dspark.serve.handler import Handler
+from mlx_dspark.serve.responses import ResponseStore
 from mlx_dspark.serve.worker import ModelWorker
 
 log = logging.getLogger("mlx_dspark.server")
@@ -74,6 +75,9 @@ class DSparkHTTPServer(ThreadingHTTPServer):
         self.idle_timeout_s = idle_timeout_s
         self.allow_origins = frozenset(allow_origins)
         self.template_kwargs = template_kwargs  # the chat template switches clients may set
+        # /v1/responses' previous_response_id: as many conversations as the prompt-cache pool keeps warm
+        budget = worker.cache_budget
+        self.responses = ResponseStore(budget.conversations if budget.enabled else 0)
         self.created = int(time.time())
         self._serving: threading.Thread | None = None
         self._slots = threading.BoundedSemaphore(max_connections)

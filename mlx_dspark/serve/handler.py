@@ -15,14 +15,11 @@ from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
 
-from mlx_dspark.serve.protocol import (
-    APIError,
-    Envelope,
-    GenerationRequest,
-    Tally,
-    parse_request,
-)
-from mlx_dspark.serve.worker import READY, Job
+from mlx_dspark.serve import anthropic, responses
+from mlx_dspark.serve.errors import APIError
+from mlx_dspark.serve.openai_writer import OpenAIWriter
+from mlx_dspark.serve.protocol import parse_request
+from mlx_dspark.serve.worker import READY
 
 from mlx_dspark.serve.guards import MAX_JSON_DEPTH, check_json_value, escape_controls
 
@@ -44,6 +41,7 @@ class Handler(BaseHTTPRequestHandler):
         self._body: bytes | None = None
         self._stream_started = False
         self._cors_origin: str | None = None
+        self._anthropic = False
         super().setup()
 
     def do_GET(self) -> None:
@@ -89,6 +87,12 @@ class Handler(BaseHTTPRequestHandler):
             return {"POST": lambda: self._generate("chat")}
         if path == "/v1/completions":
             return {"POST": lambda: self._generate("text")}
+        if path == "/v1/messages":
+            return {"POST": lambda: self._generate("anthropic")}
+        if path == "/v1/messages/count_tokens":
+            return {"POST": self._count_tokens}
+        if path == "/v1/responses":
+            return {"POST": lambda: self._generate("responses")}
         return None
 
     def _dispatch(self, method: str) -> None:
@@ -96,6 +100,7 @@ class Handler(BaseHTTPRequestHandler):
         self._stream_started = False
         self._cors_origin = None
         path = urlsplit(self.path).path.rstrip("/") or "/"
+        self._anthropic = path.startswith("/v1/messages")  # errors in Anthropic's shape
         try:
             self._check_host_and_origin()
             routes = self._route(path)
@@ -175,11 +180,12 @@ class Handler(BaseHTTPRequestHandler):
             return True
         given = self.headers.get("Authorization", "")
         token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        token = token or self.headers.get("x-api-key", "").strip()  # Anthropic's clients send the key so
         return hmac.compare_digest(token.encode(), key.encode())
 
     def _check_key(self) -> None:
         if not self._key_ok():
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def _read_body(self) -> bytes:
@@ -259,57 +265,78 @@ class Handler(BaseHTTPRequestHandler):
         return APIError(404, f"model {name!r} is not served here; this server serves {self.server.model_id!r}",
                         param="model", code="model_not_found")
 
+    def _parse(self, kind: str, body: Any):
+        server = self.server
+        if kind == "anthropic":
+            return anthropic.parse_request(body, defaults=server.defaults, template_kwargs=server.template_kwargs)
+        if kind == "responses":
+            return responses.parse_request(body, defaults=server.defaults, template_kwargs=server.template_kwargs,
+                                           store=server.responses)
+        return parse_request(kind, body, defaults=server.defaults, template_kwargs=server.template_kwargs)
+
+    def _writer(self, kind: str, request: Any, job: Any) -> Any:
+        server, worker = self.server, self.server.worker
+        args = dict(model_id=server.model_id, speculative=worker.speculative, tokenizer=worker.model.tokenizer)
+        if kind == "anthropic":
+            return anthropic.AnthropicWriter(request, job, **args)
+        if kind == "responses":
+            return responses.ResponsesWriter(request, job, store=server.responses, **args)
+        return OpenAIWriter(request, job, **args)
+
     def _generate(self, kind: str) -> None:
         body = self._json_body()
-        request = parse_request(kind, body, defaults=self.server.defaults, template_kwargs=self.server.template_kwargs)
+        request = self._parse(kind, body)
         model = body.get("model")
-        if model is not None and model != self.server.model_id:
-            raise self._unknown_model(model)
+        if model is not None and model != self.server.model_id and kind != "anthropic":
+            raise self._unknown_model(model)  # Anthropic clients name Claude models: one model answers them all
         job = self.server.worker.submit(request, client_gone=self._client_gone)
+        writer = self._writer(kind, request, job)
         try:
             if request.stream:
-                self._stream(job, request)
+                self._stream(job, writer)
             else:
-                self._complete(job, request)
+                self._complete(job, writer)
         finally:
             job.cancel()  # no-op once done; stops the generation when we leave early
 
-    def _complete(self, job: Job, request: GenerationRequest) -> None:
-        envelope = Envelope.new(request.kind, self.server.model_id)
-        tally = Tally(speculative=self.server.worker.speculative)
-        pieces, finish_reason = [], None
+    def _count_tokens(self) -> None:
+        """Anthropic's /v1/messages/count_tokens: the prompt the request would render, counted."""
+        request = anthropic.parse_request(self._json_body(), defaults=self.server.defaults,
+                                          template_kwargs=self.server.template_kwargs, count_only=True)
+        worker = self.server.worker
+        if worker.state != READY:
+            worker.submit(request)  # raises the 503 saying why
+        try:
+            ids, _ = request.prepare(worker.model.tokenizer)
+        except ValueError as err:
+            raise APIError(400, str(err), param=getattr(err, "field", None), code="invalid_prompt") from None
+        self._send_json(200, {"input_tokens": len(ids)})
+
+    def _complete(self, job: Any, writer: Any) -> None:
+        finished = False
         for step in job.results():
-            tally.add(step)
-            pieces.append(step.text)
-            finish_reason = step.finish_reason
-        if finish_reason is None:
+            writer.add(step)
+            finished = step.finish_reason is not None
+        if not finished:
             self.close_connection = True
             return  # the client left while we were generating
-        self._send_json(200, envelope.full(text="".join(pieces), finish_reason=finish_reason, tally=tally))
+        self._send_json(200, writer.body())
 
-    def _stream(self, job: Job, request: GenerationRequest) -> None:
-        envelope = Envelope.new(request.kind, self.server.model_id)
-        tally = Tally(speculative=self.server.worker.speculative)
+    def _stream(self, job: Any, writer: Any) -> None:
         try:
             for step in job.results():
-                tally.add(step)
-                first = not self._stream_started
-                if first:
+                events = writer.add(step)
+                if not self._stream_started:
                     self._start_stream()  # after the first step, so a bad prompt is still a plain 400
-                done = step.finish_reason is not None
-                if step.text or first or done:
-                    self._send_event(envelope.chunk(text=step.text, finish_reason=step.finish_reason, first=first,
-                                                    tally=tally if done else None))
-                if done:
-                    if request.include_usage:
-                        self._send_event(envelope.usage_chunk(tally))
-                    self._send_event("[DONE]")
+                for name, payload in events:
+                    self._send_event(payload, name)
+                if step.finish_reason is not None:
                     self._end_stream()
         except APIError as err:
             if not self._stream_started:
                 raise
-            self._send_event(err.body())  # headers are gone: the error travels as an event
-            self._send_event("[DONE]")
+            for name, payload in writer.error_events(err):  # headers are gone: the error travels as an event
+                self._send_event(payload, name)
             self._end_stream()
 
     # -- writing ---------------------------------------------------------------------------------
@@ -350,7 +377,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # an unread body would be taken for the next request
         if err.status >= 500:
             log.warning("%d: %s", err.status, err.message)
-        self._send_json(err.status, err.body(), err.headers)
+        self._send_json(err.status, err.anthropic_body() if self._anthropic else err.body(), err.headers)
 
     def _start_stream(self) -> None:
         self._stream_started = True
@@ -367,8 +394,10 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
         self.end_headers()
 
-    def _send_event(self, payload: dict | str) -> None:
-        data = f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
+    def _send_event(self, payload: dict | str, name: str | None = None) -> None:
+        """One server-sent event; `name` for the protocols with typed events (Anthropic, Responses)."""
+        head = f"event: {name}\n" if name else ""
+        data = f"{head}data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
         self._write_chunk(data)
 
     def _end_stream(self) -> None:

@@ -9,6 +9,7 @@ OpenAI-compatible servers do; a field whose value we cannot honour (`n` > 1, `lo
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import secrets
 import time
@@ -16,7 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_dspark.api import ResultCollector
+from mlx_dspark.chat_format.prompt import encode_prompt
+from mlx_dspark.chat_format.reasoning import reasoning_switch
+from mlx_dspark.chat_format.turn import ToolSetup
 from mlx_dspark.engine.options import GenerationOptions, OptionError
+from mlx_dspark.serve import fields
+from mlx_dspark.serve.errors import APIError, bad_value  # noqa: F401  (APIError re-exported)
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # apply_chat_template arguments the server sets itself, or that change what it returns
@@ -34,45 +40,42 @@ MAX_STOP_SEQUENCES = 16
 SERVER_DEFAULTS = GenerationOptions(max_tokens=512)
 
 
-class APIError(Exception):
-    """An error the client gets as OpenAI's `{"error": {...}}` body with an HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
 @dataclass
 class GenerationRequest:
-    kind: str  # "chat" or "text"
+    kind: str  # the surface that parsed it and writes the answer: "chat", "text", "anthropic" or "responses"
     prompt: str | list[int] | list[dict]  # what api.stream_generate takes
     options: GenerationOptions  # the server's defaults (the CLI flags) with the request's fields over them
     stream: bool = False
     include_usage: bool = False
+    tools: ToolSetup = ToolSetup()
+    reasoning_effort: str | None = None  # set on the template's switch by `prepare` (it needs the tokenizer)
+    reasoning_field: str = "reasoning_effort"
+    constraint_field: str | None = None  # the request field `options.constraint` came from (for its 400s)
+    extra: dict = dataclasses.field(default_factory=dict)  # what one surface keeps for its answer
+
+    def prepare(self, tokenizer: Any) -> tuple[list[int], GenerationOptions]:
+        """The prompt's token ids and the final options: what needs the tokenizer (the reasoning switch,
+        the tools rendered by the template, the constraint forcing a call). ValueErrors with a `field`."""
+        options = self.options
+        if self.reasoning_effort is not None:
+            switch = reasoning_switch(tokenizer, self.reasoning_effort, field=self.reasoning_field)
+            options = dataclasses.replace(options, chat_template_kwargs={**(options.chat_template_kwargs or {}), **switch})
+        ids = encode_prompt(tokenizer, self.prompt, chat_template_kwargs=options.chat_template_kwargs, tools=self.tools.offered)
+        choice_field = "tool_choice"
+        constraint = self.tools.constraint(tokenizer, field=choice_field)
+        if constraint is not None:
+            if self.constraint_field is not None:
+                raise APIError(400, f"'{choice_field}' forces a tool call: it cannot be combined with '{self.constraint_field}'",
+                               param=choice_field, code="invalid_value")
+            options = dataclasses.replace(options, constraint=constraint)
+            self.constraint_field = choice_field
+        return ids, options
 
 
 # -- reading fields --------------------------------------------------------------------------------
 
 
-def _bad(name: str, expected: str, value: Any) -> APIError:
-    return APIError(400, f"'{name}' must be {expected}, got {value!r}", param=name, code="invalid_value")
+_bad = bad_value
 
 
 def _number(body: dict, name: str, default: float) -> float:
@@ -126,13 +129,9 @@ def _reject_unsupported(body: dict) -> None:
     best_of = _integer(body, "best_of", 1)
     if best_of != 1:
         raise APIError(400, f"only best_of=1 is supported, got {best_of}", param="best_of", code="unsupported_value")
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
+    for name in ("echo", "suffix", "functions"):
         if body.get(name) not in (None, False, 0, "", []):
             raise APIError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
-    response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
-        raise APIError(400, "only response_format {'type': 'text'} is supported (no constrained decoding)",
-                       param="response_format", code="unsupported_value")
 
 
 def check_template_kwarg_names(names: Any) -> frozenset[str]:
@@ -167,7 +166,7 @@ def _template_kwargs(body: dict, allowed: frozenset[str]) -> dict:
     return value
 
 
-def _options(body: dict, defaults: GenerationOptions, allowed_template_kwargs: frozenset[str]) -> GenerationOptions:
+def request_options(body: dict, defaults: GenerationOptions, allowed_template_kwargs: frozenset[str]) -> GenerationOptions:
     """The request's knobs over the server defaults, validated by the options object (a 400 naming the field)."""
     max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     template_kwargs = _template_kwargs(body, allowed_template_kwargs)
@@ -235,11 +234,32 @@ def _messages(body: dict) -> list[dict]:
             raise _bad(f"messages[{i}].role", f"one of {list(CHAT_ROLES)}", role)
         # Chat templates know "system"; "developer" is OpenAI's newer name for it.
         item = {"role": "system" if role == "developer" else role, "content": _message_text(message.get("content"), i)}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            _check_history_calls(message["tool_calls"], i)
         for key in ("name", "tool_call_id", "tool_calls"):
             if key in message:
                 item[key] = message[key]
         rendered.append(item)
     return rendered
+
+
+def _check_history_calls(calls: Any, index: int) -> None:
+    """An assistant turn's `tool_calls`: function calls whose arguments are JSON text (OpenAI's shape)."""
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise _bad(where, "a list of tool calls", calls)
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _bad(f"{where}[{j}].function", "an object with a 'name' and 'arguments'", function)
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, (str, dict)):
+            raise _bad(f"{where}[{j}].function.arguments", "a JSON string", arguments)
+        if isinstance(arguments, str) and arguments.strip():
+            try:
+                json.loads(arguments)
+            except json.JSONDecodeError as err:
+                raise _bad(f"{where}[{j}].function.arguments", f"JSON text ({err})", arguments) from None
 
 
 def _completion_prompt(body: dict) -> str | list[int]:
@@ -264,8 +284,19 @@ def parse_request(
     _reject_unsupported(body)
     prompt = _messages(body) if kind == "chat" else _completion_prompt(body)
     stream, include_usage = _stream_flags(body)
-    return GenerationRequest(kind=kind, prompt=prompt, options=_options(body, defaults, template_kwargs), stream=stream,
-                             include_usage=include_usage)
+    options = fields.sampling_extras(body, request_options(body, defaults, template_kwargs))
+    options = fields.with_logprobs(options, fields.openai_logprobs(body, kind), field="logprobs")
+    constraint, constraint_field = fields.openai_constraint(body)
+    if constraint is not None:
+        options = dataclasses.replace(options, constraint=constraint)
+    request = GenerationRequest(kind=kind, prompt=prompt, options=options, stream=stream, include_usage=include_usage,
+                                constraint_field=constraint_field)
+    if kind == "chat":
+        request.tools = fields.tool_setup(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+        request.reasoning_effort = fields.reasoning_effort(body)
+    elif body.get("tools") not in (None, []):
+        raise APIError(400, "'tools' belong to /v1/chat/completions", param="tools", code="unsupported_parameter")
+    return request
 
 
 # -- writing responses -----------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from mlx_dspark.api import ContextLengthError, GenerationCancelled, StepResponse, encode_prompt, stream_generate
+from mlx_dspark.api import ContextLengthError, GenerationCancelled, StepResponse, stream_generate
+from mlx_dspark.chat_format.turn import OutputCollector
 from mlx_dspark.models.finite import NonFiniteError
 from mlx_dspark.serve.cache_pool import PromptCacheBudget, PromptCachePool
 from mlx_dspark.serve.protocol import APIError, GenerationRequest
@@ -44,6 +45,9 @@ class Job:
     steps: int = 0  # steps the worker pulled from the generator
     generated_tokens: int = 0
     finish_reason: str | None = None
+    # chat-like surfaces: the reader of the output, set before the first step (the handler's writer reads it)
+    reader: OutputCollector | None = None
+    prompt_ids: list[int] | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -179,6 +183,10 @@ class ModelWorker:
     # -- state ---------------------------------------------------------------------------------
 
     @property
+    def cache_budget(self) -> PromptCacheBudget:
+        return self._cache_budget
+
+    @property
     def busy(self) -> bool:
         return self.current is not None
 
@@ -207,14 +215,16 @@ class ModelWorker:
         request = job.request
         cache, steps, failed = None, None, True
         try:
-            prompt = encode_prompt(
-                self.model.tokenizer, request.prompt, chat_template_kwargs=request.options.chat_template_kwargs
-            )
-            speculative = request.options.speculation.speculative and self.speculative
+            tokenizer = self.model.tokenizer
+            prompt, options = request.prepare(tokenizer)  # the template, reasoning switch and forced calls
+            job.prompt_ids = prompt
+            if request.kind != "text":
+                job.reader = OutputCollector(request.tools.parser(tokenizer, prompt))
+            speculative = options.speculation.speculative and self.speculative
             cache = self.prompt_caches.checkout(prompt, speculative=speculative)
             # The job's cancel event stops the prefill between chunks too: a client that left mid-prompt
             # frees the worker within one prefill chunk.
-            steps = stream_generate(self.model, prompt, options=request.options, prompt_cache=cache, cancel=job.cancelled)
+            steps = stream_generate(self.model, prompt, options=options, prompt_cache=cache, cancel=job.cancelled)
             for step in steps:
                 job.steps += 1
                 job.generated_tokens = step.generation_tokens
@@ -230,11 +240,19 @@ class ModelWorker:
         except Exception as err:  # noqa: BLE001
             if isinstance(err, ContextLengthError):  # before any model work: the cache is untouched
                 failed = False
-                param = "max_tokens" if err.field == "max_tokens" else ("messages" if request.kind == "chat" else "prompt")
+                prompt_field = {"chat": "messages", "anthropic": "messages", "responses": "input"}.get(request.kind, "prompt")
+                param = "max_tokens" if err.field == "max_tokens" else prompt_field
                 job.events.put(APIError(400, str(err), param=param, code="context_length_exceeded"))
             elif isinstance(err, NonFiniteError):  # the model is broken, not the request
                 log.error("generation failed: %s", err)
                 job.events.put(APIError(500, str(err), type="server_error", code="non_finite_logits"))
+            elif isinstance(err, APIError):
+                failed = False
+                job.events.put(err)
+            elif type(err).__name__ == "ConstraintError":  # the engine compiling the request's constraint
+                job.events.put(APIError(400, str(err), param=request.constraint_field, code="invalid_value"))
+            elif isinstance(err, ValueError) and getattr(err, "field", None):  # a tool / reasoning field
+                job.events.put(APIError(400, str(err), param=err.field, code="invalid_value"))
             elif isinstance(err, ValueError) or type(err).__module__.startswith("jinja2"):
                 job.events.put(APIError(400, str(err), code="invalid_prompt"))
             else:

@@ -55,6 +55,51 @@ QWEN3_CHAT_TEMPLATE = (
     "{% endif %}"
 )
 
+def tools_chat_template(*, thinking: bool = True) -> str:
+    """A ChatML template with tools in the Qwen3 format (tools listed as JSON in the system turn, calls as
+    `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, results as `<tool_response>` user turns), which
+    mlx-lm reads with its `json_tools` parser; `thinking`: Qwen3's `enable_thinking` switch (False: an
+    empty thinking block opens the answer)."""
+    switch = (
+        "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+        if thinking else ""
+    )
+    return (
+        "{%- set first_system = messages and messages[0].role == 'system' %}"
+        "{%- if tools or first_system %}{{- '<|im_start|>system\\n' }}"
+        "{%- if first_system %}{{- messages[0].content }}{%- endif %}"
+        "{%- if tools %}{{- '\\n# Tools\\n<tools>' }}"
+        "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+        "{{- '\\n</tools>\\nCall a tool as <tool_call>\\n{\"name\": NAME, \"arguments\": ARGS}\\n</tool_call>' }}"
+        "{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
+        "{%- for message in messages %}"
+        "{%- if message.role == 'system' and loop.first %}"
+        "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+        "{%- for tool_call in message.tool_calls or [] %}"
+        "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+        "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+        "{{- (tool_call.arguments if tool_call.arguments is string else tool_call.arguments | tojson) + '}\\n</tool_call>' }}"
+        "{%- endfor %}{{- '<|im_end|>\\n' }}"
+        "{%- elif message.role == 'tool' %}"
+        "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+        "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+        "{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}" + switch + "{%- endif %}"
+    )
+
+
+def write_chat_template(path: Path, template: str) -> None:
+    """Replace the chat template of the tokenizer files in `path` (tokenizer_config.json and, when
+    present, chat_template.jinja, which transformers prefers)."""
+    config_path = Path(path) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["chat_template"] = template
+    _write_json(config_path, config)
+    jinja = Path(path) / "chat_template.jinja"
+    if jinja.exists():
+        jinja.write_text(template, encoding="utf-8")
+
+
 # Small embedded corpus for the BPE merges: English prose, numbers and a little code.
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A speculative decoder drafts several tokens at once and
