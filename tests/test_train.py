@@ -362,7 +362,9 @@ def test_the_shipped_demo_pair_drafts_well_and_stays_lossless():
     demo = demo_pair()
     pair = mlx_dspark.load(str(demo.target), draft=str(demo.draft), dtype=demo.dtype)
     assert len(pair.draft.confidence_head.temperatures) == pair.draft.args.block_size  # calibrated
-    assert not pair.tokenizer.has_chat_template  # the commands send it raw text
+    # generate / benchmark send it raw text (a str prompt is never templated); chat and the server use its small
+    # ChatML template with tools (tests/test_chat_cli.py, tests/test_server_agents.py)
+    assert pair.tokenizer.has_chat_template and "tools" in pair.tokenizer.chat_template
     for prompt in (demo.prompt, "import os\nimport sys\n\n\ndef main(argv):\n    "):
         plain = mlx_dspark.generate(pair, prompt, max_tokens=48, speculative=False)
         spec = mlx_dspark.generate(pair, prompt, max_tokens=48)
