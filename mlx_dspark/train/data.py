@@ -110,26 +110,37 @@ def _record(tokenizer: Any, record: Any, *, where: str) -> tuple[list[int], list
     )
 
 
+def read_text(path: Path) -> str:
+    """A source file's text; ValueError naming the file when it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+
+
+def jsonl_records(path: Path, text: str) -> Iterator[tuple[str, Any]]:
+    """(`file:line`, record) for each non-blank line of a JSONL file's text; ValueError naming the line."""
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: invalid JSON ({err.msg})") from err
+        yield where, record
+
+
 def documents(paths: Sequence[str | Path], tokenizer: Any) -> Iterator[tuple[list[int], list[bool]]]:
     """(tokens, loss mask) of every document of the sources, in order."""
     for path in source_files(paths):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+        text = read_text(path)
         if path.suffix != ".jsonl":
             if text.strip():
                 tokens = _encode(tokenizer, text, special=True)
                 yield tokens, [True] * len(tokens)
             continue
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: invalid JSON ({err.msg})") from err
+        for where, record in jsonl_records(path, text):
             yield _record(tokenizer, record, where=where)
 
 

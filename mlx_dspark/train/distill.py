@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlx_dspark.train.data import source_files
+from mlx_dspark.train.data import jsonl_records, read_text, source_files
 from mlx_dspark.train.distributed import World
 
 SETTINGS_FILE = ".regenerate.json"  # hidden: `train --data DIR` skips it
@@ -102,23 +102,13 @@ def read_prompts(paths: Sequence[str | Path], tokenizer: Any, options: Regenerat
         return options.max_prompts is not None and len(prompts) >= options.max_prompts
 
     for path in source_files(paths):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+        text = read_text(path)
         if path.suffix != ".jsonl":
             for ids, template in _text_windows(tokenizer, text, options):
                 if add(ids, template, str(path)):
                     return prompts
             continue
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: invalid JSON ({err.msg})") from err
+        for where, record in jsonl_records(path, text):
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
             if isinstance(record.get("messages"), list):
