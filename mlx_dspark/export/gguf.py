@@ -23,37 +23,15 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
+from mlx_dspark.loading.gguf_layout import DRAFT_GLOBAL, DRAFT_SHARED, LAYER_COMMON, LAYER_QWEN3, LAYER_SPARK
 from mlx_dspark.export.source import ExportDraft
 from mlx_dspark.loading.gguf_tokenizer import CONTROL, LLAMA3_SPLIT, NORMAL, QWEN2_SPLIT, UNUSED, USER_DEFINED, GGUFTokenizer
 
 ARCH = "dflash"
-# upstream's converter: DeepSpec tensor name (without .weight / .bias) -> GGUF name
-_GLOBAL = {
-    "fc": "fc",
-    "hidden_norm": "enc.output_norm",
-    "norm": "output_norm",
-    "markov_head.markov_w1": "markov_w1",
-    "markov_head.markov_w2": "markov_w2",
-    "confidence_head.proj": "conf_proj",
-}
-_LAYER = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    # qwen3-style layers (upstream's graph)
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    # spark2_5-style layers (the spark2_5 target's names)
-    "self_attn.q_k_v_proj": "attn_qkv",
-    "self_attn.g_proj": "attn_gate",
-    "self_attn.out_proj": "attn_output",
-}
+# upstream's converter, the reader's tables turned around: DeepSpec tensor name (without .weight / .bias)
+# -> GGUF name; the draft's copies of the target's embedding and head are not written here
+_GLOBAL = {ours: name for name, ours in DRAFT_GLOBAL.items() if name not in DRAFT_SHARED}
+_LAYER = {ours: name for table in (LAYER_COMMON, LAYER_QWEN3, LAYER_SPARK) for name, ours in table.items()}
 # the tokenizer.json split regex -> tokenizer.ggml.pre (None: ByteLevel's built-in GPT-2 regex)
 _PRE_NAMES = {None: "gpt-2", QWEN2_SPLIT: "qwen2", LLAMA3_SPLIT: "llama-bpe"}
 

@@ -14,14 +14,14 @@ from mlx_dspark.loading.gguf_metadata import Metadata
 TARGET_ARCHITECTURES = {"spark2_5": "Spark2_5ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # Tensor names, without the `.weight` / `.bias` suffix.
-_LAYER_COMMON = {
+LAYER_COMMON = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_LAYER_QWEN3 = {
+LAYER_QWEN3 = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -29,13 +29,13 @@ _LAYER_QWEN3 = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-_LAYER_SPARK = {
+LAYER_SPARK = {
     "attn_qkv": "self_attn.q_k_v_proj",
     "attn_gate": "self_attn.g_proj",
     "attn_output": "self_attn.out_proj",
 }
 SEPARATE_QKV = ("attn_q", "attn_k", "attn_v")  # a spark2_5 target may store these instead of attn_qkv
-_DRAFT_GLOBAL = {
+DRAFT_GLOBAL = {
     "fc": "fc",
     "enc.output_norm": "hidden_norm",
     "output_norm": "norm",
@@ -168,11 +168,11 @@ def target_layout(meta: Metadata, arch: str) -> tuple[dict[str, Any], dict[str, 
     if not config["tie_word_embeddings"]:
         names["output.weight"] = "lm_head.weight"
     for i in range(num_layers):
-        table = dict(_LAYER_COMMON)
+        table = dict(LAYER_COMMON)
         if arch == "qwen3":
-            table.update(_LAYER_QWEN3)
+            table.update(LAYER_QWEN3)
         else:
-            table.update(_LAYER_SPARK)
+            table.update(LAYER_SPARK)
             if f"blk.{i}.attn_qkv.weight" not in meta.tensors and f"blk.{i}.attn_q.weight" in meta.tensors:
                 # separate Q/K/V: fused into q_k_v_proj when read (rows Q, then K, then V)
                 del table["attn_qkv"]
@@ -269,18 +269,18 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
     )
     _special_ids(meta, config)
 
-    names = {f"{g}.weight": f"{h}.weight" for g, h in _DRAFT_GLOBAL.items() if g not in ("conf_proj", *DRAFT_SHARED)}
+    names = {f"{g}.weight": f"{h}.weight" for g, h in DRAFT_GLOBAL.items() if g not in ("conf_proj", *DRAFT_SHARED)}
     if confidence:
         names["conf_proj.weight"] = "confidence_head.proj.weight"
         if "conf_proj.bias" in meta.tensors:  # optional upstream (absent: no bias, filled with 0 by gguf_checkpoint)
             names["conf_proj.bias"] = "confidence_head.proj.bias"
     for g in DRAFT_SHARED:  # optional: absent means "share the target's" (a reduced vocabulary's output is its own)
         if f"{g}.weight" in meta.tensors:
-            names[f"{g}.weight"] = f"{_DRAFT_GLOBAL[g]}.weight"
+            names[f"{g}.weight"] = f"{DRAFT_GLOBAL[g]}.weight"
     for name in DRAFT_VALUES:  # read into the config / as offsets by gguf_checkpoint
         if name in meta.tensors:
             names[name] = name
-    table = {**_LAYER_COMMON, **(_LAYER_QWEN3 if family == "qwen3" else _LAYER_SPARK)}
+    table = {**LAYER_COMMON, **(LAYER_QWEN3 if family == "qwen3" else LAYER_SPARK)}
     for i in range(num_layers):
         names.update({f"blk.{i}.{g}.weight": f"layers.{i}.{h}.weight" for g, h in table.items()})
     return dict(sorted(config.items())), names
