@@ -242,3 +242,11 @@ def test_spec_draft_p_min_is_the_confidence_threshold_as_in_llama_server(tiny_sp
     assert refused.exit_code != 0
     assert "confidence_threshold 0.5 needs a draft with a confidence head" in refused.output
     assert "set it to 0" in refused.output
+
+
+def test_the_demo_prompt_goes_raw_unless_the_template_is_asked_for():
+    raw = json.loads(run_cli("--max-tokens", "2", "--json").stdout.strip().splitlines()[-1])
+    templated = run_cli("--chat-template", "--max-tokens", "2", "--json")
+    assert templated.exit_code == 0 and "prompt (through the chat template)" in templated.stderr
+    # the template's markers around the same text: more prompt tokens than the raw prompt
+    assert json.loads(templated.stdout.strip().splitlines()[-1])["prompt_tokens"] > raw["prompt_tokens"]

@@ -153,7 +153,10 @@ def chat(
     chat_template_args: flags.ChatTemplateArgs = None,
     quantize: flags.Quantize = None,
 ) -> None:
-    """One user message per line; replies on stdout, statistics on stderr."""
+    """One user message per line; replies on stdout, statistics on stderr.
+
+    Every turn goes through the tokenizer's chat template (the demo pair's included); for raw text use
+    `python -m mlx_dspark.generate --no-chat-template`."""
     from mlx_dspark.loading.load import load
 
     with flag_errors():

@@ -74,7 +74,11 @@ def generate(
     grammar: flags.Grammar = None,
     no_mask_draft: flags.NoMaskDraft = False,
     chat_template_args: flags.ChatTemplateArgs = None,
-    no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Use the prompt as raw text."),
+    chat_template: Optional[bool] = typer.Option(
+        None, "--chat-template/--no-chat-template",
+        help="Send the prompt through the tokenizer's chat template (as a user message), or as raw text. "
+        "[default: the template when the tokenizer has one; raw text on the demo pair, whose target learned raw Python]",
+    ),
     quantize: flags.Quantize = None,
     draft_quantize: flags.DraftQuantize = None,
     draft_dtype: flags.DraftDtype = None,
@@ -102,14 +106,16 @@ def generate(
             flags.text_flag("--system", system)
 
     dtype = None
-    if model is None:
+    on_demo = model is None
+    if on_demo:
         try:
             demo = flags.demo_pair()
         except FileNotFoundError as err:
             fail(str(err))
         model, draft, dtype = str(demo.target), draft or str(demo.draft), demo.dtype
         prompt = demo.prompt if prompt is None else prompt
-        typer.echo(f"[mlx_dspark] {demo.note}; prompt (raw text): {prompt!r}", err=True)
+        form = "through the chat template" if chat_template else "raw text"
+        typer.echo(f"[mlx_dspark] {demo.note}; prompt ({form}): {prompt!r}", err=True)
     try:
         speculative = draft is not None and not no_draft
         pair = load(
@@ -126,7 +132,11 @@ def generate(
 
     if text is None:  # no --prompt: the demo's own prompt (set above) or the default one
         text = DEFAULT_PROMPT if prompt is None else prompt
-    if no_chat_template or not pair.tokenizer.has_chat_template:
+    if chat_template and not pair.tokenizer.has_chat_template:
+        fail(f"--chat-template: {model} has no chat template; drop the flag to send the prompt as raw text")
+    # The demo target learned raw Python, never ChatML: its template (for chat and the server) stays off here.
+    use_template = (not on_demo and pair.tokenizer.has_chat_template) if chat_template is None else chat_template
+    if not use_template:
         request = text
     else:
         request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]

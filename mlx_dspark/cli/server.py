@@ -80,7 +80,10 @@ def serve(
         "enable_thinking, thinking_effort and reasoning_effort are always allowed).",
     ),  # fmt: skip
 ) -> None:
-    """Bind, load the pair in the background, and serve until interrupted."""
+    """Bind, load the pair in the background, and serve until interrupted.
+
+    Chat completions, Messages and Responses go through the tokenizer's chat template; /v1/completions
+    takes its prompt as raw text."""
     from mlx_dspark.loading.load import load
     from mlx_dspark.serve.app import make_server
     if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -1,0 +1,96 @@
+"""The README's demo commands, run as a user types them (subprocess, the same interpreter as the venv's),
+checked against what the README says they print.
+
+The setup part of the first command (`python3 -m venv .venv && .venv/bin/pip install -e .`) is what
+the test environment already did; the run part is taken from the README's text itself, so a README
+edit that changes the command or its numbers is checked too.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+VENV_PYTHON = ".venv/bin/python"
+
+
+def _quick_start() -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index("## Quick start")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def _first_command() -> list[str]:
+    """The run part of the README's first command, with the venv's python replaced by this interpreter."""
+    block = re.search(r"```bash\n(.*?)\n```", _quick_start(), re.S)
+    assert block, "README: no ```bash block in the Quick start"
+    command = block.group(1).strip()
+    setup, _, run = command.rpartition(" && ")
+    assert setup.startswith("python3 -m venv .venv") and "pip install -e ." in setup, command
+    argv = shlex.split(run)
+    assert argv[0] == VENV_PYTHON, f"README's first command runs {argv[0]!r}, expected {VENV_PYTHON}"
+    return [sys.executable, *argv[1:]]
+
+
+def _run(argv: list[str], *, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        argv, input=stdin, capture_output=True, text=True, timeout=300, cwd=README.parent,
+    )  # fmt: skip
+
+
+def _claimed(pattern: str) -> re.Match:
+    match = re.search(pattern, " ".join(_quick_start().split()))
+    assert match, f"README's Quick start no longer states {pattern!r}"
+    return match
+
+
+@pytest.fixture(scope="module")
+def first_command() -> subprocess.CompletedProcess:
+    result = _run(_first_command())
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_the_first_command_sends_the_demo_prompt_as_raw_text(first_command):
+    assert "prompt (raw text): 'class Request:" in first_command.stderr
+    claimed = int(_claimed(r"`prompt: (\d+) tokens")[1])
+    seen = int(re.search(r"^prompt: (\d+) tokens", first_command.stderr, re.M)[1])
+    assert seen == claimed  # the chat template would add its markers (35 tokens instead of 24)
+
+
+def test_the_first_command_prints_the_readme_acceptance_line(first_command):
+    claim = _claimed(r"`mean acceptance length ([\d.]+) over (\d+) rounds`")
+    seen = re.search(r"mean acceptance length ([\d.]+) over (\d+) rounds", first_command.stderr)
+    assert seen, first_command.stderr
+    # "about": the README rounds to one decimal; the draft length is chosen per machine
+    assert abs(float(seen[1]) - float(claim[1])) <= 0.25, (seen[0], claim[0])
+    assert abs(int(seen[2]) - int(claim[2])) <= 0.15 * int(claim[2]), (seen[0], claim[0])
+
+
+def test_the_first_command_writes_the_python_like_text_the_readme_shows(first_command):
+    shown = _claimed(r"\(`(self\.[^`]*?)(?:\.\.\.)?\)?`\)")[1].rstrip(", .")
+    assert shown in first_command.stdout, (shown, first_command.stdout[:400])
+    lines = [line for line in first_command.stdout.splitlines() if line.strip()]
+    indented = sum(line.startswith("        ") for line in lines)
+    assert indented >= 0.7 * len(lines)  # method-body lines, as the raw Python prompt continues
+
+
+def test_the_chat_repl_on_the_demo_pair_answers_a_message():
+    result = _run([sys.executable, "-m", "mlx_dspark.chat", "--max-tokens", "24"], stdin="def add(a, b):\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip(), "no reply on stdout"
+    assert re.search(r"\[prompt \d+ tokens, \d+ cached, .* \| reply \d+ tokens", result.stderr), result.stderr
+
+
+def test_compare_on_the_demo_pair_prints_its_line():
+    result = _run([sys.executable, "-m", "mlx_dspark.generate", "--compare", "--max-tokens", "48"])
+    assert result.returncode == 0, result.stderr
+    line = re.search(r"^compare: plain [\d.]+ tok/s \((\d+) target forwards\), this run [\d.]+ tok/s: [\d.]+x \| outputs identical: (\S+)", result.stderr, re.M)
+    assert line, result.stderr
+    assert int(line[1]) == 48 and line[2] == "yes"
