@@ -2,10 +2,12 @@
 
 For each tiny mlx-lm model (mlx-lm's own `__call__`, random float32 weights): a prompt, then rounds of
 "verify [anchor, n random drafts] -> keep k + 1 -> trim_caches(n - k)". A second set of caches decodes the
-same kept tokens one at a time. After every round the caches' states must be equal, and so must the logits
-(the verify's kept rows against the plain steps, and the next round's first row against the next step).
-Bitwise: with MLX's CPU kernels a row of a matmul does not depend on the other rows, and the recurrences
-(GatedDeltaNet, Mamba-2, short conv) step the same way whatever the width.
+same kept tokens, in one update or one token at a time. After every round the caches' states must be
+equal, and so must the logits (the verify's kept rows against the reference's, row 0 being the first
+computed on the rolled-back caches). Bitwise, except where mlx-lm's own kernels depend on the update's
+width (ONE_BY_ONE_ATOL / BLOCK_ATOL below, relative and absolute): with MLX's CPU kernels a row of a
+matmul does not depend on the other rows, and GatedDeltaNet and the short conv step the same way
+whatever the width.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def cache_state(cache) -> list[mx.array]:
 def same(a: mx.array, b: mx.array, atol: float) -> bool:
     if a.shape != b.shape:
         return False
-    return mx.array_equal(a, b).item() if atol == 0 else mx.allclose(a, b, rtol=0, atol=atol).item()
+    return mx.array_equal(a, b).item() if atol == 0 else mx.allclose(a, b, rtol=atol, atol=atol).item()
 
 
 def assert_same_caches(caches, reference, where: str, atol: float = 0.0) -> None:
@@ -104,7 +106,7 @@ EXPECTED_KINDS = {
 # The verify itself computes its kept rows over the concatenated layout; so, past a wrapped window,
 # gemma3_text matches a one-position update only to that tolerance (the rotating cache alone is checked
 # bitwise below, where no arithmetic depends on the layout).
-ONE_BY_ONE_ATOL = {"nemotron_h": 1e-5, "falcon_h1": 1e-5, "gemma3_text": 1e-4}
+ONE_BY_ONE_ATOL = {"nemotron_h": 1e-4, "falcon_h1": 1e-4, "gemma3_text": 1e-4}  # rtol and atol
 BLOCK_ATOL = {"gemma3_text": 1e-4}
 
 

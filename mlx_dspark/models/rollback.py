@@ -113,15 +113,21 @@ def layer_state(cache: Any, *, copy: bool = False) -> LayerState:
     return LayerState(type(cache), cache.offset)
 
 
-def restore_layer(cache: Any, saved: LayerState) -> None:
-    """Put `cache` back to `saved` (in place: the model holds the cache objects). Trimmable caches are trimmed."""
+def restore_layer(cache: Any, saved: LayerState, *, copy: bool = False) -> None:
+    """Put `cache` back to `saved` (in place: the model holds the cache objects). Trimmable caches are trimmed.
+
+    `copy`: rotating buffers are copied, so that a later width-1 update (written in place) leaves `saved` intact.
+    """
     if isinstance(cache, CacheList):
         for c, s in zip(cache.caches, saved.state):
-            restore_layer(c, s)
+            restore_layer(c, s, copy=copy)
     elif isinstance(cache, ArraysCache):
         cache.cache = list(saved.state)
     elif isinstance(cache, RotatingKVCache):
-        cache.state = saved.state
+        keys, values, *rest = saved.state
+        if copy and keys is not None:
+            keys, values = mx.array(keys), mx.array(values)
+        cache.state = (keys, values, *rest)
     else:
         assert cache.offset >= saved.state, "a trimmable cache cannot go forward"
         cache.trim(cache.offset - saved.state)

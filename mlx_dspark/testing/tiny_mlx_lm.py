@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import falcon_h1, gemma3_text, lfm2, llama, nemotron_h, qwen3_5
 from mlx_lm.models.cache import QuantizedKVCache
 
@@ -92,10 +93,21 @@ FACTORIES = {
 }
 
 
+def _spread(model: Any, scale: float = 2.0) -> None:
+    """Weight matrices drawn from normal(0, scale / sqrt(fan_in)) (conv kernels kept): mlx-lm's default
+    initialization makes some tiny models (lfm2) repeat one token, which would hide a wrong cache."""
+    weights = [
+        (name, mx.random.normal(w.shape) * scale / w.shape[-1] ** 0.5 if w.ndim >= 2 and "conv" not in name else w)
+        for name, w in tree_flatten(model.parameters())
+    ]
+    model.update(tree_unflatten(weights))
+
+
 def tiny_mlx_lm_model(kind: str, *, seed: int = 0) -> Any:
     """A tiny float32 mlx-lm model of `kind` (a key of FACTORIES) with random weights."""
     mx.random.seed(seed)
     model = FACTORIES[kind]()
+    _spread(model)
     mx.eval(model.parameters())
     return model
 
