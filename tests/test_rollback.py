@@ -217,3 +217,34 @@ def test_mlx_lm_rotating_trim_is_not_exact_after_the_wrap():
             for cache in (trimmed, one_by_one):
                 _rotating_layer(rows[:, t : t + 1], cache)
             assert_same_caches([trimmed], [one_by_one], f"step {t}")
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "lfm2", "nemotron_h", "falcon_h1"])
+def test_replay_with_the_verify_projections_equals_recomputing_them(kind, monkeypatch):
+    # The replay takes its projections' rows from the verify; recomputing them gives the same bits here.
+    from mlx_dspark.models import rollback
+
+    model = tiny_mlx_lm_model(kind)
+    rng = np.random.default_rng(5)
+    reused, recomputed = RollbackCaches(model.make_cache()), RollbackCaches(model.make_cache(), reuse_projections=False)
+    hits = []
+    original = rollback._Projection.__call__
+
+    def counting(self, x):
+        if not self.record and self.outputs and self.outputs[0][0] is self.module:
+            hits.append(1)
+        return original(self, x)
+
+    monkeypatch.setattr(rollback._Projection, "__call__", counting)
+    prompt = mx.array(rng.integers(0, VOCAB, (1, 9)))
+    for caches in (reused, recomputed):
+        with recording(model, caches):
+            model(prompt, cache=caches)
+    for r in range(5):
+        tokens = mx.array(rng.integers(0, VOCAB, (1, 5)))
+        for caches in (reused, recomputed):
+            with recording(model, caches):
+                model(tokens, cache=caches)
+            trim_caches(caches, 1 + r % 4)
+        assert_same_caches(reused, recomputed, f"{kind} round {r}")
+    assert hits  # the verify's rows were used

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -146,6 +147,7 @@ class _Forward:
     before: dict[int, LayerState]  # cache index -> its state before the forward (ROTATING / REPLAY caches)
     calls: dict[int, tuple[Any, tuple, dict]]  # cache index -> (layer, args, kwargs) (REPLAY caches)
     new_rows: dict[int, tuple[mx.array, mx.array]]  # ROTATING: the forward's own keys / values, in order
+    projections: dict[int, list[tuple[Any, mx.array]]]  # REPLAY: the layer's projection outputs, in call order
 
 
 class RollbackCaches(list):
@@ -154,10 +156,11 @@ class RollbackCaches(list):
     See the module docstring for the protocol: `begin_forward()`, then `call(layer, ...)` per layer.
     """
 
-    def __init__(self, caches: Sequence[Any], *, max_record: int = 64):
+    def __init__(self, caches: Sequence[Any], *, max_record: int = 64, reuse_projections: bool = True):
         super().__init__(caches)
         self.kinds = [cache_kind(c) for c in caches]
         self.max_record = max_record
+        self.reuse_projections = reuse_projections
         self._index = {id(c): i for i, c in enumerate(caches)}
         self._forward: _Forward | None = None
 
@@ -173,26 +176,34 @@ class RollbackCaches(list):
 
     def call(self, layer: Any, *args: Any, **kwargs: Any) -> Any:
         """Run `layer(*args, **kwargs)`, recording what rollback needs when it updates one of these caches."""
-        self.record(layer, args, kwargs)
-        return layer(*args, **kwargs)
+        index = self.record(layer, args, kwargs)
+        if index is None or not self.reuse_projections or index not in self._forward.calls:
+            return layer(*args, **kwargs)
+        outputs = self._forward.projections.setdefault(index, [])
+        with _projections(layer, outputs, record=True):
+            return layer(*args, **kwargs)
 
-    def record(self, layer: Any, args: tuple, kwargs: dict) -> None:
-        """Before `layer(*args, **kwargs)` runs: keep its cache's state and (for REPLAY caches) the call."""
+    def record(self, layer: Any, args: tuple, kwargs: dict) -> int | None:
+        """Before `layer(*args, **kwargs)` runs: keep its cache's state and (for REPLAY caches) the call.
+
+        Returns the index of the cache the call updates, or None (no cache of ours, or a trimmable one).
+        """
         index = self._cache_index(args, kwargs)
         if index is None or self.kinds[index] == TRIM:
-            return
+            return None
         width = _hidden(args, kwargs).shape[1]
         if self._forward is None:
             # Width 1 is plain decoding: nothing of it is ever rolled back, and rotating buffers are
             # written in place then (a snapshot would have to copy them).
-            self._forward = _Forward(width, width, 1 < width <= self.max_record, {}, {}, {})
+            self._forward = _Forward(width, width, 1 < width <= self.max_record, {}, {}, {}, {})
         forward = self._forward
         assert width == forward.width, "a layer ran on another width than the forward's first layer: call begin_forward"
         if not forward.recorded or index in forward.before:
-            return
+            return index
         forward.before[index] = layer_state(self[index])  # references: wider updates build new buffers
         if self.kinds[index] == REPLAY:
             forward.calls[index] = (layer, args, kwargs)
+        return index
 
     def _cache_index(self, args: tuple, kwargs: dict) -> int | None:
         for value in (kwargs.get("cache"), *args, *kwargs.values()):
@@ -256,7 +267,11 @@ class RollbackCaches(list):
         if kept:
             layer, args, kwargs = forward.calls[i]
             args, kwargs = _prefix_call(args, kwargs, forward.width, kept)
-            layer(*args, **kwargs)
+            if i in forward.projections:
+                with _projections(layer, list(forward.projections[i]), record=False, width=forward.width, kept=kept):
+                    layer(*args, **kwargs)
+            else:
+                layer(*args, **kwargs)
 
 
 def _newest(cache: RotatingKVCache, width: int) -> tuple[mx.array, mx.array]:
@@ -293,6 +308,50 @@ def _prefix_call(args: tuple, kwargs: dict, width: int, kept: int) -> tuple[tupl
     new_args = tuple(cut(a, a is hidden) for a in args)
     new_kwargs = {k: cut(v, v is hidden) for k, v in kwargs.items()}
     return new_args, new_kwargs
+
+
+# -- the verify's own projections, reused by a replay ----------------------------------------------
+# A replay's cost is mostly its input projections (weights read once more for k + 1 rows). A projection
+# (nn.Linear / QuantizedLinear) maps each position on its own, so on the kept prefix it gives the
+# verify's own rows: the replay takes them from the verify instead of recomputing them.
+
+
+class _Projection:
+    """Stands in for one projection of a layer during a recorded call or its replay."""
+
+    def __init__(self, module: Any, outputs: list, record: bool, width: int, kept: int):
+        self.module, self.outputs, self.record, self.width, self.kept = module, outputs, record, width, kept
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.record:
+            y = self.module(x)
+            self.outputs.append((self.module, y))
+            return y
+        # Replay: the same projections are called in the same order; anything unexpected is computed.
+        if self.outputs and self.outputs[0][0] is self.module:
+            _, y = self.outputs.pop(0)
+            if x.ndim >= 2 and x.shape[1] == self.kept and y.shape[1] == self.width and y.shape[0] == x.shape[0]:
+                return y[:, : self.kept]
+        return self.module(x)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+
+@contextmanager
+def _projections(layer: Any, outputs: list, *, record: bool, width: int = 0, kept: int = 0) -> Iterator[None]:
+    """Within it, the layer's projections record their outputs (record) or hand back the recorded rows."""
+    swapped = []
+    for _, parent in layer.named_modules():
+        for key, child in list(parent.items()):
+            if isinstance(child, (nn.Linear, nn.QuantizedLinear)):
+                swapped.append((parent, key, child))
+                parent[key] = _Projection(child, outputs, record, width, kept)
+    try:
+        yield
+    finally:
+        for parent, key, child in swapped:
+            parent[key] = child
 
 
 # -- running mlx-lm's own __call__ with recording --------------------------------------------------
