@@ -248,3 +248,14 @@ def test_replay_with_the_verify_projections_equals_recomputing_them(kind, monkey
             trim_caches(caches, 1 + r % 4)
         assert_same_caches(reused, recomputed, f"{kind} round {r}")
     assert hits  # the verify's rows were used
+
+
+def test_a_list_of_trimmable_cache_lists_trims_like_mlx_lm():
+    # deepseek_v32 / longcat_flash keep CacheList(KVCache, KVCache) per layer: offsets move back, nothing recorded.
+    caches = RollbackCaches([CacheList(KVCache(), KVCache()) for _ in range(2)])
+    for layer in caches:
+        for c in layer.caches:
+            c.update_and_fetch(mx.zeros((1, 1, 5, 4)), mx.zeros((1, 1, 5, 4)))
+    assert caches.trimmable() == 5
+    assert trim_caches(caches, 2) == 2
+    assert [c.offset for layer in caches for c in layer.caches] == [3, 3, 3, 3]

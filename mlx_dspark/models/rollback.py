@@ -216,12 +216,12 @@ class RollbackCaches(list):
 
     def trimmable(self) -> int:
         """How many positions `rollback` can remove now."""
-        limits = [c.offset for c in self if hasattr(c, "offset") and not isinstance(c, CacheList)]
-        limits += [c.trimmable() for c in self if isinstance(c, SlidingKVCache)]
+        limits = [_trim_limit(c) for c in self]
         if not self.exact_trim_only:
             forward = self._forward
             limits.append(forward.kept if forward is not None and forward.recorded else 0)
-        return min(limits, default=0)
+        limit = min(limits, default=0)
+        return 0 if limit == float("inf") else int(limit)
 
     def rollback(self, n: int) -> int:
         """Remove the last `n` positions from every cache, exactly (or none: ValueError)."""
@@ -272,6 +272,17 @@ class RollbackCaches(list):
                     layer(*args, **kwargs)
             else:
                 layer(*args, **kwargs)
+
+
+def _trim_limit(cache: Any) -> float:
+    """How far `trim` alone may move this cache back (inf: it does not bound a rollback by itself)."""
+    if isinstance(cache, CacheList):
+        return min((_trim_limit(c) for c in cache.caches), default=float("inf"))
+    if isinstance(cache, SlidingKVCache):
+        return cache.trimmable()
+    if isinstance(cache, ChunkedKVCache):
+        return cache.offset - cache.start_position
+    return getattr(cache, "offset", float("inf"))
 
 
 def _newest(cache: RotatingKVCache, width: int) -> tuple[mx.array, mx.array]:
