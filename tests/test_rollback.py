@@ -92,9 +92,12 @@ EXPECTED_KINDS = {
     "qwen3_5": {REPLAY, TRIM},
     "qwen3_5_moe": {REPLAY, TRIM},
     "lfm2": {REPLAY, TRIM},
+    "qwen3_next": {REPLAY, TRIM},
+    "mamba2": {REPLAY},
     "nemotron_h": {REPLAY, TRIM},
     "falcon_h1": {REPLAY},
     "gemma3_text": {ROTATING, TRIM},
+    "gemma4_text": {ROTATING, TRIM},
     "llama_quantized": {TRIM},
 }
 
@@ -106,8 +109,8 @@ EXPECTED_KINDS = {
 # The verify itself computes its kept rows over the concatenated layout; so, past a wrapped window,
 # gemma3_text matches a one-position update only to that tolerance (the rotating cache alone is checked
 # bitwise below, where no arithmetic depends on the layout).
-ONE_BY_ONE_ATOL = {"nemotron_h": 1e-4, "falcon_h1": 1e-4, "gemma3_text": 1e-4}  # rtol and atol
-BLOCK_ATOL = {"gemma3_text": 1e-4}
+ONE_BY_ONE_ATOL = {"mamba2": 1e-4, "nemotron_h": 1e-4, "falcon_h1": 1e-4, "gemma3_text": 1e-4, "gemma4_text": 1e-4}  # rtol and atol
+BLOCK_ATOL = {"gemma3_text": 1e-4, "gemma4_text": 1e-4}
 
 
 @pytest.mark.parametrize("kind", sorted(FACTORIES))
@@ -122,7 +125,7 @@ def test_rollback_equals_one_token_decoding(kind):
     run_rounds(kind, one_by_one=True, atol=ONE_BY_ONE_ATOL.get(kind, 0.0))
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "lfm2", "nemotron_h", "falcon_h1", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "mamba2", "lfm2", "nemotron_h", "falcon_h1", "gemma3_text", "gemma4_text"])
 def test_offset_only_trim_is_caught(kind):
     # The witness can fail: mlx-lm's trim (offsets only, ArraysCache untouched) diverges, beyond the tolerance too.
     with pytest.raises(AssertionError):

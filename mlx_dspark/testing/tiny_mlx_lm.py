@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models import falcon_h1, gemma3_text, lfm2, llama, nemotron_h, qwen3_5
+from mlx_lm.models import falcon_h1, gemma3_text, gemma4_text, lfm2, llama, mamba2, nemotron_h, qwen3_5, qwen3_next
 from mlx_lm.models.cache import QuantizedKVCache
 
 VOCAB = 97
@@ -31,6 +31,27 @@ def _qwen3_5(moe: bool = False, *, hidden: int = 64, layers: int = 4, vocab: int
         full_attention_interval=4 if layers >= 4 and hidden >= 256 else 2, **extra,
     )  # fmt: skip
     return qwen3_5.TextModel(args)
+
+
+def _qwen3_next() -> Any:
+    args = qwen3_next.ModelArgs(
+        model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+        shared_expert_intermediate_size=32, mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-6,
+        vocab_size=VOCAB, num_key_value_heads=2, rope_theta=10000.0, partial_rotary_factor=0.25,
+        max_position_embeddings=512, head_dim=16, full_attention_interval=2,
+    )  # fmt: skip
+    return qwen3_next.Model(args)
+
+
+def _mamba2() -> Any:
+    args = mamba2.ModelArgs(
+        model_type="mamba2", num_heads=4, head_dim=16, vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+        state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1, use_bias=False,
+        use_conv_bias=True, tie_word_embeddings=False, time_step_limit=(0.0, float("inf")), time_step_rank=8,
+    )  # fmt: skip
+    return mamba2.Model(args)
 
 
 def _lfm2() -> Any:
@@ -74,6 +95,18 @@ def _gemma3_sliding() -> Any:
     return gemma3_text.Model(args)
 
 
+def _gemma4() -> Any:
+    sliding, full = "sliding_attention", "full_attention"
+    args = gemma4_text.ModelArgs(
+        hidden_size=64, num_hidden_layers=5, intermediate_size=128, num_attention_heads=2, head_dim=16,
+        global_head_dim=32, num_key_value_heads=1, num_kv_shared_layers=2, vocab_size=VOCAB,
+        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, sliding_window=5,
+        layer_types=[sliding, full, sliding, sliding, full], enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32,
+    )  # fmt: skip
+    return gemma4_text.Model(args)
+
+
 def _llama() -> Any:
     args = llama.ModelArgs(
         model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=2,
@@ -85,10 +118,13 @@ def _llama() -> Any:
 FACTORIES = {
     "qwen3_5": _qwen3_5,  # GatedDeltaNet ArraysCache + KVCache
     "qwen3_5_moe": lambda: _qwen3_5(moe=True),  # the same with MoE MLPs
+    "qwen3_next": _qwen3_next,  # GatedDeltaNet + attention, every MLP a MoE
+    "mamba2": _mamba2,  # Mamba-2 ArraysCache only: no offsets at all
     "lfm2": _lfm2,  # short-conv ArraysCache + KVCache
     "nemotron_h": _nemotron_h,  # Mamba-2 ArraysCache + KVCache, MLP and MoE blocks without caches
     "falcon_h1": _falcon_h1,  # CacheList(ArraysCache, KVCache) per layer
     "gemma3_text": _gemma3_sliding,  # RotatingKVCache (window 5) + KVCache
+    "gemma4_text": _gemma4,  # the same, KV-shared layers (fewer caches than layers), per-layer inputs, MoE
     "llama_quantized": _llama,  # QuantizedKVCache (make_cache below)
 }
 
