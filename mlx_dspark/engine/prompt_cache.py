@@ -11,10 +11,13 @@ always prefilled, because the first generated token needs its logits.
 Rewinding is exact, never approximate, and picks the first of:
 1. the live caches, trimmed to the common prefix: always possible for full-attention layers
    (mlx-lm's `KVCache` and the draft's full context trim any amount); sliding layers only while the
-   rolled-back span is within what they still keep (`trimmable()`: about 8 target positions);
+   rolled-back span is within what they still keep (`trimmable()`: about 8 target positions); a
+   hybrid's caches (`models/rollback.RollbackCaches`: recurrent states, rotating windows) only within
+   their latest recorded forward (a verify);
 2. the newest snapshot at or before the common prefix: a snapshot copies, at one position, only what
    cannot be trimmed back to, i.e. the last `window - 1` keys/values of every sliding target layer
-   and of every windowed draft layer (full layers are trimmed to its position instead). Snapshots are
+   and of every windowed draft layer, and a hybrid's recurrent / rotating layer states (`LayerState`)
+   (full layers are trimmed to its position instead). Snapshots are
    taken during the prefill at `len(prompt) - 1` (so re-sending a prompt, or a next turn that extends
    it, resumes there) and at `len(prompt) - 1 - snapshot_margin` (for chat templates that re-render
    the generation prompt differently in the history); the newest `max_snapshots` are kept, which
