@@ -262,3 +262,13 @@ def test_a_list_of_trimmable_cache_lists_trims_like_mlx_lm():
     assert caches.trimmable() == 5
     assert trim_caches(caches, 2) == 2
     assert [c.offset for layer in caches for c in layer.caches] == [3, 3, 3, 3]
+
+
+def test_a_forward_without_begin_forward_is_caught_before_a_wrong_rollback():
+    model = tiny_mlx_lm_model("qwen3_5")
+    caches = RollbackCaches(model.make_cache())
+    with recording(model, caches):
+        model(mx.zeros((1, 4), mx.int32), cache=caches)
+    model(mx.zeros((1, 4), mx.int32), cache=caches)  # not recorded: the snapshots are stale now
+    with pytest.raises(AssertionError, match="every forward must call begin_forward"):
+        trim_caches(caches, 2)

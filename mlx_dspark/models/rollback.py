@@ -163,6 +163,7 @@ class RollbackCaches(list):
         self.reuse_projections = reuse_projections
         self._index = {id(c): i for i, c in enumerate(caches)}
         self._forward: _Forward | None = None
+        self._start: list[int | None] = []  # the caches' offsets when the latest forward began
 
     @property
     def exact_trim_only(self) -> bool:
@@ -173,6 +174,7 @@ class RollbackCaches(list):
     def begin_forward(self) -> None:
         """A new forward starts: forget the previous one (it can no longer be rolled back)."""
         self._forward = None
+        self._start = [_offset(c) for c in self]
 
     def call(self, layer: Any, *args: Any, **kwargs: Any) -> Any:
         """Run `layer(*args, **kwargs)`, recording what rollback needs when it updates one of these caches."""
@@ -236,6 +238,8 @@ class RollbackCaches(list):
                 cache.trim(n)
             return n
         forward = self._forward
+        moved = [i for i, c in enumerate(self) if self._start[i] is not None and _offset(c) != self._start[i] + forward.kept]
+        assert not moved, f"caches {moved} moved since the recorded forward: every forward must call begin_forward"
         kept = forward.kept - n
         for i, cache in enumerate(self):
             if self.kinds[i] == TRIM:
@@ -283,6 +287,12 @@ def _trim_limit(cache: Any) -> float:
     if isinstance(cache, ChunkedKVCache):
         return cache.offset - cache.start_position
     return getattr(cache, "offset", float("inf"))
+
+
+def _offset(cache: Any) -> int | None:
+    if isinstance(cache, CacheList):
+        return next((o for o in map(_offset, cache.caches) if o is not None), None)
+    return getattr(cache, "offset", None)
 
 
 def _newest(cache: RotatingKVCache, width: int) -> tuple[mx.array, mx.array]:
