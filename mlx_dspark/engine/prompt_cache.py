@@ -11,10 +11,13 @@ always prefilled, because the first generated token needs its logits.
 Rewinding is exact, never approximate, and picks the first of:
 1. the live caches, trimmed to the common prefix: always possible for full-attention layers
    (mlx-lm's `KVCache` and the draft's full context trim any amount); sliding layers only while the
-   rolled-back span is within what they still keep (`trimmable()`: about 8 target positions);
+   rolled-back span is within what they still keep (`trimmable()`: about 8 target positions); a
+   hybrid's caches (`models/rollback.RollbackCaches`: recurrent states, rotating windows) only within
+   their latest recorded forward (a verify);
 2. the newest snapshot at or before the common prefix: a snapshot copies, at one position, only what
    cannot be trimmed back to, i.e. the last `window - 1` keys/values of every sliding target layer
-   and of every windowed draft layer (full layers are trimmed to its position instead). Snapshots are
+   and of every windowed draft layer, and a hybrid's recurrent / rotating layer states (`LayerState`)
+   (full layers are trimmed to its position instead). Snapshots are
    taken during the prefill at `len(prompt) - 1` (so re-sending a prompt, or a next turn that extends
    it, resumes there) and at `len(prompt) - 1 - snapshot_margin` (for chat templates that re-render
    the generation prompt differently in the history); the newest `max_snapshots` are kept, which
@@ -44,23 +47,32 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from mlx_dspark.models.cache import SlidingKVCache, trim_caches
+from mlx_dspark.models.rollback import TRIM, LayerState, RollbackCaches, layer_state, restore_layer
 from mlx_dspark.engine.propose import Proposer
 
 State = tuple[mx.array | None, mx.array | None, int]  # a cache's `snapshot()`: kept keys, values, offset
 
 
+def _state_arrays(state: State | LayerState) -> list[mx.array]:
+    if isinstance(state, LayerState):
+        return state.arrays()
+    keys, values, _ = state
+    return [] if keys is None else [keys, values]
+
+
 @dataclass
 class Snapshot:
-    """The windowed state at `position`: sliding target layers and windowed draft layers, by layer index."""
+    """The state at `position` that trimming cannot reach back to, by layer index: sliding target layers,
+    a hybrid's recurrent / rotating target layers (`LayerState`), windowed draft layers."""
 
     position: int
-    target: dict[int, State] = field(default_factory=dict)
+    target: dict[int, State | LayerState] = field(default_factory=dict)
     draft: dict[int, State] | None = None  # None: taken during a plain generation
 
     @property
     def nbytes(self) -> int:
         states = list(self.target.values()) + list((self.draft or {}).values())
-        return sum(a.nbytes for keys, values, _ in states if keys is not None for a in (keys, values))
+        return sum(a.nbytes for state in states for a in _state_arrays(state))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -175,13 +187,16 @@ class PromptCache:
         assert self._consistent, "snapshot of caches in the middle of an update"
         position = len(self._tokens)
         snap = Snapshot(position)
+        kinds = getattr(self.target_cache, "kinds", None)  # a RollbackCaches: which layers cannot trim
         for i, cache in enumerate(self.target_cache):
             if isinstance(cache, SlidingKVCache):
                 assert cache.offset == position
                 snap.target[i] = cache.snapshot()
+            elif kinds is not None and kinds[i] != TRIM:
+                snap.target[i] = layer_state(cache, copy=True)  # rotating buffers are written in place later
         if self._speculative and self.draft_context is not None:
             snap.draft = {i: ctx.snapshot() for i, ctx in enumerate(self.draft_context) if ctx.keep is not None}
-        arrays = [a for s in (snap.target, snap.draft or {}) for k, v, _ in s.values() if k is not None for a in (k, v)]
+        arrays = [a for s in (snap.target, snap.draft or {}) for state in s.values() for a in _state_arrays(state)]
         mx.eval(*arrays)  # the copies stand alone: the cache buffers they came from may be freed
         self._snapshots = [s for s in self._snapshots if s.position != position] + [snap]
         self._snapshots.sort(key=lambda s: s.position)
@@ -209,6 +224,8 @@ class PromptCache:
         n = len(self._tokens) - position
         sliding = [c for c in self.target_cache if isinstance(c, SlidingKVCache)]
         draft = self.draft_context if speculative else []
+        if isinstance(self.target_cache, RollbackCaches) and n > self.target_cache.trimmable():
+            return False  # a hybrid's recurrent state rewinds only within the latest forward
         return all(n <= c.trimmable() for c in sliding) and all(n <= c.trimmable() for c in draft or [])
 
     def _rewind(self, start: int, snapshot: Snapshot | None, *, speculative: bool) -> None:
@@ -217,10 +234,14 @@ class PromptCache:
             trim_caches(self.target_cache, n)
         else:
             for i, cache in enumerate(self.target_cache):
-                if i in snapshot.target:
+                if isinstance(snapshot.target.get(i), LayerState):
+                    restore_layer(cache, snapshot.target[i], copy=True)  # the snapshot stays reusable
+                elif i in snapshot.target:
                     cache.restore(snapshot.target[i])
                 else:
                     cache.trim(n)  # a full layer: any amount
+            if isinstance(self.target_cache, RollbackCaches):
+                self.target_cache.begin_forward()  # the latest forward's record no longer matches the caches
         if speculative:
             for i, ctx in enumerate(self.draft_context):
                 if snapshot is not None and i in (snapshot.draft or {}):

@@ -196,9 +196,15 @@ def make_target_cache(
 
 
 def trim_caches(caches: Sequence[Any], n: int) -> int:
-    """Roll every cache back `n` positions, or none of them (ValueError) if one cannot."""
+    """Roll every cache back `n` positions, or none of them (ValueError) if one cannot.
+
+    A `models/rollback.RollbackCaches` (any mlx-lm cache kind, hybrids included) rolls itself back exactly.
+    """
     if n < 0:
         raise ValueError(f"trim_caches: n must be >= 0, got {n}")
+    rollback = getattr(caches, "rollback", None)
+    if rollback is not None:
+        return rollback(n)
     for i, cache in enumerate(caches):
         if not cache.is_trimmable():
             raise ValueError(f"trim_caches: cache {i} ({type(cache).__name__}) cannot be trimmed")
