@@ -138,17 +138,25 @@ def canonical_names(
 
 def layer_family(names: list[str], *, source: str) -> str:
     """The draft's layer family from its tensor names (DeepSpec names: `layers.N.self_attn.*`)."""
-    marks = {family: family_module(family).ATTENTION_TENSOR for family in FAMILIES}
-    found = sorted(f for f, mark in marks.items() if any(n.startswith("layers.") and n.endswith("." + mark) for n in names))
+    # a family's marks must all be present; the most specific match wins (gemma4's include qwen3's q_proj)
+    marks = {family: _draft_marks(family) for family in FAMILIES}
+    present = {m for m in set().union(*marks.values()) if any(n.startswith("layers.") and n.endswith("." + m) for n in names)}
+    matched = [f for f, need in marks.items() if need <= present]
+    found = sorted(f for f in matched if not any(marks[f] < marks[g] for g in matched))
     if len(found) == 1:
         return found[0]
     layer0 = sorted(n for n in names if n.startswith("layers.0."))
-    expected = ", ".join(f"layers.N.{mark} ({family}-style)" for family, mark in marks.items())
+    expected = ", ".join(f"{' + '.join(f'layers.N.{m}' for m in sorted(need))} ({family}-style)" for family, need in marks.items())
     what = "both kinds" if found else "neither"
     raise ValueError(
         f"{source}: cannot tell the draft's layer family from its tensors: expected one of {expected}, found {what}; "
         f"layer 0 holds {layer0 or 'nothing'}"
     )
+
+
+def _draft_marks(family: str) -> frozenset[str]:
+    module = family_module(family)
+    return frozenset(getattr(module, "DRAFT_MARKS", (module.ATTENTION_TENSOR,)))
 
 
 def _int_field(name: str, value: Any, *, low: int, source: str) -> int:
@@ -228,7 +236,9 @@ class DraftArgs:
             num_target_layers = _int_field("num_target_layers", num_target_layers, low=1, source=source)
         block_size = _int_field("block_size", fields["block_size"], low=1, source=source)
         temperatures = _confidence_temperatures(fields.get("confidence_temperatures"), block_size=block_size, confidence=confidence, source=source)
-        packaging = Packaging.from_fields(fields, vocab_size=layers.vocab_size, source=source)
+        # a packaging field the layer family itself reads (gemma4's final_logit_softcapping) is the family's
+        own = {k: v for k, v in fields.items() if not hasattr(layers, k)}
+        packaging = Packaging.from_fields(own, vocab_size=layers.vocab_size, source=source)
         if not packaging.sample_from_anchor and block_size < 2:
             raise ValueError(f"{source}: block_size {block_size} leaves no draft row (sample_from_anchor is false: row 0 is the anchor)")
         neox = config.get("rope_is_neox_style", True)

@@ -1,0 +1,202 @@
+"""Tiny random drafts in the published layouts beyond DeepSpec's qwen3 one, each written as its
+producer writes it (config fields and tensor names), for the loaders' tests:
+
+- `write_gemma4_draft`: DeepSpec's gemma4 family (`deepspec/modeling/dspark/gemma4/`: a copy of the
+  target's `Gemma4TextConfig` with `architectures: ["Gemma4DSparkModel"]`, every layer full attention,
+  `global_head_dim`, sandwich norms, `layer_scalar`, frozen `embed_tokens` / `lm_head` copies).
+- `repackage`: the same draft as vLLM `speculators` writes it, as LiquidAI's LFM2 heads ship
+  (backbone only), as a z-lab DFlash draft (no Markov head), from a DeepSpec-layout directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlx_dspark.testing.tiny import _linear, _norm, _read_hf_weights, _write_json, save_hf_weights
+
+
+def gemma4_draft_config(
+    target_config: dict[str, Any],
+    *,
+    mask_token_id: int,
+    target_layer_ids: list[int],
+    num_layers: int = 2,
+    block_size: int = 7,
+    markov_rank: int = 16,
+    attention_k_eq_v: bool = False,
+    final_logit_softcapping: float | None = 30.0,
+    partial_rotary_factor: float = 0.25,
+) -> dict[str, Any]:
+    """DeepSpec's `build_draft_config` on a Gemma 4 text config sized like `target_config` (hidden,
+    vocab, heads), whatever that target's own family: a draft's layer family is its own."""
+    hidden, heads = target_config["hidden_size"], target_config["num_attention_heads"]
+    return {
+        "architectures": ["Gemma4DSparkModel"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attention_k_eq_v": attention_k_eq_v,
+        "block_size": block_size,
+        "confidence_head_with_markov": True,
+        "enable_confidence_head": True,
+        "enable_moe_block": False,
+        "final_logit_softcapping": final_logit_softcapping,
+        "global_head_dim": 64,
+        "head_dim": 32,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": hidden,
+        "hidden_size_per_layer_input": 0,
+        "initializer_range": 0.02,
+        "intermediate_size": 2 * hidden,
+        "layer_types": ["full_attention"] * num_layers,
+        "markov_head_type": "vanilla",
+        "markov_rank": markov_rank,
+        "mask_token_id": mask_token_id,
+        "max_position_embeddings": 4096,
+        "model_type": "gemma4_text",
+        "num_anchors": 512,
+        "num_attention_heads": heads,
+        "num_global_key_value_heads": 1,
+        "num_hidden_layers": num_layers,
+        "num_key_value_heads": 2,
+        "num_kv_shared_layers": 0,
+        "num_target_layers": target_config["num_hidden_layers"],
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": partial_rotary_factor, "rope_theta": 1000000.0, "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        "sliding_window": 16,
+        "target_layer_ids": list(target_layer_ids),
+        "target_model_type": "gemma4",
+        "target_text_model_type": "gemma4_text",
+        "tie_word_embeddings": False,
+        "use_double_wide_mlp": False,
+        "vocab_size": target_config["vocab_size"],
+    }
+
+
+def gemma4_draft_weights(config: dict[str, Any], *, target_weights: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    """Random weights under DeepSpec's Gemma4DSparkModel state-dict names (buffers included)."""
+    rng = np.random.default_rng(seed + 2000)
+    hidden, inter, rank = config["hidden_size"], config["intermediate_size"], config["markov_rank"]
+    heads, head_dim = config["num_attention_heads"], config["global_head_dim"]
+    kv = config["num_global_key_value_heads"] if config["attention_k_eq_v"] else config["num_key_value_heads"]
+    vocab = config["vocab_size"]
+    w = {"fc.weight": _linear(rng, hidden, len(config["target_layer_ids"]) * hidden), "hidden_norm.weight": _norm(rng, hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = _linear(rng, heads * head_dim, hidden)
+        w[p + "self_attn.k_proj.weight"] = _linear(rng, kv * head_dim, hidden)
+        if not config["attention_k_eq_v"]:
+            w[p + "self_attn.v_proj.weight"] = _linear(rng, kv * head_dim, hidden)
+        w[p + "self_attn.o_proj.weight"] = _linear(rng, hidden, heads * head_dim)
+        w[p + "self_attn.q_norm.weight"] = _norm(rng, head_dim)
+        w[p + "self_attn.k_norm.weight"] = _norm(rng, head_dim)
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            w[p + norm + ".weight"] = _norm(rng, hidden)
+        w[p + "mlp.gate_proj.weight"] = _linear(rng, inter, hidden)
+        w[p + "mlp.up_proj.weight"] = _linear(rng, inter, hidden)
+        w[p + "mlp.down_proj.weight"] = _linear(rng, hidden, inter)
+        w[p + "layer_scalar"] = np.array([0.5 + 0.1 * i], dtype=np.float32)  # a buffer (ones when trained from scratch)
+    w["norm.weight"] = _norm(rng, hidden)
+    w["markov_head.markov_w1.weight"] = (0.3 * rng.standard_normal((vocab, rank))).astype(np.float32)
+    w["markov_head.markov_w2.weight"] = (0.3 * rng.standard_normal((vocab, rank))).astype(np.float32)
+    w["confidence_head.proj.weight"] = _linear(rng, 1, hidden + rank)
+    w["confidence_head.proj.bias"] = (0.1 * rng.standard_normal(1)).astype(np.float32)
+    # the frozen copies DeepSpec saves (initialize_embeddings_and_head): the target's table and head
+    embedding = target_weights.get("model.embed_tokens.weight", target_weights.get("model.embedding.weight"))
+    w["embed_tokens.weight"] = embedding
+    w["lm_head.weight"] = target_weights.get("lm_head.weight", embedding)
+    return dict(sorted(w.items()))
+
+
+def _mask_token_id(target_path: Path) -> int:
+    tok = json.loads((target_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    mask = tok.get("mask_token") or "<|mask|>"
+    return next(int(i) for i, t in tok.get("added_tokens_decoder", {}).items() if t["content"] == mask)
+
+
+def write_gemma4_draft(path: str | Path, *, target_path: str | Path, seed: int = 0, **options: Any) -> Path:
+    """A tiny random Gemma 4 DSpark draft in DeepSpec's layout for the target at `target_path`."""
+    target_path, path = Path(target_path), Path(path)
+    target_config = json.loads((target_path / "config.json").read_text(encoding="utf-8"))
+    layers = target_config["num_hidden_layers"]
+    options.setdefault("target_layer_ids", sorted({0, max(0, min(layers // 2, layers - 2))}))
+    config = gemma4_draft_config(target_config, mask_token_id=_mask_token_id(target_path), **options)
+    weights = gemma4_draft_weights(config, target_weights=_read_hf_weights(target_path), seed=seed)
+    path.mkdir(parents=True, exist_ok=True)
+    _write_json(path / "config.json", config)
+    save_hf_weights(path, weights)
+    return path
+
+
+# -- the same draft in other published packagings --------------------------------------------------------
+
+REPACKAGINGS = ("speculators", "lfm2_backbone", "zlab_dflash")
+# DSpark / DFlash fields that speculators keeps in `speculators_config` / the top level, not the layer config
+_DRAFT_FIELDS = (
+    "block_size", "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type", "enable_confidence_head",
+    "confidence_head_with_markov", "num_target_layers", "num_anchors",
+)  # fmt: skip
+
+
+def _speculators(config: dict, weights: dict) -> tuple[dict, dict]:
+    """vLLM speculators' layout (`speculators/models/dflash.py`-style): the layer config under
+    `transformer_layer_config`, taps as `aux_hidden_state_layer_ids` (HF ids + 1), the proposal
+    settings under `speculators_config`, every tensor under `model.`."""
+    layer = {k: v for k, v in config.items() if k not in _DRAFT_FIELDS and k != "architectures"}
+    out = {
+        "architectures": ["DSparkSpeculator"],
+        "speculators_model_type": "dspark",
+        "speculators_version": "0.3.0",
+        "aux_hidden_state_layer_ids": [i + 1 for i in config["target_layer_ids"]],
+        "block_size": config["block_size"],
+        "mask_token_id": config["mask_token_id"],
+        "markov_rank": config["markov_rank"],
+        "markov_head_type": config["markov_head_type"],
+        "enable_confidence_head": config["enable_confidence_head"],
+        "confidence_head_with_markov": config["confidence_head_with_markov"],
+        "sample_from_anchor": True,
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "dspark",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config["block_size"]}],
+            "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": "target"},
+        },
+    }
+    return out, {f"model.{k}": v for k, v in weights.items()}
+
+
+def repackage(source: str | Path, dst: str | Path, packaging: str) -> Path:
+    """Write the DeepSpec-layout draft at `source` into `dst` in another packaging (same weights)."""
+    if packaging not in REPACKAGINGS:
+        raise ValueError(f"packaging {packaging!r} is not one of {REPACKAGINGS}")
+    source, dst = Path(source), Path(dst)
+    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    weights = _read_hf_weights(source)
+    if packaging == "speculators":
+        config, weights = _speculators(config, weights)
+    elif packaging == "lfm2_backbone":
+        # LiquidAI's heads: no copy of the target's embedding / head; DSpark fields under dflash_config
+        weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "embedding.", "lm_head."))}
+        config = copy.deepcopy(config)
+        config["architectures"] = ["Lfm2DSparkDraftModel"]
+        config["dflash_config"] = {k: config.pop(k) for k in _DRAFT_FIELDS if k in config}
+    else:
+        # z-lab DFlash: the block draft alone (no Markov or confidence head), fields under dflash_config
+        weights = {k: v for k, v in weights.items() if not k.startswith(("markov_head.", "confidence_head."))}
+        config = copy.deepcopy(config)
+        for k in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"):
+            config.pop(k, None)
+        config["architectures"] = ["DFlashDraftModel"]
+        config["dflash_config"] = {k: config.pop(k) for k in ("block_size", "target_layer_ids", "mask_token_id") if k in config}
+    dst.mkdir(parents=True, exist_ok=True)
+    _write_json(dst / "config.json", config)
+    save_hf_weights(dst, weights)
+    return dst
