@@ -222,8 +222,9 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
             f"{meta.path}: tensor 'fc.weight' has shape {fc_shape}; expected {(hidden, len(taps) * hidden)} for "
             f"{len(taps)} target layers ({p}target_layers {layers}) of hidden size {hidden}"
         )
-    w1 = meta.tensor_or_fail("markov_w1.weight", "the Markov head")
-    vocab, rank = w1
+    # upstream: the Markov head (DSpark) is switched on by markov_w1's presence; without it a DFlash draft
+    w1 = meta.shape("markov_w1.weight") if "markov_w1.weight" in meta.tensors else None
+    vocab, rank = w1 if w1 is not None else (_vocab_size(meta, p), 0)
     head_type = meta.get(p + "markov_head_type", "vanilla")
     if head_type not in ("vanilla", 0):
         raise ValueError(f"{meta.path}: key {p + 'markov_head_type'!r} is {head_type!r}; only the vanilla Markov head is supported")
@@ -262,14 +263,15 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
             "target_layer_ids": taps,
             "mask_token_id": mask,
             "markov_rank": rank,
-            "markov_head_type": "vanilla",
+            "markov_head_type": "vanilla" if rank else None,
             "enable_confidence_head": confidence,
             "confidence_head_with_markov": with_markov,
         }
     )
     _special_ids(meta, config)
 
-    names = {f"{g}.weight": f"{h}.weight" for g, h in DRAFT_GLOBAL.items() if g not in ("conf_proj", *DRAFT_SHARED)}
+    markov = () if rank else ("markov_w1", "markov_w2")
+    names = {f"{g}.weight": f"{h}.weight" for g, h in DRAFT_GLOBAL.items() if g not in ("conf_proj", *DRAFT_SHARED, *markov)}
     if confidence:
         names["conf_proj.weight"] = "confidence_head.proj.weight"
         if "conf_proj.bias" in meta.tensors:  # optional upstream (absent: no bias, filled with 0 by gguf_checkpoint)
@@ -284,6 +286,19 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
     for i in range(num_layers):
         names.update({f"blk.{i}.{g}.weight": f"layers.{i}.{h}.weight" for g, h in table.items()})
     return dict(sorted(config.items())), names
+
+
+def _vocab_size(meta: Metadata, p: str) -> int:
+    """A DFlash draft's vocabulary (no markov_w1 to read it from): the key, the tokenizer, or a shared copy."""
+    size = meta.get(p + "vocab_size")
+    if size is None and isinstance(meta.get("tokenizer.ggml.tokens"), list):
+        size = len(meta.get("tokenizer.ggml.tokens"))
+    for name in ("output.weight", "token_embd.weight"):
+        if size is None and name in meta.tensors:
+            size = meta.shape(name)[0]
+    if size is None:
+        raise ValueError(f"{meta.path}: no vocabulary size: no markov_w1.weight, {p}vocab_size, tokenizer.ggml.tokens or token_embd")
+    return size
 
 
 # Draft tensors that are not weights: the Markov bias scale (one value, into the config) and the d2t table.

@@ -25,7 +25,14 @@ import mlx.core as mx
 
 from mlx_dspark.models import FAMILIES, family_module
 from mlx_dspark.models.dspark_heads import MARKOV_HEAD_TYPES
-from mlx_dspark.models.dspark_packaging import EAGLE3_MARKERS, PACKAGING_FIELDS, Packaging
+from mlx_dspark.models.dspark_packaging import (
+    BONUS_ANCHOR_ARCHITECTURES,
+    EAGLE3_MARKERS,
+    PACKAGING_FIELDS,
+    Packaging,
+    check_graph,
+    speculators_layers,
+)
 
 DSPARK_FIELDS = (
     "block_size",
@@ -47,6 +54,10 @@ def flat_config(config: dict, *, source: str = "config.json") -> dict:
     """An EAGLE-3-style draft config in DeepSpec's flat form (others unchanged): the fields of
     `transformer_layer_config` at the top level, `aux_hidden_state_layer_ids` (target ids + 1) as
     `target_layer_ids`, and `sample_from_anchor` false unless the config says otherwise."""
+    check_graph(config, source=source)
+    arch = (config.get("architectures") or [None])[0]
+    if arch in BONUS_ANCHOR_ARCHITECTURES and "sample_from_anchor" not in dspark_fields(config, source=source):
+        config = {**config, "sample_from_anchor": False}
     if not any(k in config for k in EAGLE3_MARKERS):
         return config
     flat = dict(config)
@@ -54,6 +65,8 @@ def flat_config(config: dict, *, source: str = "config.json") -> dict:
     if layer is not None:
         if not isinstance(layer, dict):
             raise ValueError(f"{source}: field 'transformer_layer_config' must be an object, got {layer!r}")
+        if "speculators_model_type" in config:
+            layer = speculators_layers(config, layer, source=source)
         flat.update(layer)
     flat.setdefault("sample_from_anchor", False)
     aux = config.get("aux_hidden_state_layer_ids")

@@ -137,65 +137,78 @@ def write_gemma4_draft(path: str | Path, *, target_path: str | Path, seed: int =
 
 # -- the same draft in other published packagings --------------------------------------------------------
 
-REPACKAGINGS = ("speculators", "lfm2_backbone", "zlab_dflash")
-# DSpark / DFlash fields that speculators keeps in `speculators_config` / the top level, not the layer config
+REPACKAGINGS = ("speculators_dspark", "speculators_dflash_markov", "speculators_dflash", "lfm2_backbone", "zlab_dflash")
+# DSpark / DFlash fields that are the draft's, not its layers' (speculators keeps them at the top level)
 _DRAFT_FIELDS = (
     "block_size", "target_layer_ids", "mask_token_id", "markov_rank", "markov_head_type", "enable_confidence_head",
-    "confidence_head_with_markov", "num_target_layers", "num_anchors",
+    "confidence_head_with_markov", "num_target_layers", "num_anchors", "sample_from_anchor",
 )  # fmt: skip
+_HEAD_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+_SHARED = ("embed_tokens.", "embedding.", "lm_head.")
+_HEADS = ("markov_head.", "confidence_head.")
 
 
-def _speculators(config: dict, weights: dict) -> tuple[dict, dict]:
-    """vLLM speculators' layout (`speculators/models/dflash.py`-style): the layer config under
-    `transformer_layer_config`, taps as `aux_hidden_state_layer_ids` (HF ids + 1), the proposal
-    settings under `speculators_config`, every tensor under `model.`."""
+def _speculators(config: dict, weights: dict, *, algorithm: str, sample_from_anchor: bool) -> tuple[dict, dict]:
+    """vLLM speculators' layout (`speculators/models/dflash`, `.../dspark`): the draft layers' config
+    under `transformer_layer_config`, taps as `aux_hidden_state_layer_ids` (target ids + 1), the
+    proposal under `speculators_config`, `draft_vocab_size` always written, the DSpark heads' fields
+    at the top level; tensors under the module names (`layers.N.*`, `fc`, `hidden_norm`, `norm`,
+    `embed_tokens`, `lm_head`, `markov_head.*`, `confidence_head.proj`)."""
     layer = {k: v for k, v in config.items() if k not in _DRAFT_FIELDS and k != "architectures"}
+    layer["architectures"] = ["Qwen3ForCausalLM"]
     out = {
-        "architectures": ["DSparkSpeculator"],
-        "speculators_model_type": "dspark",
-        "speculators_version": "0.3.0",
+        "architectures": ["DSparkSpeculator" if algorithm == "dspark" else "DFlashSpeculator"],
+        "speculators_model_type": algorithm,
+        "speculators_version": "0.5.0",
         "aux_hidden_state_layer_ids": [i + 1 for i in config["target_layer_ids"]],
         "block_size": config["block_size"],
+        "draft_vocab_size": config["vocab_size"],
         "mask_token_id": config["mask_token_id"],
-        "markov_rank": config["markov_rank"],
-        "markov_head_type": config["markov_head_type"],
-        "enable_confidence_head": config["enable_confidence_head"],
-        "confidence_head_with_markov": config["confidence_head_with_markov"],
-        "sample_from_anchor": True,
+        "sample_from_anchor": sample_from_anchor,
+        "sliding_window_non_causal": True,
+        "target_hidden_size": None,
         "transformer_layer_config": layer,
         "speculators_config": {
-            "algorithm": "dspark",
+            "algorithm": algorithm,
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config["block_size"]}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config["block_size"] - (0 if sample_from_anchor else 1)}],
             "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": "target"},
         },
     }
-    return out, {f"model.{k}": v for k, v in weights.items()}
+    if algorithm == "dspark":
+        out.update({k: config[k] for k in _HEAD_FIELDS if k in config})
+    else:
+        weights = {k: v for k, v in weights.items() if not k.startswith(_HEADS)}
+    return out, weights
 
 
 def repackage(source: str | Path, dst: str | Path, packaging: str) -> Path:
-    """Write the DeepSpec-layout draft at `source` into `dst` in another packaging (same weights)."""
+    """Write the DeepSpec-layout draft at `source` into `dst` in another packaging (same weights;
+    the packagings without Markov / confidence heads leave them out)."""
     if packaging not in REPACKAGINGS:
         raise ValueError(f"packaging {packaging!r} is not one of {REPACKAGINGS}")
     source, dst = Path(source), Path(dst)
     config = json.loads((source / "config.json").read_text(encoding="utf-8"))
     weights = _read_hf_weights(source)
-    if packaging == "speculators":
-        config, weights = _speculators(config, weights)
+    if packaging == "speculators_dspark":
+        config, weights = _speculators(config, weights, algorithm="dspark", sample_from_anchor=True)
+    elif packaging == "speculators_dflash_markov":
+        config, weights = _speculators(config, weights, algorithm="dspark", sample_from_anchor=False)
+    elif packaging == "speculators_dflash":
+        config, weights = _speculators(config, weights, algorithm="dflash", sample_from_anchor=False)
     elif packaging == "lfm2_backbone":
         # LiquidAI's heads: no copy of the target's embedding / head; DSpark fields under dflash_config
-        weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "embedding.", "lm_head."))}
+        weights = {k: v for k, v in weights.items() if not k.startswith(_SHARED)}
         config = copy.deepcopy(config)
         config["architectures"] = ["Lfm2DSparkDraftModel"]
-        config["dflash_config"] = {k: config.pop(k) for k in _DRAFT_FIELDS if k in config}
+        config["dflash_config"] = {k: config.pop(k) for k in _DRAFT_FIELDS if k in config and k != "num_target_layers"}
     else:
-        # z-lab DFlash: the block draft alone (no Markov or confidence head), fields under dflash_config
-        weights = {k: v for k, v in weights.items() if not k.startswith(("markov_head.", "confidence_head."))}
-        config = copy.deepcopy(config)
-        for k in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"):
-            config.pop(k, None)
+        # z-lab DFlash (`dflash/model.py`): the block draft alone, `block_size` at the top level, taps and
+        # mask under dflash_config, no embedding / head copies, drafts from row 1 (not written anywhere)
+        weights = {k: v for k, v in weights.items() if not k.startswith(_HEADS + _SHARED)}
+        config = {k: v for k, v in config.items() if k not in _HEAD_FIELDS}
         config["architectures"] = ["DFlashDraftModel"]
-        config["dflash_config"] = {k: config.pop(k) for k in ("block_size", "target_layer_ids", "mask_token_id") if k in config}
+        config["dflash_config"] = {k: config.pop(k) for k in ("target_layer_ids", "mask_token_id")}
     dst.mkdir(parents=True, exist_ok=True)
     _write_json(dst / "config.json", config)
     save_hf_weights(dst, weights)
