@@ -101,6 +101,7 @@ def generate(
         if system is not None:
             flags.text_flag("--system", system)
 
+    draft = flags.resolve_draft(model, draft, no_draft=no_draft)
     dtype = None
     if model is None:
         try:
