@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 AUTO = "auto"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # what a draft needs: its config and weights (the tokenizer is the target's)
 DRAFT_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json"]
 _SIGNATURE = ("model_type", "hidden_size", "num_hidden_layers")
@@ -93,8 +94,8 @@ def local_config(target: str, *, fetch_config: Optional[Callable[[str], Optional
     path = Path(target).expanduser()
     if path.is_dir():
         file = path / "config.json"
-    elif path.exists() or fetch_config is None or ":" in target:
-        return None  # a GGUF file: matched by its name
+    elif path.exists() or fetch_config is None or not _REPO_ID.match(target):
+        return None  # a GGUF file (or `repo:FILE.gguf`), or nothing that exists: matched by its name only
     else:
         file = fetch_config(target)
     if file is None or not Path(file).is_file():
