@@ -164,3 +164,21 @@ def test_gemma4_draft_missing_its_layer_scalar_names_the_tensor(tiny_qwen3_targe
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     with pytest.raises(ValueError, match=r"layers\.1\.layer_scalar"):
         mlx_dspark.load(tiny_qwen3_target, draft=path)
+
+
+def test_gemma4_draft_exports_to_deepspec_bitwise_and_gguf_export_refuses_by_name(tiny_qwen3_target, tmp_path):
+    from mlx_dspark.export.write import export_draft
+
+    source = write_gemma4_draft(tmp_path / "draft", target_path=tiny_qwen3_target, seed=3)
+    out = tmp_path / "deepspec"
+    export_draft(source, out, to="deepspec", target=tiny_qwen3_target)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Gemma4DSparkModel"]
+    a = mlx_dspark.load(tiny_qwen3_target, draft=source, dtype="float32").draft
+    b = mlx_dspark.load(tiny_qwen3_target, draft=out, dtype="float32").draft
+    from mlx.utils import tree_flatten
+
+    left, right = dict(tree_flatten(a.parameters())), dict(tree_flatten(b.parameters()))
+    assert left.keys() == right.keys() and all(np.array_equal(np.array(left[k]), np.array(right[k])) for k in left)
+    assert b.args.layers.final_logit_softcapping == a.args.layers.final_logit_softcapping == 30.0
+    with pytest.raises(ValueError, match=r"the draft has Gemma 4 layers .* export it --to deepspec"):
+        export_draft(source, tmp_path / "d.gguf", to="gguf", target=tiny_qwen3_target)
