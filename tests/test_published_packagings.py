@@ -163,3 +163,12 @@ def test_a_gemma4_draft_that_does_not_fit_the_target_names_the_file_and_field(fi
     with pytest.raises(ValueError, match=message) as e:
         mlx_dspark.load(tiny_qwen3_target, draft=path)
     assert "\n" not in str(e.value)
+
+
+def test_backbone_only_heads_use_a_tied_targets_embedding_and_head(tiny_spark_pair, tmp_path):
+    # LiquidAI's LFM2 heads ship no embedding / head: on a tied target both come from its one table
+    target, source = tiny_spark_pair
+    pair = mlx_dspark.load(target, draft=repackage(source, tmp_path / "lfm2", "lfm2_backbone"), dtype="float32")
+    assert pair.target.args.tie_word_embeddings and not hasattr(pair.draft, "lm_head")
+    _same(_proposal(pair), _proposal(mlx_dspark.load(target, draft=source, dtype="float32")))
+    _lossless(pair)
