@@ -182,3 +182,46 @@ def test_gemma4_draft_exports_to_deepspec_bitwise_and_gguf_export_refuses_by_nam
     assert b.args.layers.final_logit_softcapping == a.args.layers.final_logit_softcapping == 30.0
     with pytest.raises(ValueError, match=r"the draft has Gemma 4 layers .* export it --to deepspec"):
         export_draft(source, tmp_path / "d.gguf", to="gguf", target=tiny_qwen3_target)
+
+
+@pytest.mark.parametrize("rotary", [0.25, 1.0], ids=["proportional", "full"])
+def test_gemma4_draft_as_upstreams_dflash_gguf_proposes_as_its_deepspec_checkpoint(rotary, tiny_qwen3_target, tmp_path):
+    from mlx_dspark.testing.draft_layouts import write_gemma4_gguf
+
+    source = write_gemma4_draft(
+        tmp_path / "draft", target_path=tiny_qwen3_target, seed=5, attention_k_eq_v=True, final_logit_softcapping=None,
+        partial_rotary_factor=rotary,
+    )  # fmt: skip
+    gguf = write_gemma4_gguf(source, tmp_path / "draft.gguf", target_path=tiny_qwen3_target)
+    pair = mlx_dspark.load(tiny_qwen3_target, draft=gguf, dtype="float32")
+    reference = mlx_dspark.load(tiny_qwen3_target, draft=source, dtype="float32")
+    assert pair.draft.args.family == "gemma4" and pair.draft.args.packaging.embedding_scale is None
+    features = mx.array(np.random.default_rng(2).standard_normal((1, 19, 2 * 128)).astype(np.float32))
+    out = []
+    for model in (pair, reference):
+        ctx = model.draft.make_cache()
+        model.draft.append_context(features, ctx)
+        out.append(model.draft.propose(mx.array([11]), ctx, target=model.target))
+    assert out[0].tokens.tolist() == out[1].tokens.tolist()
+    np.testing.assert_allclose(np.array(out[0].token_probs), np.array(out[1].token_probs), rtol=1e-5)
+    np.testing.assert_allclose(np.array(out[0].confidence), np.array(out[1].confidence), rtol=1e-5)
+    plain = mlx_dspark.generate(pair, "1 2 3 4 5 6", max_tokens=30, speculative=False)
+    assert mlx_dspark.generate(pair, "1 2 3 4 5 6", max_tokens=30).tokens == plain.tokens
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"dflash.final_logit_softcapping": 30.0}, r"key 'dflash.final_logit_softcapping' is 30; upstream's Gemma 4 DSpark converter refuses"),
+        ({"dflash.embedding_scale": 2.0}, r"key 'dflash.embedding_scale' is 2.0; a Gemma 4 draft scales its embeddings by sqrt\(128\)"),
+        ({"dflash.attention.scale": 0.125}, r"key 'dflash.attention.scale' is 0.125; a Gemma 4 draft attends with scale 1"),
+    ],
+)
+def test_gemma4_gguf_keys_that_do_not_fit_are_refused_in_one_line(keys, message, tiny_qwen3_target, tmp_path):
+    from mlx_dspark.testing.draft_layouts import write_gemma4_gguf
+
+    source = write_gemma4_draft(tmp_path / "draft", target_path=tiny_qwen3_target, attention_k_eq_v=True, final_logit_softcapping=None)
+    gguf = write_gemma4_gguf(source, tmp_path / "draft.gguf", target_path=tiny_qwen3_target, extra_keys=keys)
+    with pytest.raises(ValueError, match=message) as e:
+        mlx_dspark.load(tiny_qwen3_target, draft=gguf)
+    assert "draft.gguf" in str(e.value) and "\n" not in str(e.value)

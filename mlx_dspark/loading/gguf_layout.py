@@ -9,9 +9,11 @@ from typing import Any, Optional
 
 import numpy as np
 
+from mlx_dspark.loading import gguf_gemma4
 from mlx_dspark.loading.gguf_metadata import Metadata
 
 TARGET_ARCHITECTURES = {"spark2_5": "Spark2_5ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+DRAFT_CLASSES = {"qwen3": "Qwen3DSparkModel", "spark2_5": "Spark2_5DSparkModel", "gemma4": "Gemma4DSparkModel"}
 
 # Tensor names, without the `.weight` / `.bias` suffix.
 LAYER_COMMON = {
@@ -195,12 +197,15 @@ def _draft_family(meta: Metadata) -> str:
 def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> tuple[dict[str, Any], dict[str, str]]:
     """(config, GGUF tensor name -> our name) of a DSpark draft, in DeepSpec's config layout."""
     p = f"{arch}."
-    family = _draft_family(meta)
+    family = "gemma4" if gguf_gemma4.is_gemma4_draft(meta) else _draft_family(meta)
     sizes = _sizes(meta, arch)
     hidden, num_layers = sizes["hidden_size"], sizes["num_hidden_layers"]
     layer_types, window = _layer_types(meta, arch, num_layers)
-    config: dict[str, Any] = {"architectures": ["Qwen3DSparkModel" if family == "qwen3" else "Spark2_5DSparkModel"], **sizes}
-    config.update(_family_fields(meta, arch, family, sizes, layer_types, window))
+    config: dict[str, Any] = {"architectures": [DRAFT_CLASSES[family]], **sizes}
+    if family == "gemma4":
+        config.update(gguf_gemma4.fields(meta, p, sizes, layer_types))
+    else:
+        config.update(_family_fields(meta, arch, family, sizes, layer_types, window))
 
     layers = meta.require(p + "target_layers", why="the target layers the draft is conditioned on")
     if not isinstance(layers, list) or not layers or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers):
@@ -235,6 +240,8 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
         raise ValueError(f"{meta.path}: key {p + 'attention.causal'!r} is true; DSpark blocks attend without a causal mask")
     _refuse_other_drafts(meta, p)
     config.update(_packaging(meta, p, family))
+    if family == "gemma4":
+        gguf_gemma4.drop_family_scales(config)
     confidence = meta.flag(p + "has_confidence_head", True)
     with_markov = False
     if confidence:
@@ -282,6 +289,9 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
     for name in DRAFT_VALUES:  # read into the config / as offsets by gguf_checkpoint
         if name in meta.tensors:
             names[name] = name
+    if family == "gemma4":
+        names.update(gguf_gemma4.layer_names(num_layers))
+        return dict(sorted(config.items())), names
     table = {**LAYER_COMMON, **(LAYER_QWEN3 if family == "qwen3" else LAYER_SPARK)}
     for i in range(num_layers):
         names.update({f"blk.{i}.{g}.weight": f"layers.{i}.{h}.weight" for g, h in table.items()})
@@ -302,7 +312,7 @@ def _vocab_size(meta: Metadata, p: str) -> int:
 
 
 # Draft tensors that are not weights: the Markov bias scale (one value, into the config) and the d2t table.
-DRAFT_VALUES = ("markov_w2.scale", "d2t")
+DRAFT_VALUES = ("markov_w2.scale", "d2t", gguf_gemma4.ROPE_FREQS)
 # dflash.hidden_activation -> our hidden_act (upstream: absent = silu; "gelu" and "gelu_pytorch_tanh"
 # both run ggml's tanh GELU there; we follow the Hugging Face names: "gelu" is the exact erf form)
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_pytorch_tanh"}

@@ -213,3 +213,75 @@ def repackage(source: str | Path, dst: str | Path, packaging: str) -> Path:
     _write_json(dst / "config.json", config)
     save_hf_weights(dst, weights)
     return dst
+
+
+# -- a Gemma 4 draft as upstream llama.cpp's converter writes it (conversion/gemma.py Gemma4DSparkModel) --
+
+_GEMMA4_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+_GEMMA4_GGUF_GLOBAL = {
+    "fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight",
+    "markov_head.markov_w1.weight": "markov_w1.weight", "markov_head.markov_w2.weight": "markov_w2.weight",
+    "confidence_head.proj.weight": "conf_proj.weight", "confidence_head.proj.bias": "conf_proj.bias",
+}  # fmt: skip
+
+
+def write_gemma4_gguf(
+    source: str | Path, path: str | Path, *, target_path: str | Path, extra_keys: dict[str, float] | None = None
+) -> Path:
+    """The DeepSpec-layout Gemma 4 draft at `source` (attention_k_eq_v, no softcap: what upstream's
+    converter accepts) as a `dflash` GGUF with upstream's keys and names; no embedding / head copies.
+    `extra_keys`: float keys by full name, replacing any written (files that do not fit)."""
+    from gguf import GGUFWriter
+
+    from mlx_dspark.testing.gguf_writer import _write, add_tokenizer
+
+    source, path = Path(source), Path(path)
+    c = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    if not c["attention_k_eq_v"] or c.get("final_logit_softcapping"):
+        raise ValueError("upstream's converter writes only attention_k_eq_v Gemma 4 drafts without a softcap")
+    p, head_dim = "dflash.", c["global_head_dim"]
+    rope = c["rope_parameters"]["full_attention"]
+    writer = GGUFWriter(path, "dflash")
+    for key, value in (
+        ("block_count", c["num_hidden_layers"]), ("context_length", c["max_position_embeddings"]),
+        ("embedding_length", c["hidden_size"]), ("feed_forward_length", c["intermediate_size"]),
+        ("attention.head_count", c["num_attention_heads"]), ("attention.head_count_kv", c["num_global_key_value_heads"]),
+        ("attention.key_length", head_dim), ("attention.value_length", head_dim), ("rope.dimension_count", head_dim),
+        ("block_size", c["block_size"]),
+    ):  # fmt: skip
+        writer.add_uint32(p + key, value)
+    writer.add_float32(p + "attention.layer_norm_rms_epsilon", c["rms_norm_eps"])
+    writer.add_float32(p + "rope.freq_base", rope["rope_theta"])
+    writer.add_float32(p + "embedding_scale", c["hidden_size"] ** 0.5)
+    writer.add_float32(p + "attention.scale", 1.0)
+    writer.add_string(p + "hidden_activation", "gelu_pytorch_tanh")
+    writer.add_array(p + "target_layers", [i + 1 for i in c["target_layer_ids"]])
+    writer.add_bool(p + "sample_from_anchor", True)
+    writer.add_bool(p + "has_confidence_head", True)
+    for key, value in (extra_keys or {}).items():
+        writer.kv_data[0].pop(key, None)
+        writer.add_float32(key, value)
+    add_tokenizer(writer, Path(target_path), mask_key="tokenizer.ggml.mask_token_id")
+    tensors = {}
+    for name, array in _read_hf_weights(source).items():
+        if name.startswith(_SHARED):
+            continue
+        if name in _GEMMA4_GGUF_GLOBAL:
+            tensors[_GEMMA4_GGUF_GLOBAL[name]] = array
+            continue
+        _, i, rest = name.split(".", 2)
+        if rest == "layer_scalar":
+            tensors[f"blk.{i}.layer_output_scale.weight"] = array
+        else:
+            tensors[f"blk.{i}.{_GEMMA4_GGUF_LAYER[rest.removesuffix('.weight')]}.weight"] = array
+    if rope.get("rope_type") == "proportional":
+        turning = int(head_dim * rope.get("partial_rotary_factor", 0.25) / 2)
+        tensors["rope_freqs.weight"] = np.array([1.0] * turning + [1e30] * (head_dim // 2 - turning), dtype=np.float32)
+    _write(writer, tensors, tensor_type="F32", tensor_types={}, seed=0)
+    return path
