@@ -240,6 +240,10 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
         raise ValueError(f"{meta.path}: key {p + 'attention.causal'!r} is true; DSpark blocks attend without a causal mask")
     _refuse_other_drafts(meta, p)
     config.update(_packaging(meta, p, family))
+    if not rank:
+        # upstream runs a file without markov_w1 as DFlash (common/speculative.cpp): drafts from the mask
+        # rows 1.., whatever sample_from_anchor says
+        config["sample_from_anchor"] = False
     if family == "gemma4":
         gguf_gemma4.drop_family_scales(config)
     confidence = meta.flag(p + "has_confidence_head", True)
