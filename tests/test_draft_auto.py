@@ -136,3 +136,12 @@ def test_generate_with_draft_auto_for_an_unknown_target_is_one_error_line(tiny_q
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --draft auto: no known draft for")
+
+
+def test_a_gguf_draft_entry_resolves_to_its_one_file_without_a_snapshot():
+    def download(repo, *, allow_patterns):
+        raise AssertionError("a GGUF draft is one file: load() fetches only it")
+
+    reference, line = resolve_auto_draft("mlx-community/Spark-X2.6-4B-4bit", download=download)
+    assert reference == "SparkLLM/Spark-X2.6-4B-DSpark-GGUF:Spark-X2.6-4B-DSpark-BF16.gguf"
+    assert "model card's BF16 GGUF" in line
