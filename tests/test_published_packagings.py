@@ -172,3 +172,18 @@ def test_backbone_only_heads_use_a_tied_targets_embedding_and_head(tiny_spark_pa
     assert pair.target.args.tie_word_embeddings and not hasattr(pair.draft, "lm_head")
     _same(_proposal(pair), _proposal(mlx_dspark.load(target, draft=source, dtype="float32")))
     _lossless(pair)
+
+
+def test_speculators_layers_copied_from_a_hybrid_verifiers_text_config(tiny_qwen3_target, tmp_path):
+    # speculators writes the verifier's text config with the draft's depth: a qwen3_5 verifier's 64
+    # linear / full layer_types and its partial_rotary_factor; the DFlash backbone reads layer i's entry
+    # only for "sliding_attention" and ropes the whole head
+    source = write_tiny_draft(tmp_path / "deepspec", target_path=tiny_qwen3_target, seed=9, layer_types=["full_attention"] * 2)
+    path = repackage(source, tmp_path / "spec", "speculators_dspark")
+    hybrid = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 16
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]}
+    _edit(path, lambda c: c["transformer_layer_config"].update(model_type="qwen3_5_text", layer_types=hybrid, rope_parameters=rope))
+    pair = mlx_dspark.load(tiny_qwen3_target, draft=path, dtype="float32")
+    assert pair.draft.args.layer_types == ["full_attention"] * 2
+    assert [layer.self_attn.rope.dims for layer in pair.draft.layers] == [32, 32]
+    _same(_proposal(pair), _proposal(mlx_dspark.load(tiny_qwen3_target, draft=source, dtype="float32")))

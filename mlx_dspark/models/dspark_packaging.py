@@ -71,8 +71,16 @@ def speculators_layers(config: dict, layer: dict, *, source: str) -> dict:
     layer = dict(layer)
     rope = layer.get("rope_parameters")
     if isinstance(rope, dict) and "sliding_attention" in rope:
-        layer["rope_parameters"] = rope["sliding_attention"]
+        layer["rope_parameters"] = rope = rope["sliding_attention"]
         layer.pop("rope_theta", None)
+    if isinstance(rope, dict) and "partial_rotary_factor" in rope:
+        # Qwen3RotaryEmbedding (the DFlash backbone's) turns the whole head whatever the verifier's factor
+        layer["rope_parameters"] = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+    types, count = layer.get("layer_types"), layer.get("num_hidden_layers")
+    if isinstance(types, list) and isinstance(count, int):
+        # the verifier's text config with the draft's depth: draft layer i reads layer_types[i] and only
+        # asks whether it slides (a hybrid verifier's linear_attention entries are full attention there)
+        layer["layer_types"] = ["sliding_attention" if t == "sliding_attention" else "full_attention" for t in types[:count]]
     if "sliding_attention" in (layer.get("layer_types") or []) and not config.get("sliding_window_non_causal", False):
         raise ValueError(
             f"{source}: sliding_window_non_causal is false: the draft's sliding layers attend causally inside the block, "
