@@ -225,3 +225,24 @@ def test_gemma4_gguf_keys_that_do_not_fit_are_refused_in_one_line(keys, message,
     with pytest.raises(ValueError, match=message) as e:
         mlx_dspark.load(tiny_qwen3_target, draft=gguf)
     assert "draft.gguf" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_gemma4_draft_converts_to_mlx_and_loads_the_same(bits, tiny_qwen3_target, tmp_path):
+    from mlx_dspark.loading.convert import convert
+
+    source = write_gemma4_draft(tmp_path / "draft", target_path=tiny_qwen3_target, seed=6)
+    out = convert(source, tmp_path / "mlx", quantize=bits is not None, q_bits=bits or 4, log=lambda m: None)
+    direct = mlx_dspark.load(tiny_qwen3_target, draft=source, quantize=bits)
+    converted = mlx_dspark.load(tiny_qwen3_target, draft=out, quantize=bits)
+    assert converted.draft.args.family == "gemma4"
+    for pair in (direct, converted):
+        plain = mlx_dspark.generate(pair, "1 2 3 4 5 6", max_tokens=25, speculative=False)
+        assert mlx_dspark.generate(pair, "1 2 3 4 5 6", max_tokens=25).tokens == plain.tokens
+    assert _proposal_tokens(direct) == _proposal_tokens(converted)
+
+
+def _proposal_tokens(pair) -> list[int]:
+    ctx = pair.draft.make_cache()
+    pair.draft.append_context(mx.array(np.random.default_rng(3).standard_normal((1, 15, 256)).astype(np.float32)), ctx)
+    return pair.draft.propose(mx.array([9]), ctx, target=pair.target).tokens.tolist()

@@ -127,6 +127,7 @@ def _edit(path: Path, change) -> None:
     [
         ("zlab_dflash", lambda c: c["dflash_config"].update(selector_rank=64), r"field 'dflash_config.selector_rank' is set: this is a DFlash2 draft"),
         ("zlab_dflash", lambda c: c.update(conv_kernel_size=4), r"field 'conv_kernel_size' is set: this is a DFlash2 draft"),
+        ("zlab_dflash", lambda c: c.update(architectures=["DFlash2DraftModel"]), r"architectures 'DFlash2DraftModel' is a DFlash2 draft"),
         ("speculators_dspark", lambda c: c.update(speculators_model_type="eagle3"), r"speculators_model_type is 'eagle3'; only \['dflash', 'dspark'\]"),
         ("speculators_dspark", lambda c: c.update(sliding_window_non_causal=False), r"sliding_window_non_causal is false: the draft's sliding layers attend causally"),
     ],

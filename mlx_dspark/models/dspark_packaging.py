@@ -56,6 +56,9 @@ def check_graph(config: dict, *, source: str) -> None:
             kind = _OTHER_GRAPHS.get(key) or (_OTHER_GRAPHS["selector_rank"] if key.startswith("selector_") else None)
             if kind is not None:
                 raise ValueError(f"{source}: field '{where}{key}' is set: this is {kind}, which we do not run; use a DSpark or DFlash draft")
+    arch = (config.get("architectures") or [""])[0]
+    if isinstance(arch, str) and "dflash2" in arch.lower():
+        raise ValueError(f"{source}: architectures {arch!r} is {_OTHER_GRAPHS['selector_rank']}, which we do not run; use a DSpark or DFlash draft")
     kind = config.get("speculators_model_type")
     if kind is not None and kind not in SPECULATORS_TYPES:
         raise ValueError(
