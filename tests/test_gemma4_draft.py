@@ -246,3 +246,26 @@ def _proposal_tokens(pair) -> list[int]:
     ctx = pair.draft.make_cache()
     pair.draft.append_context(mx.array(np.random.default_rng(3).standard_normal((1, 15, 256)).astype(np.float32)), ctx)
     return pair.draft.propose(mx.array([9]), ctx, target=pair.target).tokens.tolist()
+
+
+def test_gemma4_training_forward_equals_the_inference_block_forward(tiny_qwen3_target, tmp_path):
+    # the embedding scale and the softcap live in the draft (embed_block / cap_logits), so training
+    # computes what drafting does; proportional RoPE at every block's own anchor position
+    from mlx_dspark.train.data import Batch
+    from mlx_dspark.train.forward import Anchors, block_targets, draft_forward, target_pass
+
+    path = write_gemma4_draft(tmp_path / "draft", target_path=tiny_qwen3_target, seed=3, final_logit_softcapping=0.5)
+    pair = mlx_dspark.load(tiny_qwen3_target, draft=path, dtype="float32")
+    draft, target = pair.draft, pair.target
+    tokens = np.random.default_rng(0).integers(10, 300, size=(2, 30)).astype(np.int32)
+    anchors = Anchors(np.array([0, 0, 1], np.int32), np.array([0, 9, 21], np.int32))
+    logits, features = target_pass(target, mx.array(tokens), tuple(draft.args.target_layer_ids))
+    targets = block_targets(Batch(tokens, np.ones(tokens.shape, dtype=bool)), anchors, logits, block_size=draft.args.block_size)
+    out = draft_forward(draft, target, features, mx.array(tokens), anchors, targets.prev)
+    for i, (b, p) in enumerate(zip(anchors.seq.tolist(), anchors.pos.tolist())):
+        context = draft.make_cache()
+        draft.append_context(features[b : b + 1, :p], context)
+        anchor = mx.array([int(tokens[b, p])])
+        np.testing.assert_allclose(np.array(out.hidden[i]), np.array(draft.block_hidden(anchor, context, target=target)[0]), atol=1e-5)
+        proposal = draft.propose(anchor, context, target=target, greedy=False, temperature=1.0)
+        np.testing.assert_allclose(np.array(mx.softmax(out.logits[i, 0], axis=-1)), np.array(proposal.draft_probs[0, 0]), atol=1e-6)

@@ -178,21 +178,33 @@ class DSparkDraft(nn.Module):
 
     # -- block forward and drafting --------------------------------------------------------------
 
+    def embed_block(self, ids: mx.array, *, target: Any) -> mx.array:
+        """The block's input rows (..., H): the target's embedding, the draft's own rows, the family's
+        and the packaging's scales (Gemma: sqrt(hidden), in the table's dtype)."""
+        h = target.embed(ids)
+        if self._embedding_rows is not None:
+            for row_id, row in zip(*self._embedding_rows):
+                h = mx.where((ids == row_id)[..., None], row.astype(h.dtype), h)
+        family_scale = getattr(self.args.layers, "embedding_scale", None)
+        if family_scale is not None:
+            h = h * mx.array(family_scale, dtype=h.dtype)
+        if self.args.packaging.embedding_scale is not None:
+            h = h * self.args.packaging.embedding_scale
+        return h
+
+    def cap_logits(self, base: mx.array) -> mx.array:
+        """Base logits as the family computes them: Gemma soft-caps them before the Markov bias
+        (DeepSpec's `compute_logits`); unchanged otherwise."""
+        cap = getattr(self.args.layers, "final_logit_softcapping", None)
+        return base if cap is None else mx.tanh(base / cap) * cap
+
     def block_hidden(self, anchor: mx.array, ctx: list[ContextCache], *, target: Any) -> mx.array:
         """o = norm(h) of the block [anchor, mask x (block_size - 1)] at p .. p+block_size-1 -> (B, bs, H)."""
         B, size = anchor.shape[0], self.args.block_size
         ids = mx.concatenate(
             [anchor.reshape(B, 1), mx.full((B, size - 1), self.args.mask_token_id, dtype=anchor.dtype)], axis=1
         )
-        h = target.embed(ids)
-        if self._embedding_rows is not None:
-            for row_id, row in zip(*self._embedding_rows):
-                h = mx.where((ids == row_id)[..., None], row.astype(h.dtype), h)
-        family_scale = getattr(self.args.layers, "embedding_scale", None)  # Gemma: sqrt(hidden), in the table's dtype
-        if family_scale is not None:
-            h = h * mx.array(family_scale, dtype=h.dtype)
-        if self.args.packaging.embedding_scale is not None:
-            h = h * self.args.packaging.embedding_scale
+        h = self.embed_block(ids, target=target)
         masks: dict[tuple, Optional[mx.array]] = {}
         for layer, cache in zip(self.layers, ctx):
             key = (cache.window, cache.length)
@@ -232,9 +244,7 @@ class DSparkDraft(nn.Module):
             base = vocabulary.logits(hidden).astype(mx.float32)  # over the reduced vocabulary's rows (FR-Spec)
         else:
             base = target.lm_head_logits(hidden).astype(mx.float32)  # one LM head matmul
-        cap = getattr(self.args.layers, "final_logit_softcapping", None)
-        if cap is not None:  # Gemma: the base logits soft-capped before the Markov bias (DeepSpec's compute_logits)
-            base = mx.tanh(base / cap) * cap
+        base = self.cap_logits(base)
         return draft_tokens(
             anchor,
             hidden,
