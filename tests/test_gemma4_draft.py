@@ -108,8 +108,8 @@ class _Table:
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"attention_k_eq_v": True}, {"final_logit_softcapping": None, "partial_rotary_factor": 1.0}, {"final_logit_softcapping": 0.5}],
-    ids=["deepspec-12b-shape", "k_eq_v", "no-softcap-full-rotary", "tight-softcap"],
+    [{}, {"attention_k_eq_v": False}, {"final_logit_softcapping": None, "partial_rotary_factor": 1.0}, {"final_logit_softcapping": 0.5}],
+    ids=["k_eq_v", "own-v_proj", "no-softcap-full-rotary", "tight-softcap"],
 )
 def test_gemma4_draft_proposes_as_deepspec_modeling_restated_in_numpy(options, tiny_qwen3_target, tmp_path):
     path = write_gemma4_draft(tmp_path / "draft", target_path=tiny_qwen3_target, seed=4, **options)

@@ -28,7 +28,7 @@ def gemma4_draft_config(
     num_layers: int = 2,
     block_size: int = 7,
     markov_rank: int = 16,
-    attention_k_eq_v: bool = False,
+    attention_k_eq_v: bool = True,  # upstream's converter: the published Gemma 4 drafts are k_eq_v
     final_logit_softcapping: float | None = 30.0,
     partial_rotary_factor: float = 0.25,
 ) -> dict[str, Any]:
