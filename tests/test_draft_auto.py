@@ -145,3 +145,16 @@ def test_a_gguf_draft_entry_resolves_to_its_one_file_without_a_snapshot():
     reference, line = resolve_auto_draft("mlx-community/Spark-X2.6-4B-4bit", download=download)
     assert reference == "SparkLLM/Spark-X2.6-4B-DSpark-GGUF:Spark-X2.6-4B-DSpark-BF16.gguf"
     assert "model card's BF16 GGUF" in line
+
+
+def test_the_server_serves_plainly_when_the_known_draft_cannot_be_downloaded(tiny_qwen3_target, tmp_path, capsys):
+    copy = Path(shutil.copytree(tiny_qwen3_target, tmp_path / "Qwen3-8B-MLX-4bit"))
+
+    def offline(repo, *, allow_patterns):
+        raise FileNotFoundError(f"draft auto: {repo!r} could not be downloaded from the Hugging Face Hub (offline)")
+
+    assert resolve_draft(str(copy), None, no_draft=False, serve=True, download=offline) is None
+    assert "serving without a draft: draft auto: 'deepseek-ai/dspark_qwen3_8b_block7' could not be downloaded" in capsys.readouterr().err
+    with pytest.raises(typer.Exit):  # asked for explicitly: one error line
+        resolve_draft(str(copy), "auto", no_draft=False, download=offline)
+    assert capsys.readouterr().err.startswith("error: draft auto: 'deepseek-ai/dspark_qwen3_8b_block7' could not be downloaded")

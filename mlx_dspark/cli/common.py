@@ -208,7 +208,9 @@ def resolve_draft(model: Optional[str], draft: Optional[str], *, no_draft: bool,
     try:
         reference, line = draft_registry.resolve_auto_draft(model, **hub)
     except FileNotFoundError as err:
-        fail(str(err))
+        if draft == draft_registry.AUTO:
+            fail(str(err))
+        reference, line = None, str(err)  # the server's own choice: it still serves, plainly
     if reference is None and draft == draft_registry.AUTO:
         fail(f"--draft auto: {line}")
     typer.echo(f"[mlx_dspark] {line if reference else 'serving without a draft: ' + line}", err=True)
