@@ -188,3 +188,19 @@ def test_speculators_layers_copied_from_a_hybrid_verifiers_text_config(tiny_qwen
     assert pair.draft.args.layer_types == ["full_attention"] * 2
     assert [layer.self_attn.rope.dims for layer in pair.draft.layers] == [32, 32]
     _same(_proposal(pair), _proposal(mlx_dspark.load(tiny_qwen3_target, draft=source, dtype="float32")))
+
+
+def test_zlab_dflash_without_taps_reads_them_as_zlab_derives_them(deepspec, tmp_path):
+    # dflash/model.py: target_layer_ids default to build_target_layer_ids(num_target_layers, num_hidden_layers)
+    from mlx_dspark.models.dspark_args import zlab_tap_ids
+
+    assert zlab_tap_ids({"num_target_layers": 36, "num_hidden_layers": 5}, source="c") == [1, 9, 17, 25, 33]
+    assert zlab_tap_ids({"num_target_layers": 28, "num_hidden_layers": 1}, source="c") == [14]
+    target, source = deepspec
+    path = repackage(source, tmp_path / "zlab", "zlab_dflash")
+    _edit(path, lambda c: c["dflash_config"].pop("target_layer_ids"))  # 4 target layers, 2 draft layers
+    pair = mlx_dspark.load(target, draft=path, dtype="float32", draft_tap_ids=None)
+    assert list(pair.draft.args.target_layer_ids) == zlab_tap_ids({"num_target_layers": 4, "num_hidden_layers": 2}, source="c")
+    _edit(path, lambda c: c.pop("num_target_layers"))
+    with pytest.raises(ValueError, match=r"config.json: no target_layer_ids .* z-lab DFlash's default taps"):
+        mlx_dspark.load(target, draft=path)

@@ -56,8 +56,12 @@ def flat_config(config: dict, *, source: str = "config.json") -> dict:
     `target_layer_ids`, and `sample_from_anchor` false unless the config says otherwise."""
     check_graph(config, source=source)
     arch = (config.get("architectures") or [None])[0]
-    if arch in BONUS_ANCHOR_ARCHITECTURES and "sample_from_anchor" not in dspark_fields(config, source=source):
-        config = {**config, "sample_from_anchor": False}
+    if arch in BONUS_ANCHOR_ARCHITECTURES:
+        given = dspark_fields(config, source=source)
+        if "sample_from_anchor" not in given:
+            config = {**config, "sample_from_anchor": False}
+        if "target_layer_ids" not in given:
+            config = {**config, "target_layer_ids": zlab_tap_ids(config, source=source)}
     if not any(k in config for k in EAGLE3_MARKERS):
         return config
     flat = dict(config)
@@ -127,7 +131,22 @@ def is_draft_config(config: dict) -> bool:
         "target_layer_ids" in config
         or "aux_hidden_state_layer_ids" in config
         or (isinstance(nested, dict) and "target_layer_ids" in nested)
+        or (config.get("architectures") or [None])[0] in BONUS_ANCHOR_ARCHITECTURES  # z-lab: taps may be implied
     )
+
+
+def zlab_tap_ids(config: dict, *, source: str) -> list[int]:
+    """z-lab DFlash's taps when its config names none (`dflash/model.py` `build_target_layer_ids`): one
+    per draft layer, spread evenly over target layers 1 .. L-3 (the middle one for a one-layer draft)."""
+    target, draft = config.get("num_target_layers"), config.get("num_hidden_layers")
+    if not isinstance(target, int) or not isinstance(draft, int) or target < 4 or draft < 1:
+        raise ValueError(
+            f"{source}: no target_layer_ids (top level or under {NESTED_FIELDS!r}) and no num_target_layers / "
+            "num_hidden_layers to derive z-lab DFlash's default taps from"
+        )
+    if draft == 1:
+        return [target // 2]
+    return [int(round(1 + i * (target - 4) / (draft - 1))) for i in range(draft)]
 
 
 def canonical_name(name: str) -> str:
