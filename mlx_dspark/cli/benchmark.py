@@ -147,6 +147,7 @@ def main(
     from mlx_dspark.bench import session
     from mlx_dspark.bench.runner import RunSettings
 
+    draft = flags.resolve_draft(model, draft, no_draft=False)
     if model is None:
         try:
             demo = flags.demo_pair()

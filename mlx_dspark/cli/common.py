@@ -159,7 +159,10 @@ DraftVocab = Annotated[
 DraftVocabFile = Annotated[Optional[Path], typer.Option("--draft-vocab-file", help="Token ranking from `python -m mlx_dspark.rank_vocab`, for --draft-vocab.")]
 KvBits = Annotated[Optional[int], typer.Option("--kv-bits", help="Quantize the target's full-attention KV caches: 4 or 8 bits (changes the target's numerics).")]
 MODEL_HELP = "Target: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
-DRAFT_HELP = "DSpark draft: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
+DRAFT_HELP = (
+    "DSpark draft: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf; "
+    "'auto': the published draft of a known --model (any quantization of it)."
+)
 DraftTapIds = Annotated[
     Optional[str],
     typer.Option(
@@ -189,6 +192,29 @@ def flag_errors(flags: Mapping[str, str] = FLAGS) -> Iterator[None]:
         fail(f"{flag}: {err}" if flag else str(err))
     except ValueError as err:
         fail(str(err))
+
+
+def resolve_draft(model: Optional[str], draft: Optional[str], *, no_draft: bool, serve: bool = False, **hub: Any) -> Optional[str]:
+    """`--draft auto` (and, for the server, no --draft with a --model): the known draft of the target,
+    said on stderr; an unknown target is one error line for `auto`, plain decoding for the server.
+    `hub`: `fetch_config` / `download` replacing the Hub calls (tests)."""
+    from mlx_dspark.loading import draft_registry
+
+    wanted = draft == draft_registry.AUTO or (serve and draft is None)
+    if no_draft or model is None or not wanted:
+        return None if draft == draft_registry.AUTO else draft
+    hub.setdefault("fetch_config", draft_registry.hub_config)
+    hub.setdefault("download", draft_registry.hub_download)
+    try:
+        reference, line = draft_registry.resolve_auto_draft(model, **hub)
+    except FileNotFoundError as err:
+        if draft == draft_registry.AUTO:
+            fail(str(err))
+        reference, line = None, str(err)  # the server's own choice: it still serves, plainly
+    if reference is None and draft == draft_registry.AUTO:
+        fail(f"--draft auto: {line}")
+    typer.echo(f"[mlx_dspark] {line if reference else 'serving without a draft: ' + line}", err=True)
+    return reference
 
 
 @contextmanager

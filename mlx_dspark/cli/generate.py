@@ -105,6 +105,7 @@ def generate(
         if system is not None:
             flags.text_flag("--system", system)
 
+    draft = flags.resolve_draft(model, draft, no_draft=no_draft)
     dtype = None
     on_demo = model is None
     if on_demo:

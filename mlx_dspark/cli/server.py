@@ -107,6 +107,7 @@ def serve(
                 raise ValueError(f"--tool-parser: {err}") from None
 
     model_id = served_model_name or model or DEMO_MODEL_ID
+    draft = flags.resolve_draft(model, draft, no_draft=no_draft, serve=True)
     dtype = None
     if model is None:
         try:

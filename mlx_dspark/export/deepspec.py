@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_dspark.export.source import EMBED, HEAD, ExportDraft
 from mlx_dspark.models.dspark_args import DSPARK_FIELDS, NESTED_FIELDS
 
-ARCHITECTURES = {"qwen3": "Qwen3DSparkModel", "spark2_5": "Spark2_5DSparkModel"}
+ARCHITECTURES = {"qwen3": "Qwen3DSparkModel", "spark2_5": "Spark2_5DSparkModel", "gemma4": "Gemma4DSparkModel"}
 _DROPPED = ("quantization", "quantization_config", NESTED_FIELDS, "auto_map")
 WEIGHTS_FILE = "model.safetensors"
 

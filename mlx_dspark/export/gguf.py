@@ -143,6 +143,11 @@ def _add_tokenizer(writer: Any, tokenizer: GGUFTokenizer, *, mask_token_id: int)
 def check_exportable(draft: ExportDraft) -> None:
     """ValueError naming what upstream's DSpark GGUF cannot hold."""
     args = draft.args
+    if args.family == "gemma4":
+        raise ValueError(
+            f"{draft.path}: the draft has Gemma 4 layers (sandwich norms, layer_scalar, scale-free v_norm, softcap); "
+            "upstream's gemma4 DSpark GGUF layout is not one we write: export it --to deepspec"
+        )
     if args.markov_rank == 0 or args.markov_head_type != "vanilla":
         raise ValueError(
             f"{draft.path}: the draft's Markov head is {args.markov_head_type or 'absent'} (markov_rank {args.markov_rank}); "

@@ -9,9 +9,11 @@ from typing import Any, Optional
 
 import numpy as np
 
+from mlx_dspark.loading import gguf_gemma4
 from mlx_dspark.loading.gguf_metadata import Metadata
 
 TARGET_ARCHITECTURES = {"spark2_5": "Spark2_5ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+DRAFT_CLASSES = {"qwen3": "Qwen3DSparkModel", "spark2_5": "Spark2_5DSparkModel", "gemma4": "Gemma4DSparkModel"}
 
 # Tensor names, without the `.weight` / `.bias` suffix.
 LAYER_COMMON = {
@@ -195,12 +197,15 @@ def _draft_family(meta: Metadata) -> str:
 def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> tuple[dict[str, Any], dict[str, str]]:
     """(config, GGUF tensor name -> our name) of a DSpark draft, in DeepSpec's config layout."""
     p = f"{arch}."
-    family = _draft_family(meta)
+    family = "gemma4" if gguf_gemma4.is_gemma4_draft(meta) else _draft_family(meta)
     sizes = _sizes(meta, arch)
     hidden, num_layers = sizes["hidden_size"], sizes["num_hidden_layers"]
     layer_types, window = _layer_types(meta, arch, num_layers)
-    config: dict[str, Any] = {"architectures": ["Qwen3DSparkModel" if family == "qwen3" else "Spark2_5DSparkModel"], **sizes}
-    config.update(_family_fields(meta, arch, family, sizes, layer_types, window))
+    config: dict[str, Any] = {"architectures": [DRAFT_CLASSES[family]], **sizes}
+    if family == "gemma4":
+        config.update(gguf_gemma4.fields(meta, p, sizes, layer_types))
+    else:
+        config.update(_family_fields(meta, arch, family, sizes, layer_types, window))
 
     layers = meta.require(p + "target_layers", why="the target layers the draft is conditioned on")
     if not isinstance(layers, list) or not layers or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers):
@@ -222,8 +227,9 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
             f"{meta.path}: tensor 'fc.weight' has shape {fc_shape}; expected {(hidden, len(taps) * hidden)} for "
             f"{len(taps)} target layers ({p}target_layers {layers}) of hidden size {hidden}"
         )
-    w1 = meta.tensor_or_fail("markov_w1.weight", "the Markov head")
-    vocab, rank = w1
+    # upstream: the Markov head (DSpark) is switched on by markov_w1's presence; without it a DFlash draft
+    w1 = meta.shape("markov_w1.weight") if "markov_w1.weight" in meta.tensors else None
+    vocab, rank = w1 if w1 is not None else (_vocab_size(meta, p), 0)
     head_type = meta.get(p + "markov_head_type", "vanilla")
     if head_type not in ("vanilla", 0):
         raise ValueError(f"{meta.path}: key {p + 'markov_head_type'!r} is {head_type!r}; only the vanilla Markov head is supported")
@@ -234,6 +240,12 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
         raise ValueError(f"{meta.path}: key {p + 'attention.causal'!r} is true; DSpark blocks attend without a causal mask")
     _refuse_other_drafts(meta, p)
     config.update(_packaging(meta, p, family))
+    if not rank:
+        # upstream runs a file without markov_w1 as DFlash (common/speculative.cpp): drafts from the mask
+        # rows 1.., whatever sample_from_anchor says
+        config["sample_from_anchor"] = False
+    if family == "gemma4":
+        gguf_gemma4.drop_family_scales(config)
     confidence = meta.flag(p + "has_confidence_head", True)
     with_markov = False
     if confidence:
@@ -262,14 +274,15 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
             "target_layer_ids": taps,
             "mask_token_id": mask,
             "markov_rank": rank,
-            "markov_head_type": "vanilla",
+            "markov_head_type": "vanilla" if rank else None,
             "enable_confidence_head": confidence,
             "confidence_head_with_markov": with_markov,
         }
     )
     _special_ids(meta, config)
 
-    names = {f"{g}.weight": f"{h}.weight" for g, h in DRAFT_GLOBAL.items() if g not in ("conf_proj", *DRAFT_SHARED)}
+    markov = () if rank else ("markov_w1", "markov_w2")
+    names = {f"{g}.weight": f"{h}.weight" for g, h in DRAFT_GLOBAL.items() if g not in ("conf_proj", *DRAFT_SHARED, *markov)}
     if confidence:
         names["conf_proj.weight"] = "confidence_head.proj.weight"
         if "conf_proj.bias" in meta.tensors:  # optional upstream (absent: no bias, filled with 0 by gguf_checkpoint)
@@ -280,14 +293,30 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
     for name in DRAFT_VALUES:  # read into the config / as offsets by gguf_checkpoint
         if name in meta.tensors:
             names[name] = name
+    if family == "gemma4":
+        names.update(gguf_gemma4.layer_names(num_layers))
+        return dict(sorted(config.items())), names
     table = {**LAYER_COMMON, **(LAYER_QWEN3 if family == "qwen3" else LAYER_SPARK)}
     for i in range(num_layers):
         names.update({f"blk.{i}.{g}.weight": f"layers.{i}.{h}.weight" for g, h in table.items()})
     return dict(sorted(config.items())), names
 
 
+def _vocab_size(meta: Metadata, p: str) -> int:
+    """A DFlash draft's vocabulary (no markov_w1 to read it from): the key, the tokenizer, or a shared copy."""
+    size = meta.get(p + "vocab_size")
+    if size is None and isinstance(meta.get("tokenizer.ggml.tokens"), list):
+        size = len(meta.get("tokenizer.ggml.tokens"))
+    for name in ("output.weight", "token_embd.weight"):
+        if size is None and name in meta.tensors:
+            size = meta.shape(name)[0]
+    if size is None:
+        raise ValueError(f"{meta.path}: no vocabulary size: no markov_w1.weight, {p}vocab_size, tokenizer.ggml.tokens or token_embd")
+    return size
+
+
 # Draft tensors that are not weights: the Markov bias scale (one value, into the config) and the d2t table.
-DRAFT_VALUES = ("markov_w2.scale", "d2t")
+DRAFT_VALUES = ("markov_w2.scale", "d2t", gguf_gemma4.ROPE_FREQS)
 # dflash.hidden_activation -> our hidden_act (upstream: absent = silu; "gelu" and "gelu_pytorch_tanh"
 # both run ggml's tanh GELU there; we follow the Hugging Face names: "gelu" is the exact erf form)
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_pytorch_tanh"}

@@ -11,11 +11,12 @@ TARGET_ARCHITECTURES = {
     "Spark2_5ForCausalLM": "spark2_5",
     "Qwen3ForCausalLM": "qwen3",
 }
-FAMILIES = ("qwen3", "spark2_5")
+# layer families: a target family module also has `Model`; gemma4 builds draft layers only
+FAMILIES = ("qwen3", "spark2_5", "gemma4")
 
 
 def family_module(family: str) -> ModuleType:
-    """The module of a layer family: `ModelArgs`, `Model`, `Attention`, `MLP`, `Norm`, `ATTENTION_TENSOR`."""
+    """The module of a layer family: `ModelArgs`, `Attention`, `MLP`, `Norm`, `ATTENTION_TENSOR` (and `Model` for a target family)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown layer family {family!r}; expected one of {list(FAMILIES)}")
     return importlib.import_module(f"mlx_dspark.models.{family}")

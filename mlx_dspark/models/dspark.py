@@ -58,14 +58,24 @@ class DecoderLayer(nn.Module):
             self.self_attn.scale = args.packaging.attention_scale
         self._value_scale = args.packaging.value_scale
         self.mlp = family.MLP(layer_args)
-        self.input_layernorm = family.Norm(layer_args.hidden_size, eps=layer_args.rms_norm_eps)
-        self.post_attention_layernorm = family.Norm(layer_args.hidden_size, eps=layer_args.rms_norm_eps)
+        hidden, eps = layer_args.hidden_size, layer_args.rms_norm_eps
+        self.input_layernorm = family.Norm(hidden, eps=eps)
+        self.post_attention_layernorm = family.Norm(hidden, eps=eps)
+        self._sandwich = getattr(family, "SANDWICH_NORMS", False)
+        if self._sandwich:  # Gemma: norms after attention and MLP too, the output times a scalar
+            self.pre_feedforward_layernorm = family.Norm(hidden, eps=eps)
+            self.post_feedforward_layernorm = family.Norm(hidden, eps=eps)
+            self.layer_scalar = mx.ones((1,))
 
     def __call__(self, h: mx.array, context: ContextCache, mask: Optional[mx.array]) -> mx.array:
         # Queries and the block's own K/V from the block rows; the cached context K/V come first.
         attn = self.self_attn.attend(self.input_layernorm(h), offset=context.offset, context=context.fetch(), mask=mask)
         if self._value_scale is not None:  # after the output projection, as upstream's graph scales it
             attn = attn * self._value_scale
+        if self._sandwich:
+            h = h + self.post_attention_layernorm(attn)
+            h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            return h * self.layer_scalar
         h = h + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -114,7 +124,8 @@ class DSparkDraft(nn.Module):
 
     def quant_predicate(self, path: str, module: nn.Module) -> bool:
         """The layer family's choice of what stays in source precision when quantizing (as its target's)."""
-        keep = family_module(self.args.family).Model.keep_in_source_precision
+        model = getattr(family_module(self.args.family), "Model", None)  # a draft-only family keeps nothing back
+        keep = getattr(model, "keep_in_source_precision", ())
         return not (keep and path.endswith(keep))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -167,18 +178,33 @@ class DSparkDraft(nn.Module):
 
     # -- block forward and drafting --------------------------------------------------------------
 
+    def embed_block(self, ids: mx.array, *, target: Any) -> mx.array:
+        """The block's input rows (..., H): the target's embedding, the draft's own rows, the family's
+        and the packaging's scales (Gemma: sqrt(hidden), in the table's dtype)."""
+        h = target.embed(ids)
+        if self._embedding_rows is not None:
+            for row_id, row in zip(*self._embedding_rows):
+                h = mx.where((ids == row_id)[..., None], row.astype(h.dtype), h)
+        family_scale = getattr(self.args.layers, "embedding_scale", None)
+        if family_scale is not None:
+            h = h * mx.array(family_scale, dtype=h.dtype)
+        if self.args.packaging.embedding_scale is not None:
+            h = h * self.args.packaging.embedding_scale
+        return h
+
+    def cap_logits(self, base: mx.array) -> mx.array:
+        """Base logits as the family computes them: Gemma soft-caps them before the Markov bias
+        (DeepSpec's `compute_logits`); unchanged otherwise."""
+        cap = getattr(self.args.layers, "final_logit_softcapping", None)
+        return base if cap is None else mx.tanh(base / cap) * cap
+
     def block_hidden(self, anchor: mx.array, ctx: list[ContextCache], *, target: Any) -> mx.array:
         """o = norm(h) of the block [anchor, mask x (block_size - 1)] at p .. p+block_size-1 -> (B, bs, H)."""
         B, size = anchor.shape[0], self.args.block_size
         ids = mx.concatenate(
             [anchor.reshape(B, 1), mx.full((B, size - 1), self.args.mask_token_id, dtype=anchor.dtype)], axis=1
         )
-        h = target.embed(ids)
-        if self._embedding_rows is not None:
-            for row_id, row in zip(*self._embedding_rows):
-                h = mx.where((ids == row_id)[..., None], row.astype(h.dtype), h)
-        if self.args.packaging.embedding_scale is not None:
-            h = h * self.args.packaging.embedding_scale
+        h = self.embed_block(ids, target=target)
         masks: dict[tuple, Optional[mx.array]] = {}
         for layer, cache in zip(self.layers, ctx):
             key = (cache.window, cache.length)
@@ -218,6 +244,7 @@ class DSparkDraft(nn.Module):
             base = vocabulary.logits(hidden).astype(mx.float32)  # over the reduced vocabulary's rows (FR-Spec)
         else:
             base = target.lm_head_logits(hidden).astype(mx.float32)  # one LM head matmul
+        base = self.cap_logits(base)
         return draft_tokens(
             anchor,
             hidden,

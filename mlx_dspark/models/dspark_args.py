@@ -25,7 +25,14 @@ import mlx.core as mx
 
 from mlx_dspark.models import FAMILIES, family_module
 from mlx_dspark.models.dspark_heads import MARKOV_HEAD_TYPES
-from mlx_dspark.models.dspark_packaging import EAGLE3_MARKERS, PACKAGING_FIELDS, Packaging
+from mlx_dspark.models.dspark_packaging import (
+    BONUS_ANCHOR_ARCHITECTURES,
+    EAGLE3_MARKERS,
+    PACKAGING_FIELDS,
+    Packaging,
+    check_graph,
+    speculators_layers,
+)
 
 DSPARK_FIELDS = (
     "block_size",
@@ -47,6 +54,14 @@ def flat_config(config: dict, *, source: str = "config.json") -> dict:
     """An EAGLE-3-style draft config in DeepSpec's flat form (others unchanged): the fields of
     `transformer_layer_config` at the top level, `aux_hidden_state_layer_ids` (target ids + 1) as
     `target_layer_ids`, and `sample_from_anchor` false unless the config says otherwise."""
+    check_graph(config, source=source)
+    arch = (config.get("architectures") or [None])[0]
+    if arch in BONUS_ANCHOR_ARCHITECTURES:
+        given = dspark_fields(config, source=source)
+        if "sample_from_anchor" not in given:
+            config = {**config, "sample_from_anchor": False}
+        if "target_layer_ids" not in given:
+            config = {**config, "target_layer_ids": zlab_tap_ids(config, source=source)}
     if not any(k in config for k in EAGLE3_MARKERS):
         return config
     flat = dict(config)
@@ -54,6 +69,8 @@ def flat_config(config: dict, *, source: str = "config.json") -> dict:
     if layer is not None:
         if not isinstance(layer, dict):
             raise ValueError(f"{source}: field 'transformer_layer_config' must be an object, got {layer!r}")
+        if "speculators_model_type" in config:
+            layer = speculators_layers(config, layer, source=source)
         flat.update(layer)
     flat.setdefault("sample_from_anchor", False)
     aux = config.get("aux_hidden_state_layer_ids")
@@ -114,7 +131,22 @@ def is_draft_config(config: dict) -> bool:
         "target_layer_ids" in config
         or "aux_hidden_state_layer_ids" in config
         or (isinstance(nested, dict) and "target_layer_ids" in nested)
+        or (config.get("architectures") or [None])[0] in BONUS_ANCHOR_ARCHITECTURES  # z-lab: taps may be implied
     )
+
+
+def zlab_tap_ids(config: dict, *, source: str) -> list[int]:
+    """z-lab DFlash's taps when its config names none (`dflash/model.py` `build_target_layer_ids`): one
+    per draft layer, spread evenly over target layers 1 .. L-3 (the middle one for a one-layer draft)."""
+    target, draft = config.get("num_target_layers"), config.get("num_hidden_layers")
+    if not isinstance(target, int) or not isinstance(draft, int) or target < 4 or draft < 1:
+        raise ValueError(
+            f"{source}: no target_layer_ids (top level or under {NESTED_FIELDS!r}) and no num_target_layers / "
+            "num_hidden_layers to derive z-lab DFlash's default taps from"
+        )
+    if draft == 1:
+        return [target // 2]
+    return [int(round(1 + i * (target - 4) / (draft - 1))) for i in range(draft)]
 
 
 def canonical_name(name: str) -> str:
@@ -138,17 +170,25 @@ def canonical_names(
 
 def layer_family(names: list[str], *, source: str) -> str:
     """The draft's layer family from its tensor names (DeepSpec names: `layers.N.self_attn.*`)."""
-    marks = {family: family_module(family).ATTENTION_TENSOR for family in FAMILIES}
-    found = sorted(f for f, mark in marks.items() if any(n.startswith("layers.") and n.endswith("." + mark) for n in names))
+    # a family's marks must all be present; the most specific match wins (gemma4's include qwen3's q_proj)
+    marks = {family: _draft_marks(family) for family in FAMILIES}
+    present = {m for m in set().union(*marks.values()) if any(n.startswith("layers.") and n.endswith("." + m) for n in names)}
+    matched = [f for f, need in marks.items() if need <= present]
+    found = sorted(f for f in matched if not any(marks[f] < marks[g] for g in matched))
     if len(found) == 1:
         return found[0]
     layer0 = sorted(n for n in names if n.startswith("layers.0."))
-    expected = ", ".join(f"layers.N.{mark} ({family}-style)" for family, mark in marks.items())
+    expected = ", ".join(f"{' + '.join(f'layers.N.{m}' for m in sorted(need))} ({family}-style)" for family, need in marks.items())
     what = "both kinds" if found else "neither"
     raise ValueError(
         f"{source}: cannot tell the draft's layer family from its tensors: expected one of {expected}, found {what}; "
         f"layer 0 holds {layer0 or 'nothing'}"
     )
+
+
+def _draft_marks(family: str) -> frozenset[str]:
+    module = family_module(family)
+    return frozenset(getattr(module, "DRAFT_MARKS", (module.ATTENTION_TENSOR,)))
 
 
 def _int_field(name: str, value: Any, *, low: int, source: str) -> int:
@@ -228,7 +268,9 @@ class DraftArgs:
             num_target_layers = _int_field("num_target_layers", num_target_layers, low=1, source=source)
         block_size = _int_field("block_size", fields["block_size"], low=1, source=source)
         temperatures = _confidence_temperatures(fields.get("confidence_temperatures"), block_size=block_size, confidence=confidence, source=source)
-        packaging = Packaging.from_fields(fields, vocab_size=layers.vocab_size, source=source)
+        # a packaging field the layer family itself reads (gemma4's final_logit_softcapping) is the family's
+        own = {k: v for k, v in fields.items() if not hasattr(layers, k)}
+        packaging = Packaging.from_fields(own, vocab_size=layers.vocab_size, source=source)
         if not packaging.sample_from_anchor and block_size < 2:
             raise ValueError(f"{source}: block_size {block_size} leaves no draft row (sample_from_anchor is false: row 0 is the anchor)")
         neox = config.get("rope_is_neox_style", True)

@@ -34,6 +34,65 @@ PACKAGING_FIELDS = (
     "final_logit_softcapping",
 )
 EAGLE3_MARKERS = ("transformer_layer_config", "aux_hidden_state_layer_ids")
+# Drafts whose block is [anchor, mask ...] with drafts from row 1 although their config does not say
+# so: z-lab's DFlash (`dflash/model.py` drafts from logits[:, 1 - block_size:]).
+BONUS_ANCHOR_ARCHITECTURES = ("DFlashDraftModel",)
+# vLLM speculators' draft kinds (`speculators_model_type`) whose graph is ours (a DFlash backbone,
+# DSpark's Markov and confidence heads on top)
+SPECULATORS_TYPES = ("dflash", "dspark")
+# Config keys of drafts that share the DFlash name but not its graph: one line naming the key.
+_OTHER_GRAPHS = {
+    "conv_kernel_size": "a DFlash2 draft (dynamic convolutions and a candidate-path selector)",
+    "selector_rank": "a DFlash2 draft (dynamic convolutions and a candidate-path selector)",
+    "hyper_connection_count": "a DeepSeek-V4 DSpark draft (hyper-connections)",
+}
+
+
+def check_graph(config: dict, *, source: str) -> None:
+    """Refuse, by the key that shows it, a draft whose forward is not the DSpark / DFlash one we run."""
+    nested = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
+    for where, fields in (("", config), ("dflash_config.", nested)):
+        for key in fields:
+            kind = _OTHER_GRAPHS.get(key) or (_OTHER_GRAPHS["selector_rank"] if key.startswith("selector_") else None)
+            if kind is not None:
+                raise ValueError(f"{source}: field '{where}{key}' is set: this is {kind}, which we do not run; use a DSpark or DFlash draft")
+    arch = (config.get("architectures") or [""])[0]
+    if isinstance(arch, str) and "dflash2" in arch.lower():
+        raise ValueError(f"{source}: architectures {arch!r} is {_OTHER_GRAPHS['selector_rank']}, which we do not run; use a DSpark or DFlash draft")
+    kind = config.get("speculators_model_type")
+    if kind is not None and kind not in SPECULATORS_TYPES:
+        raise ValueError(
+            f"{source}: speculators_model_type is {kind!r}; only {list(SPECULATORS_TYPES)} speculators drafts run here "
+            "(their DFlash block is our draft's)"
+        )
+
+
+def speculators_layers(config: dict, layer: dict, *, source: str) -> dict:
+    """The layer fields of a speculators draft as its DFlash backbone reads them: one RoPE for every
+    layer (`flatten_rope_parameters` takes the `sliding_attention` entry of a per-type table); sliding
+    layers must be non-causal inside the block (`sliding_window_non_causal`), as ours are."""
+    layer = dict(layer)
+    rope = layer.get("rope_parameters")
+    if isinstance(rope, dict) and "sliding_attention" in rope:
+        layer["rope_parameters"] = rope = rope["sliding_attention"]
+        layer.pop("rope_theta", None)
+    if isinstance(rope, dict) and "partial_rotary_factor" in rope:
+        # Qwen3RotaryEmbedding (the DFlash backbone's) turns the whole head whatever the verifier's factor
+        layer["rope_parameters"] = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+    types, count = layer.get("layer_types"), layer.get("num_hidden_layers")
+    if isinstance(types, list) and isinstance(count, int):
+        # the verifier's text config with the draft's depth: draft layer i reads layer_types[i] and only
+        # asks whether it slides (a hybrid verifier's linear_attention entries are full attention there)
+        layer["layer_types"] = ["sliding_attention" if t == "sliding_attention" else "full_attention" for t in types[:count]]
+    if "sliding_attention" in (layer.get("layer_types") or []) and not config.get("sliding_window_non_causal", False):
+        raise ValueError(
+            f"{source}: sliding_window_non_causal is false: the draft's sliding layers attend causally inside the block, "
+            "ours attend to the whole block; not supported"
+        )
+    hidden = config.get("target_hidden_size")
+    if hidden is not None and hidden != layer.get("hidden_size"):
+        raise ValueError(f"{source}: target_hidden_size {hidden} differs from the draft's hidden_size {layer.get('hidden_size')}; not supported")
+    return layer
 
 
 def _scale(fields: dict, name: str, *, source: str) -> Optional[float]:
@@ -67,6 +126,8 @@ class Packaging:
                     "applies it nowhere, so how the draft's logits were trained with it is unknown"
                 )
         draft_vocab = fields.get("draft_vocab_size")
+        if draft_vocab == vocab_size:
+            draft_vocab = None  # speculators always writes it; the whole vocabulary is no reduction
         if draft_vocab is not None:
             if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or not 1 <= draft_vocab <= vocab_size:
                 raise ValueError(f"{source}: field 'draft_vocab_size' must be an integer in [1, {vocab_size}], got {draft_vocab!r}")

@@ -167,7 +167,7 @@ def draft_forward(
     ids = mx.concatenate(
         [anchor_tokens[:, None], mx.full((len(anchors.pos), size - 1), args.mask_token_id, dtype=tokens.dtype)], axis=1
     )
-    h = target.embed(ids).astype(dtype)  # (N, bs, H)
+    h = draft.embed_block(ids, target=target).astype(dtype)  # (N, bs, H), with the draft's own rows and scales
     last_anchor = int(anchors.pos.max()) if len(anchors.pos) else 0
     for i, layer in enumerate(draft.layers):
         window = args.layer_window(i)
@@ -178,7 +178,7 @@ def draft_forward(
             run = nn.utils.checkpoint(layer, run)
         h = run(h, context)
     hidden = draft.norm(h)  # o(1..bs), (N, bs, H)
-    base = target.lm_head_logits(hidden.astype(target_dtype)).astype(mx.float32)  # z(1..bs)
+    base = draft.cap_logits(target.lm_head_logits(hidden.astype(target_dtype)).astype(mx.float32))  # z(1..bs)
 
     markov = getattr(draft, "markov_head", None)
     logits, prev_embeddings = base, []

@@ -1,0 +1,156 @@
+"""`--draft auto`: the published draft of a known target, from a small table of pairs (data:
+`known_drafts.json`), and its lazy download.
+
+A target matches a pair by its repo (or directory / GGUF file) name with the owner and any
+quantization or conversion suffixes dropped (`mlx-community/Qwen3-4B-4bit`, `Qwen3-4B-Q4_K_M.gguf`
+and `Qwen/Qwen3-4B` are all `qwen3-4b`), else by its config's `model_type`, `hidden_size` and
+`num_hidden_layers` where the table knows them (a renamed local copy). Nothing here touches the
+network itself: the config reader and the downloader are passed in (tests pass fakes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+AUTO = "auto"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# what a draft needs: its config and weights (the tokenizer is the target's)
+DRAFT_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json"]
+_SIGNATURE = ("model_type", "hidden_size", "num_hidden_layers")
+# conversion / quantization suffixes of a repo or file name, stripped from its end one at a time
+_SUFFIX = re.compile(
+    r"[-_.](mlx|gguf|safetensors|\d+-?bits?|bf16|fp16|f16|f32|fp32|fp8|int4|int8|w4a16|w8a8|awq|gptq|dwq|optiq|ud"
+    r"|mxfp4|nvfp4|q\d(_[a-z0-9]+)*|iq\d(_[a-z0-9]+)*)$"
+)
+
+
+@dataclass(frozen=True)
+class DraftChoice:
+    draft: str  # Hugging Face repo of the draft
+    file: Optional[str]  # one GGUF of it, or None: its safetensors checkpoint
+    packaging: str
+    reason: str  # why this pair was chosen, for the line we print
+
+    @property
+    def reference(self) -> str:
+        """What `load(draft=...)` takes for it before download."""
+        return self.draft if self.file is None else f"{self.draft}:{self.file}"
+
+
+def normalize_name(name: str) -> str:
+    """`owner/Qwen3-4B-MLX-4bit` -> `qwen3-4b`: the model a repo, directory or file name is a copy of."""
+    base = str(name).rstrip("/").split(":")[-1]
+    base = base.replace("\\", "/").split("/")[-1].lower()
+    while True:
+        stripped = _SUFFIX.sub("", base)
+        if stripped == base or not stripped:
+            return base
+        base = stripped
+
+
+def known_pairs() -> list[dict[str, Any]]:
+    text = resources.files("mlx_dspark.loading").joinpath("known_drafts.json").read_text(encoding="utf-8")
+    return json.loads(text)["pairs"]
+
+
+def text_config(config: dict) -> dict:
+    """The language model's fields of a config (multimodal configs nest them under `text_config`)."""
+    inner = config.get("text_config")
+    if isinstance(inner, dict) and "hidden_size" not in config:
+        return {**inner, "model_type": config.get("model_type", inner.get("model_type"))}
+    return config
+
+
+def choose_draft(target: str, config: Optional[dict] = None, *, pairs: Optional[list[dict]] = None) -> Optional[DraftChoice]:
+    """The known draft of `target` (a repo id, directory or file name), or None."""
+    pairs = known_pairs() if pairs is None else pairs
+    name = normalize_name(target)
+    for pair in pairs:
+        if name in {normalize_name(t) for t in pair["targets"]}:
+            return DraftChoice(pair["draft"], pair.get("file"), pair["packaging"], f"the published draft of {pair['targets'][0]}, by name")
+    if config is None:
+        return None
+    fields = text_config(config)
+    for pair in pairs:
+        if all(pair.get(k) is not None and pair[k] == fields.get(k) for k in _SIGNATURE):
+            what = ", ".join(f"{k} {fields[k]}" for k in _SIGNATURE)
+            return DraftChoice(pair["draft"], pair.get("file"), pair["packaging"], f"the published draft of {pair['targets'][0]}, by its config ({what})")
+    return None
+
+
+def describe(target: str, config: Optional[dict]) -> str:
+    fields = text_config(config or {})
+    known = [f"{k} {fields[k]}" for k in _SIGNATURE if fields.get(k) is not None]
+    return f"{target!r}" + (f" ({', '.join(known)})" if known else "")
+
+
+def local_config(target: str, *, fetch_config: Optional[Callable[[str], Optional[Path]]] = None) -> Optional[dict]:
+    """The target's config.json: from its directory, else `fetch_config(repo_id)` (one file from the Hub)."""
+    path = Path(target).expanduser()
+    if path.is_dir():
+        file = path / "config.json"
+    elif path.exists() or fetch_config is None or not _REPO_ID.match(target):
+        return None  # a GGUF file (or `repo:FILE.gguf`), or nothing that exists: matched by its name only
+    else:
+        file = fetch_config(target)
+    if file is None or not Path(file).is_file():
+        return None
+    try:
+        return json.loads(Path(file).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def resolve_auto_draft(
+    target: str,
+    *,
+    fetch_config: Optional[Callable[[str], Optional[Path]]] = None,
+    download: Optional[Callable[..., str]] = None,
+) -> tuple[Optional[str], str]:
+    """(what to pass as `draft=`, the line to print). None and a line saying how to pass `--draft`
+    when the target is not known. `download(repo, allow_patterns=...)` fetches a safetensors draft's
+    files only (`huggingface_hub.snapshot_download`); None leaves the reference for `load()`."""
+    config = None
+    choice = choose_draft(target)  # by name first: no file read, no network
+    if choice is None:
+        config = local_config(target, fetch_config=fetch_config)
+        choice = choose_draft(target, config)
+    if choice is None:
+        return None, (
+            f"no known draft for {describe(target, config)}; pass --draft DIR, REPO, FILE.gguf or REPO:FILE.gguf "
+            "(a DSpark / DFlash draft for this target), or --no-draft"
+        )
+    reference = choice.reference
+    if download is not None and choice.file is None:
+        reference = str(download(choice.draft, allow_patterns=DRAFT_PATTERNS))
+    return reference, f"draft auto: {choice.reference} ({choice.packaging}), {choice.reason}"
+
+
+def hub_config(repo_id: str) -> Optional[Path]:
+    """config.json of a Hub repo (only that file), or None when it cannot be had."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json"))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError):
+        return None
+
+
+def hub_download(repo_id: str, *, allow_patterns: list[str]) -> str:
+    """The draft's files only (`allow_patterns`), into the Hugging Face cache."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=allow_patterns)
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
+        raise FileNotFoundError(
+            f"draft auto: {repo_id!r} could not be downloaded from the Hugging Face Hub ({type(e).__name__}); check your "
+            "network and HF_HUB_OFFLINE / HF_TOKEN, or download it and pass --draft DIR"
+        ) from e
