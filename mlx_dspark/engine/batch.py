@@ -1,0 +1,278 @@
+"""Continuous batching with speculation: one round advances every active request by one target forward.
+
+A `BatchRow` is one request: its own prompt cache (target caches and draft context), sampler, logits
+processor, proposer state and RNG. `batch_round(model, rows, ...)` runs, for all rows at once:
+1. **Propose**: the rows that draft get one packed draft block forward (`models/packed.py`); the heads
+   run per row for sampled drafting (each row's own seed) and together for greedy drafting. The draft
+   length of the round is `draft_cap(width)`, a function of the batch width given by the caller (a
+   fixed cap, a cost curve's choice, or a controller's), cut per row by its `max_draft_tokens`, its
+   `max_tokens` and its p_min / confidence cuts.
+2. **Verify**: one packed target forward over every row's segment: `[anchor, x1..xl]` for a drafting
+   row, `[anchor]` for a plain or parked one, and the next chunk (at most `prefill_chunk` tokens) of a
+   newcomer's prompt, so running streams keep flowing while it prefills.
+3. **Accept** per row (greedy or sampled, on the row's processed logits), then **one host read** for the
+   whole batch; each row trims its own caches (`trim_caches`) and gives its draft the features of its
+   committed positions: ragged acceptance, no padding.
+Each row's `Round`s queue in `row.rounds`; `row.steps()` yields them to `api.stream_rounds`, which
+applies stop tokens, stop strings and max_tokens exactly as for a single request.
+
+Greedy rows are token-identical to the same request run alone (each packed row computes bitwise what
+its own forward computes on a BLAS whose rows are independent; see models/packed.py). A seeded sampled
+row draws from a generator of its own (re-seeded per round from its seed), so its output does not
+depend on the other rows; it reproduces at the same draft lengths, not the draws of `stream_generate`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_dspark.engine.accept import accept_greedy, accept_sampled
+from mlx_dspark.engine.decode import Round, _admitted
+from mlx_dspark.engine.grammar import GrammarState
+from mlx_dspark.engine.logits_processing import LogitsProcessor
+from mlx_dspark.engine.options import GenerationOptions
+from mlx_dspark.engine.prompt_cache import PromptCache
+from mlx_dspark.engine.propose import DraftProposer, Proposal
+from mlx_dspark.engine.steps import make_processor
+from mlx_dspark.models.cache import trim_caches
+from mlx_dspark.models.finite import check_finite_logits
+from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward
+
+PREFILL_CHUNK = 64  # prompt tokens a newcomer adds to one round
+
+
+def row_budget_cap(rows: int = 16, *, block_size: int = 7) -> Callable[[int], int]:
+    """A fixed draft cap per batch width: keep the packed verify within about `rows` rows
+    (`width * (l + 1) <= rows`), and at least 1 draft token per row, at most `block_size`."""
+
+    def cap(width: int) -> int:
+        return max(1, min(block_size, rows // max(width, 1) - 1))
+
+    return cap
+
+
+class BatchRow:
+    """One request in the batch; see the module docstring. Build it, then run `batch_round`s until the
+    consumer of `steps()` has what it wants (the batch never stops a row by itself: stops are the api's)."""
+
+    def __init__(
+        self,
+        model: Any,
+        prompt_ids: Sequence[int],
+        options: GenerationOptions,
+        *,
+        prompt_cache: PromptCache | None = None,
+        grammar: GrammarState | None = None,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        vocab = model.target.args.vocab_size
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        self.prompt = list(prompt_ids)
+        self.options = options
+        self.sampler = options.sampling
+        self.speculation = options.speculation
+        self.cancel = cancel
+        self.processor = make_processor(model, self.prompt, options, grammar) or LogitsProcessor.passthrough()
+        self.prompt_cache = prompt_cache or PromptCache(model.target, model.draft, max_snapshots=0)
+        self.proposer: DraftProposer | None = None
+        self.max_draft = 0
+        if self.speculation.speculative and model.draft is not None:
+            self.proposer = DraftProposer(
+                model.draft,
+                model.target,
+                greedy=self.speculation.draft_sampling == "greedy" or self.sampler.greedy,
+                temperature=max(self.sampler.temperature, 1e-6),
+                context=self.prompt_cache.draft_context,
+            )
+            self.max_draft = self.speculation.draft_length(self.proposer.block_size)
+        seed = self.sampler.seed
+        self._seeds = None if seed is None or self.sampler.greedy else np.random.default_rng(seed)
+        self.rounds: deque[Round] = deque()
+        self.prefilled = self.prompt_cache.resume(model.target, self.prompt, proposer=self.proposer)
+        self._stops = self.prompt_cache.prefill_stops(self.prefilled, len(self.prompt))
+        self.lease = self.prompt_cache.lease
+        self.anchor: int | None = None  # the last committed token (not yet in the caches)
+        self.emitted = 0
+        self.proposed = 0  # draft tokens verified, over all rounds
+        self.accepted = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.anchor is None
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted draft tokens per verified draft token so far (0 before any)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def steps(self) -> Iterator[Round]:
+        """The rounds as `batch_round` produces them (for `api.stream_rounds`); pull only after a round."""
+        while True:
+            if not self.rounds:
+                raise RuntimeError("no round is ready for this row: run batch_round before pulling its steps")
+            yield self.rounds.popleft()
+
+    def _random(self) -> None:
+        """Before building this row's random draws: re-seed the generator from the row's own seed."""
+        if self._seeds is not None:
+            mx.random.seed(int(self._seeds.integers(2**32)))
+
+    def _draft_budget(self, cap: int) -> int:
+        if self.proposer is None or self.anchor is None:
+            return 0
+        left = self.options.max_tokens - self.emitted - 1
+        return max(0, min(self.max_draft, cap, left))
+
+
+def _row_proposal(proposal: Proposal, i: int) -> Proposal:
+    def take(a):
+        return None if a is None else a[i : i + 1]
+
+    return Proposal(tokens=proposal.tokens[i : i + 1], draft_probs=take(proposal.draft_probs),
+                    token_probs=take(proposal.token_probs), confidence=take(proposal.confidence))  # fmt: skip
+
+
+def _propose(model: Any, rows: list[BatchRow], lengths: list[int]) -> list[Proposal]:
+    """One packed draft block forward for the drafting rows; heads per sampled row, together for greedy ones."""
+    anchors = mx.array([r.anchor for r in rows], dtype=mx.int32)
+    block = packed_block_hidden(model.draft, anchors, [r.proposer.context for r in rows], target=model.target)
+    proposals: list[Proposal | None] = [None] * len(rows)
+    greedy = [i for i, r in enumerate(rows) if r.proposer.greedy]
+    if greedy:
+        index = mx.array(greedy, dtype=mx.int32)
+        together = model.draft.propose_from_block(
+            anchors[index], block[index], target=model.target, greedy=True, temperature=1.0,
+            num_tokens=max(lengths[i] for i in greedy),
+        )  # fmt: skip
+        for j, i in enumerate(greedy):
+            proposals[i] = _row_proposal(together, j)
+    for i, row in enumerate(rows):
+        if proposals[i] is None:
+            row._random()
+            proposals[i] = model.draft.propose_from_block(
+                anchors[i : i + 1], block[i : i + 1], target=model.target, greedy=False,
+                temperature=row.proposer.temperature, num_tokens=lengths[i],
+            )  # fmt: skip
+    return proposals
+
+
+def batch_round(
+    model: Any, rows: Sequence[BatchRow], *, draft_cap: Callable[[int], int] | int, prefill_chunk: int = PREFILL_CHUNK
+) -> None:
+    """Advance every row by one target forward (see the module docstring); each row gets at most one Round."""
+    if not rows:
+        return
+    target = model.target
+    cap = draft_cap(len(rows)) if callable(draft_cap) else int(draft_cap)
+    # 1. propose
+    budgets = [r._draft_budget(cap) for r in rows]
+    drafting = [i for i, n in enumerate(budgets) if n > 0]
+    proposals: dict[int, Proposal] = {}
+    if drafting:
+        made = _propose(model, [rows[i] for i in drafting], [budgets[i] for i in drafting])
+        proposals = dict(zip(drafting, made))
+        mx.async_eval([p.tokens for p in made])  # the draft runs while the host builds the verify graph
+    # 2. the segments of the packed verify forward
+    segments, lengths, head_rows, plans = [], [], [], []
+    for i, row in enumerate(rows):
+        if row.prefilling:
+            end = min(row.prefilled + prefill_chunk, next(s for s in row._stops if s > row.prefilled))
+            chunk = row.prompt[row.prefilled : end]
+            segments.append(mx.array(chunk, dtype=mx.int32))
+            head = [] if end < len(row.prompt) else [sum(lengths) + len(chunk) - 1]
+            plans.append(("prefill", end, None, None))
+        else:
+            row.prompt_cache.claim(row.lease)
+            tokens, probs = _admitted(
+                proposals.get(i), budgets[i], p_min=row.speculation.p_min,
+                threshold=row.speculation.confidence_threshold, schedule=None,
+            )  # fmt: skip
+            tokens, probs = row.processor.admit(tokens, probs, hooked=False)
+            segments.append(mx.concatenate([mx.array([row.anchor], dtype=mx.int32), tokens]))
+            head = list(range(sum(lengths), sum(lengths) + tokens.shape[0] + 1))
+            plans.append(("verify", None, tokens, probs))
+        lengths.append(int(segments[-1].shape[0]))
+        head_rows.extend(head)
+    speculative = any(r.proposer is not None for r in rows)
+    tap_ids = tuple(model.draft.args.target_layer_ids) if speculative else ()
+    logits, features = packed_target_forward(
+        target, mx.concatenate(segments), [r.prompt_cache.target_cache for r in rows], lengths,
+        tap_ids=tap_ids, head_rows=head_rows,
+    )  # fmt: skip
+    # 3. accept, per row (lazy)
+    outcomes, pending, row_start, head_start = [], [], 0, 0
+    for row, (kind, end, tokens, probs), n in zip(rows, plans, lengths):
+        row_features = None if features is None or row.proposer is None else features[row_start : row_start + n][None]
+        row_start += n
+        if kind == "prefill":
+            if row_features is not None:
+                row.proposer.extend(row_features)
+            if end < len(row.prompt):
+                outcomes.append(None)
+                continue
+            last = logits[head_start : head_start + 1]
+            head_start += 1
+            processed = row.processor.target_logits(last, mx.zeros((0,), mx.int32))
+            row._random()
+            token = row.sampler.sample(processed[0]).astype(mx.int32).reshape(1)
+            arrays = row.processor.logprob_arrays(processed, token)
+            outcomes.append((mx.array(0, mx.int32), token, arrays, last))
+        else:
+            rows_logits = logits[head_start : head_start + n]
+            head_start += n
+            processed = row.processor.target_logits(rows_logits, tokens)
+            row._random()
+            if row.proposer is None:  # plain decoding: the target's own draw
+                token = row.sampler.sample(processed).astype(mx.int32)
+                outcomes.append((mx.array(0, mx.int32), token, row.processor.logprob_arrays(processed, token), row_features))
+                continue
+            if row.sampler.greedy:
+                acceptance = accept_greedy(draft_tokens=tokens, target_logits=processed)
+            else:
+                acceptance = accept_sampled(draft_tokens=tokens, draft_probs=probs, target_probs=row.sampler.probs(processed))
+            arrays = row.processor.logprob_arrays(processed, acceptance.tokens)
+            outcomes.append((acceptance.accepted, acceptance.tokens, arrays, row_features))
+        pending.extend(outcomes[-1][:2] + tuple(outcomes[-1][2]))
+    mx.eval(*pending, *(() if features is None else (features,)))  # the round's one host read
+    # 4. commit, roll back, advance: each row on its own
+    for row, (kind, end, tokens, _), outcome in zip(rows, plans, outcomes):
+        if kind == "prefill":
+            row.prompt_cache.record(row.prompt[row.prefilled : end])
+            row.prefilled = end
+            if end < len(row.prompt):
+                if end in row._stops:  # where the prompt cache keeps a snapshot (near the prompt's end)
+                    row.prompt_cache.snapshot()
+                continue
+            accepted, token, arrays, last = outcome
+            check_finite_logits(last, step="the first step (the end of the prompt)")
+            first = int(token.item())
+            row.anchor, row.emitted = first, 1
+            row.processor.commit([first])
+            row.rounds.append(Round(tokens=[first], logprobs=row.processor.read_logprobs(arrays, [first])))
+            continue
+        accepted_arr, candidates, arrays, row_features = outcome
+        accepted = int(accepted_arr.item())
+        num_draft = int(tokens.shape[0])
+        committed = candidates.reshape(-1)[: accepted + 1].tolist()
+        row.processor.commit(committed)
+        trim_caches(row.prompt_cache.target_cache, num_draft - accepted)
+        if row.proposer is not None:
+            row.proposer.extend(row_features[:, : accepted + 1])
+            row.proposed += num_draft
+            row.accepted += accepted
+        row.prompt_cache.record([row.anchor, *committed[:-1]])
+        row.anchor = committed[-1]
+        row.emitted += accepted + 1
+        row.rounds.append(Round(
+            tokens=committed, proposed=num_draft, accepted=accepted, verified=row.proposer is not None,
+            logprobs=row.processor.read_logprobs(arrays, committed),
+        ))  # fmt: skip
