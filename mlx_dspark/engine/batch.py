@@ -56,6 +56,41 @@ def row_budget_cap(rows: int = 16, *, block_size: int = 7) -> Callable[[int], in
     return cap
 
 
+def _interpolate(points: dict[int, float], x: int) -> float:
+    """Piecewise-linear through measured (rows -> ms) points, extended linearly past the last two."""
+    xs = sorted(points)
+    if x in points:
+        return points[x]
+    if len(xs) == 1:
+        return points[xs[0]] * x / xs[0]
+    lo = max([k for k in xs if k < x], default=xs[0])
+    hi = min([k for k in xs if k > x], default=xs[-1])
+    if lo == hi:  # outside the measured range: the nearest segment's slope
+        lo, hi = (xs[0], xs[1]) if x < xs[0] else (xs[-2], xs[-1])
+    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+
+
+def cost_curve_cap(
+    forward_ms: dict[int, float], draft_ms: dict[int, float], *, acceptance: float, block_size: int
+) -> Callable[[int], int]:
+    """The draft length per batch width from measured costs: for `width` rows, the l in 0..block_size
+    that maximises `width * E(l) / (t_draft(width) + t_forward(width * (l + 1)))`, with
+    `E(l) = 1 + a + .. + a^l` for a per-token acceptance `a` (l = 0: plain rows, no draft forward).
+    `forward_ms[n]`: a packed target forward of n rows; `draft_ms[w]`: a packed draft block of w rows."""
+    if not 0.0 <= acceptance < 1.0:
+        raise ValueError(f"acceptance (per draft token) must be in [0, 1), got {acceptance}")
+
+    def cap(width: int) -> int:
+        def rate(length: int) -> float:
+            expected = sum(acceptance**k for k in range(length + 1))
+            cost = _interpolate(forward_ms, width * (length + 1)) + (_interpolate(draft_ms, width) if length else 0.0)
+            return width * expected / cost
+
+        return max(range(block_size + 1), key=rate)
+
+    return cap
+
+
 class BatchRow:
     """One request in the batch; see the module docstring. Build it, then run `batch_round`s until the
     consumer of `steps()` has what it wants (the batch never stops a row by itself: stops are the api's)."""
@@ -69,7 +104,11 @@ class BatchRow:
         prompt_cache: PromptCache | None = None,
         grammar: GrammarState | None = None,
         cancel: threading.Event | None = None,
+        proposer: DraftProposer | None = None,
     ) -> None:
+        """`proposer` replaces the row's DraftProposer over the loaded draft (a benchmark's controlled
+        one): it must draft with `model.draft` over `prompt_cache.draft_context`, and may define
+        `revise(proposal, position=, num_tokens=)` to rewrite what the batch's draft proposed."""
         vocab = model.target.args.vocab_size
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -83,9 +122,11 @@ class BatchRow:
         self.cancel = cancel
         self.processor = make_processor(model, self.prompt, options, grammar) or LogitsProcessor.passthrough()
         self.prompt_cache = prompt_cache or PromptCache(model.target, model.draft, max_snapshots=0)
-        self.proposer: DraftProposer | None = None
+        self.proposer: DraftProposer | None = proposer
         self.max_draft = 0
-        if self.speculation.speculative and model.draft is not None:
+        if proposer is not None and proposer.context is not self.prompt_cache.draft_context:
+            raise ValueError("the proposer must draft over the row's prompt cache: DraftProposer(..., context=prompt_cache.draft_context)")
+        if proposer is None and self.speculation.speculative and model.draft is not None:
             self.proposer = DraftProposer(
                 model.draft,
                 model.target,
@@ -93,6 +134,7 @@ class BatchRow:
                 temperature=max(self.sampler.temperature, 1e-6),
                 context=self.prompt_cache.draft_context,
             )
+        if self.proposer is not None:
             self.max_draft = self.speculation.draft_length(self.proposer.block_size)
         seed = self.sampler.seed
         self._seeds = None if seed is None or self.sampler.greedy else np.random.default_rng(seed)
@@ -108,6 +150,11 @@ class BatchRow:
     @property
     def prefilling(self) -> bool:
         return self.anchor is None
+
+    @property
+    def position(self) -> int:
+        """The anchor's position (the caches hold the positions before it)."""
+        return len(self.prompt) + self.emitted - 1
 
     @property
     def acceptance(self) -> float:
@@ -162,6 +209,10 @@ def _propose(model: Any, rows: list[BatchRow], lengths: list[int]) -> list[Propo
                 anchors[i : i + 1], block[i : i + 1], target=model.target, greedy=False,
                 temperature=row.proposer.temperature, num_tokens=lengths[i],
             )  # fmt: skip
+    for i, row in enumerate(rows):
+        revise = getattr(row.proposer, "revise", None)
+        if revise is not None:
+            proposals[i] = revise(proposals[i], position=row.position, num_tokens=lengths[i])
     return proposals
 
 

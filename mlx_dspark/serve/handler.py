@@ -246,7 +246,7 @@ class Handler(BaseHTTPRequestHandler):
         if trusted:
             body["model"] = self.server.model_id
         if worker.state == READY:
-            body.update(busy=worker.busy, queued=worker.queued)
+            body.update(busy=worker.busy, queued=worker.queued, work=worker.metrics())
             if trusted:
                 body["speculative"] = worker.speculative
         elif worker.load_error and trusted:
