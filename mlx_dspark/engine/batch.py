@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -38,6 +39,7 @@ from mlx_dspark.engine.logits_processing import LogitsProcessor
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import DraftProposer, Proposal
+from mlx_dspark.engine.schedule import require_confidence_head
 from mlx_dspark.engine.steps import make_processor
 from mlx_dspark.models.cache import trim_caches
 from mlx_dspark.models.finite import check_finite_logits
@@ -136,6 +138,9 @@ class BatchRow:
             )
         if self.proposer is not None:
             self.max_draft = self.speculation.draft_length(self.proposer.block_size)
+            if self.speculation.confidence_threshold > 0:  # as make_steps: a threshold needs a confidence head
+                require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft",
+                                        need=f"confidence_threshold {self.speculation.confidence_threshold}", fix="set it to 0")  # fmt: skip
         seed = self.sampler.seed
         self._seeds = None if seed is None or self.sampler.greedy else np.random.default_rng(seed)
         self.rounds: deque[Round] = deque()
@@ -216,15 +221,116 @@ def _propose(model: Any, rows: list[BatchRow], lengths: list[int]) -> list[Propo
     return proposals
 
 
+@dataclass
+class _Plan:
+    """One row's part of a round: its segment of the packed forward, then its lazy outcome."""
+
+    row: BatchRow
+    segment: mx.array  # (n,) the row's input rows: a prompt chunk, or [anchor, x1..xl]
+    end: int | None = None  # a prefill chunk: the prompt position it reaches
+    draft: mx.array | None = None  # a verify: the admitted draft tokens (l,)
+    draft_probs: mx.array | None = None
+    accepted: mx.array | None = None  # () accepted draft tokens
+    candidates: mx.array | None = None  # committed candidates; the first accepted + 1 are committed
+    logprobs: tuple = ()
+    features: mx.array | None = None  # (1, n, F) the row's tapped features (rows with a draft)
+    first_logits: mx.array | None = None  # the prompt's last logits (1, V), checked once
+
+    @property
+    def prefill(self) -> bool:
+        return self.end is not None
+
+
+def _plan(row: BatchRow, proposal: Proposal | None, budget: int, prefill_chunk: int) -> _Plan:
+    if row.prefilling:
+        end = min(row.prefilled + prefill_chunk, next(s for s in row._stops if s > row.prefilled))
+        return _Plan(row, mx.array(row.prompt[row.prefilled : end], dtype=mx.int32), end=end)
+    row.prompt_cache.claim(row.lease)
+    speculation = row.speculation
+    tokens, probs = _admitted(proposal, budget, p_min=speculation.p_min, threshold=speculation.confidence_threshold, schedule=None)
+    tokens, probs = row.processor.admit(tokens, probs, hooked=False)
+    return _Plan(row, mx.concatenate([mx.array([row.anchor], dtype=mx.int32), tokens]), draft=tokens, draft_probs=probs)
+
+
+def _head_rows(plans: list[_Plan]) -> list[int]:
+    """The packed rows whose logits the round needs: every verify row, the last row of a prompt's last chunk."""
+    rows, start = [], 0
+    for plan in plans:
+        n = plan.segment.shape[0]
+        if not plan.prefill:
+            rows.extend(range(start, start + n))
+        elif plan.end == len(plan.row.prompt):
+            rows.append(start + n - 1)
+        start += n
+    return rows
+
+
+def _accept(plan: _Plan, logits: mx.array) -> None:
+    """The row's outcome from its logits (lazy): the prompt's first token, a plain draw, or an acceptance."""
+    row = plan.row
+    if plan.prefill:
+        plan.first_logits = logits
+        processed = row.processor.target_logits(logits, mx.zeros((0,), mx.int32))
+        row._random()
+        plan.candidates = row.sampler.sample(processed[0]).astype(mx.int32).reshape(1)
+        plan.accepted = mx.array(0, mx.int32)
+        plan.logprobs = row.processor.logprob_arrays(processed, plan.candidates)
+        return
+    processed = row.processor.target_logits(logits, plan.draft)
+    row._random()
+    if row.proposer is None:  # plain decoding: the target's own draw
+        plan.candidates = row.sampler.sample(processed).astype(mx.int32)
+        plan.accepted = mx.array(0, mx.int32)
+    elif row.sampler.greedy:
+        acceptance = accept_greedy(draft_tokens=plan.draft, target_logits=processed)
+        plan.accepted, plan.candidates = acceptance.accepted, acceptance.tokens
+    else:
+        probs = row.sampler.probs(processed)
+        acceptance = accept_sampled(draft_tokens=plan.draft, draft_probs=plan.draft_probs, target_probs=probs)
+        plan.accepted, plan.candidates = acceptance.accepted, acceptance.tokens
+    plan.logprobs = row.processor.logprob_arrays(processed, plan.candidates)
+
+
+def _commit(plan: _Plan) -> None:
+    """After the host read: record, roll back, advance this row, and queue its Round."""
+    row = plan.row
+    if plan.prefill:
+        row.prompt_cache.record(row.prompt[row.prefilled : plan.end])
+        row.prefilled = plan.end
+        if plan.end < len(row.prompt):
+            if plan.end in row._stops:  # where the prompt cache keeps a snapshot (near the prompt's end)
+                row.prompt_cache.snapshot()
+            return
+        check_finite_logits(plan.first_logits, step="the first step (the end of the prompt)")
+        first = int(plan.candidates.item())
+        row.anchor, row.emitted = first, 1
+        row.processor.commit([first])
+        row.rounds.append(Round(tokens=[first], logprobs=row.processor.read_logprobs(plan.logprobs, [first])))
+        return
+    accepted, num_draft = int(plan.accepted.item()), int(plan.draft.shape[0])
+    committed = plan.candidates.reshape(-1)[: accepted + 1].tolist()
+    row.processor.commit(committed)
+    trim_caches(row.prompt_cache.target_cache, num_draft - accepted)  # the row's own rollback
+    if row.proposer is not None:
+        row.proposer.extend(plan.features[:, : accepted + 1])
+        row.proposed += num_draft
+        row.accepted += accepted
+    row.prompt_cache.record([row.anchor, *committed[:-1]])  # the bonus, the new anchor, is not in the caches
+    row.anchor = committed[-1]
+    row.emitted += accepted + 1
+    row.rounds.append(Round(
+        tokens=committed, proposed=num_draft, accepted=accepted, verified=row.proposer is not None,
+        logprobs=row.processor.read_logprobs(plan.logprobs, committed),
+    ))  # fmt: skip
+
+
 def batch_round(
     model: Any, rows: Sequence[BatchRow], *, draft_cap: Callable[[int], int] | int, prefill_chunk: int = PREFILL_CHUNK
 ) -> None:
     """Advance every row by one target forward (see the module docstring); each row gets at most one Round."""
     if not rows:
         return
-    target = model.target
     cap = draft_cap(len(rows)) if callable(draft_cap) else int(draft_cap)
-    # 1. propose
     budgets = [r._draft_budget(cap) for r in rows]
     drafting = [i for i, n in enumerate(budgets) if n > 0]
     proposals: dict[int, Proposal] = {}
@@ -232,98 +338,26 @@ def batch_round(
         made = _propose(model, [rows[i] for i in drafting], [budgets[i] for i in drafting])
         proposals = dict(zip(drafting, made))
         mx.async_eval([p.tokens for p in made])  # the draft runs while the host builds the verify graph
-    # 2. the segments of the packed verify forward
-    segments, lengths, head_rows, plans = [], [], [], []
-    for i, row in enumerate(rows):
-        if row.prefilling:
-            end = min(row.prefilled + prefill_chunk, next(s for s in row._stops if s > row.prefilled))
-            chunk = row.prompt[row.prefilled : end]
-            segments.append(mx.array(chunk, dtype=mx.int32))
-            head = [] if end < len(row.prompt) else [sum(lengths) + len(chunk) - 1]
-            plans.append(("prefill", end, None, None))
-        else:
-            row.prompt_cache.claim(row.lease)
-            tokens, probs = _admitted(
-                proposals.get(i), budgets[i], p_min=row.speculation.p_min,
-                threshold=row.speculation.confidence_threshold, schedule=None,
-            )  # fmt: skip
-            tokens, probs = row.processor.admit(tokens, probs, hooked=False)
-            segments.append(mx.concatenate([mx.array([row.anchor], dtype=mx.int32), tokens]))
-            head = list(range(sum(lengths), sum(lengths) + tokens.shape[0] + 1))
-            plans.append(("verify", None, tokens, probs))
-        lengths.append(int(segments[-1].shape[0]))
-        head_rows.extend(head)
+    plans = [_plan(row, proposals.get(i), budgets[i], prefill_chunk) for i, row in enumerate(rows)]
+    lengths = [int(p.segment.shape[0]) for p in plans]
     speculative = any(r.proposer is not None for r in rows)
-    tap_ids = tuple(model.draft.args.target_layer_ids) if speculative else ()
     logits, features = packed_target_forward(
-        target, mx.concatenate(segments), [r.prompt_cache.target_cache for r in rows], lengths,
-        tap_ids=tap_ids, head_rows=head_rows,
+        model.target, mx.concatenate([p.segment for p in plans]), [r.prompt_cache.target_cache for r in rows], lengths,
+        tap_ids=tuple(model.draft.args.target_layer_ids) if speculative else (), head_rows=_head_rows(plans),
     )  # fmt: skip
-    # 3. accept, per row (lazy)
-    outcomes, pending, row_start, head_start = [], [], 0, 0
-    for row, (kind, end, tokens, probs), n in zip(rows, plans, lengths):
-        row_features = None if features is None or row.proposer is None else features[row_start : row_start + n][None]
+    pending, row_start, head_start = [], 0, 0
+    for plan, n in zip(plans, lengths):
+        if features is not None and plan.row.proposer is not None:
+            plan.features = features[row_start : row_start + n][None]
+            if plan.prefill:
+                plan.row.proposer.extend(plan.features)
         row_start += n
-        if kind == "prefill":
-            if row_features is not None:
-                row.proposer.extend(row_features)
-            if end < len(row.prompt):
-                outcomes.append(None)
-                continue
-            last = logits[head_start : head_start + 1]
-            head_start += 1
-            processed = row.processor.target_logits(last, mx.zeros((0,), mx.int32))
-            row._random()
-            token = row.sampler.sample(processed[0]).astype(mx.int32).reshape(1)
-            arrays = row.processor.logprob_arrays(processed, token)
-            outcomes.append((mx.array(0, mx.int32), token, arrays, last))
-        else:
-            rows_logits = logits[head_start : head_start + n]
-            head_start += n
-            processed = row.processor.target_logits(rows_logits, tokens)
-            row._random()
-            if row.proposer is None:  # plain decoding: the target's own draw
-                token = row.sampler.sample(processed).astype(mx.int32)
-                outcomes.append((mx.array(0, mx.int32), token, row.processor.logprob_arrays(processed, token), row_features))
-                continue
-            if row.sampler.greedy:
-                acceptance = accept_greedy(draft_tokens=tokens, target_logits=processed)
-            else:
-                acceptance = accept_sampled(draft_tokens=tokens, draft_probs=probs, target_probs=row.sampler.probs(processed))
-            arrays = row.processor.logprob_arrays(processed, acceptance.tokens)
-            outcomes.append((acceptance.accepted, acceptance.tokens, arrays, row_features))
-        pending.extend(outcomes[-1][:2] + tuple(outcomes[-1][2]))
+        if plan.prefill and plan.end < len(plan.row.prompt):
+            continue  # a middle chunk: no logits, nothing drawn
+        heads = 1 if plan.prefill else n
+        _accept(plan, logits[head_start : head_start + heads])
+        head_start += heads
+        pending.extend([plan.accepted, plan.candidates, *plan.logprobs])
     mx.eval(*pending, *(() if features is None else (features,)))  # the round's one host read
-    # 4. commit, roll back, advance: each row on its own
-    for row, (kind, end, tokens, _), outcome in zip(rows, plans, outcomes):
-        if kind == "prefill":
-            row.prompt_cache.record(row.prompt[row.prefilled : end])
-            row.prefilled = end
-            if end < len(row.prompt):
-                if end in row._stops:  # where the prompt cache keeps a snapshot (near the prompt's end)
-                    row.prompt_cache.snapshot()
-                continue
-            accepted, token, arrays, last = outcome
-            check_finite_logits(last, step="the first step (the end of the prompt)")
-            first = int(token.item())
-            row.anchor, row.emitted = first, 1
-            row.processor.commit([first])
-            row.rounds.append(Round(tokens=[first], logprobs=row.processor.read_logprobs(arrays, [first])))
-            continue
-        accepted_arr, candidates, arrays, row_features = outcome
-        accepted = int(accepted_arr.item())
-        num_draft = int(tokens.shape[0])
-        committed = candidates.reshape(-1)[: accepted + 1].tolist()
-        row.processor.commit(committed)
-        trim_caches(row.prompt_cache.target_cache, num_draft - accepted)
-        if row.proposer is not None:
-            row.proposer.extend(row_features[:, : accepted + 1])
-            row.proposed += num_draft
-            row.accepted += accepted
-        row.prompt_cache.record([row.anchor, *committed[:-1]])
-        row.anchor = committed[-1]
-        row.emitted += accepted + 1
-        row.rounds.append(Round(
-            tokens=committed, proposed=num_draft, accepted=accepted, verified=row.proposer is not None,
-            logprobs=row.processor.read_logprobs(arrays, committed),
-        ))  # fmt: skip
+    for plan in plans:
+        _commit(plan)
