@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+from collections import deque
 
 import pytest
 
@@ -112,6 +113,7 @@ def test_streaming_in_a_batch_joins_to_the_engine_text(server):
 
 def test_churn_of_40_clients_loses_nothing_and_returns_to_idle(tiny_spark_pair):
     with running_server(pair_loader(tiny_spark_pair), max_batch=8) as srv:
+        srv.worker.recent = deque(maxlen=64)  # every job of the churn stays visible
         prompts = ["Once upon", "def f(x):", "1 2 3", "Hello there"]
         outcomes: list[tuple] = []
         lock = threading.Lock()
@@ -119,6 +121,14 @@ def test_churn_of_40_clients_loses_nothing_and_returns_to_idle(tiny_spark_pair):
         def client(i):
             prompt, n = prompts[i % 4], 1 + i % 5
             body = {"prompt": prompt, "max_tokens": n, "temperature": 0}
+            if i % 7 == 0:  # leaves as soon as its stream starts
+                conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
+                conn.request("POST", "/v1/completions", body=json.dumps({**body, "max_tokens": 300, "stream": True}),
+                             headers={"Content-Type": "application/json"})
+                response = conn.getresponse()
+                response.readline()
+                conn.close()
+                return
             if i % 3 == 0:
                 conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
                 conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
@@ -138,9 +148,19 @@ def test_churn_of_40_clients_loses_nothing_and_returns_to_idle(tiny_spark_pair):
             t.start()
         for t in threads:
             t.join(120)
-        assert len(outcomes) == 40
+        assert len(outcomes) == 40 - len(range(0, 40, 7))
         model = srv.worker.model
         wants = {(p, n): generate(model, p, max_tokens=n).text for p, n, _ in outcomes}
         assert all(text == wants[(p, n)] for p, n, text in outcomes)
         assert wait_for(lambda: idle(srv))
         assert srv.worker.peak_active > 1 and len(srv.worker.prompt_caches) <= srv.worker.cache_budget.conversations
+        left = [job for job in srv.worker.recent if job.request.options.max_tokens == 300]
+        assert len(left) == 6 and all(job.cancelled.is_set() and job.generated_tokens < 300 for job in left)
+
+
+def test_a_repeated_prompt_reuses_its_prompt_cache_in_a_batch(server):
+    prompt = "Tell me about the quick brown fox and the lazy dog, twice over."
+    first = completion(server, prompt, max_tokens=5)
+    again = completion(server, prompt, max_tokens=5)
+    assert again["choices"][0]["text"] == first["choices"][0]["text"] == generate(server.worker.model, prompt, max_tokens=5).text
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
