@@ -13,7 +13,7 @@ import pytest
 
 import mlx_dspark
 from mlx_dspark.api import stream_rounds
-from mlx_dspark.engine.batch import BatchRow, batch_round, row_budget_cap
+from mlx_dspark.engine.batch import BatchRow, batch_round, cost_curve_cap, row_budget_cap
 from mlx_dspark.engine.constraints import Constraint
 from mlx_dspark.engine.options import GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.engine.steps import compile_request
@@ -123,3 +123,16 @@ def test_seeded_sampled_row_does_not_depend_on_its_neighbours(pair):
     other, _ = run_batch(pair, [(sampled[0], GenerationOptions(max_tokens=20, sampling=SamplingOptions(temperature=0.9, seed=8)))],
                          joins=[0], cap=3)  # fmt: skip
     assert other[0] != alone[0], "another seed draws another sample"
+
+
+def test_draft_caps_follow_the_batch_width():
+    budget = row_budget_cap(16, block_size=7)
+    assert [budget(w) for w in (1, 2, 4, 8, 16)] == [7, 7, 3, 1, 1]
+    flat = cost_curve_cap({1: 10.0, 64: 10.0}, {1: 2.0, 8: 2.0}, acceptance=0.8, block_size=7)
+    assert [flat(w) for w in (1, 4, 8)] == [7, 7, 7]  # rows are free: draft all the block at every width
+    linear = cost_curve_cap({1: 10.0, 64: 640.0}, {1: 2.0, 8: 16.0}, acceptance=0.8, block_size=7)
+    assert linear(1) == 0 and linear(8) == 0  # every row costs its own time: speculation never pays
+    # a memory-bound forward up to 16 rows, compute-bound after: the draft shrinks as the batch widens
+    knee = cost_curve_cap({1: 10.0, 16: 12.0, 64: 48.0}, {1: 3.0, 8: 4.0}, acceptance=0.8, block_size=7)
+    caps = [knee(w) for w in (1, 2, 4, 8)]
+    assert caps == sorted(caps, reverse=True) and caps[0] >= 5 and caps[-1] <= 1, caps

@@ -141,8 +141,8 @@ class BatchRow:
             if self.speculation.confidence_threshold > 0:  # as make_steps: a threshold needs a confidence head
                 require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft",
                                         need=f"confidence_threshold {self.speculation.confidence_threshold}", fix="set it to 0")  # fmt: skip
-        seed = self.sampler.seed
-        self._seeds = None if seed is None or self.sampler.greedy else np.random.default_rng(seed)
+        # A sampled row draws from its own stream (fresh entropy without a seed), never another row's.
+        self._seeds = None if self.sampler.greedy else np.random.default_rng(self.sampler.seed)
         self.rounds: deque[Round] = deque()
         self.prefilled = self.prompt_cache.resume(model.target, self.prompt, proposer=self.proposer)
         self._stops = self.prompt_cache.prefill_stops(self.prefilled, len(self.prompt))
@@ -174,7 +174,7 @@ class BatchRow:
             yield self.rounds.popleft()
 
     def _random(self) -> None:
-        """Before building this row's random draws: re-seed the generator from the row's own seed."""
+        """Before building this row's random draws: re-seed MLX's generator from the row's own stream."""
         if self._seeds is not None:
             mx.random.seed(int(self._seeds.integers(2**32)))
 
