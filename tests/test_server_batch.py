@@ -164,3 +164,12 @@ def test_a_repeated_prompt_reuses_its_prompt_cache_in_a_batch(server):
     again = completion(server, prompt, max_tokens=5)
     assert again["choices"][0]["text"] == first["choices"][0]["text"] == generate(server.worker.model, prompt, max_tokens=5).text
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_the_command_line_rejects_a_max_batch_below_one():
+    from typer.testing import CliRunner
+
+    from mlx_dspark.cli.server import app
+
+    result = CliRunner().invoke(app, ["--port", "0", "--max-batch", "0"])
+    assert result.exit_code == 2 and "--max-batch must be >= 1, got 0" in result.output
