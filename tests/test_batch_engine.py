@@ -16,6 +16,7 @@ from mlx_dspark.api import stream_rounds
 from mlx_dspark.engine.batch import BatchRow, batch_round, cost_curve_cap, row_budget_cap
 from mlx_dspark.engine.constraints import Constraint
 from mlx_dspark.engine.options import GenerationOptions, SamplingOptions, SpeculationOptions
+from mlx_dspark.engine.schedule import CostCurve
 from mlx_dspark.engine.steps import compile_request
 from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward
 
@@ -108,6 +109,19 @@ def test_penalised_and_constrained_greedy_rows_equal_their_solo_runs(pair):
         (PROMPTS[2], GenerationOptions(max_tokens=10)),
     ]
     out, _ = run_batch(pair, requests, joins=[0, 1, 0])
+    for i, (prompt, options) in enumerate(requests):
+        assert out[i] == mlx_dspark.generate(pair, prompt, options=options).tokens, f"request {i}"
+
+
+def test_rows_with_their_own_cuts_equal_their_solo_runs(pair):
+    """p_min, a confidence threshold and the confidence schedule cut each row's own proposal."""
+    curve = CostCurve(draft_ms=2.0, verify_ms=(10, 11, 12, 14, 20, 30, 40, 50))
+    requests = [
+        (PROMPTS[1], GenerationOptions(max_tokens=18, speculation=SpeculationOptions(verify_schedule="confidence", cost_curve=curve))),
+        (PROMPTS[0], GenerationOptions(max_tokens=15, speculation=SpeculationOptions(p_min=0.3))),
+        (PROMPTS[2], GenerationOptions(max_tokens=12, speculation=SpeculationOptions(confidence_threshold=0.5))),
+    ]
+    out, _ = run_batch(pair, requests, joins=[0, 0, 1])
     for i, (prompt, options) in enumerate(requests):
         assert out[i] == mlx_dspark.generate(pair, prompt, options=options).tokens, f"request {i}"
 

@@ -6,7 +6,7 @@ processor, proposer state and RNG. `batch_round(model, rows, ...)` runs, for all
    run per row for sampled drafting (each row's own seed) and together for greedy drafting. The draft
    length of the round is `draft_cap(width)`, a function of the batch width given by the caller (a
    fixed cap, a cost curve's choice, or a controller's), cut per row by its `max_draft_tokens`, its
-   `max_tokens` and its p_min / confidence cuts.
+   `max_tokens` and its p_min / confidence threshold / confidence-schedule cuts (one host read each).
 2. **Verify**: one packed target forward over every row's segment: `[anchor, x1..xl]` for a drafting
    row, `[anchor]` for a plain or parked one, and the next chunk (at most `prefill_chunk` tokens) of a
    newcomer's prompt, so running streams keep flowing while it prefills.
@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dspark.engine.accept import accept_greedy, accept_sampled
+from mlx_dspark.engine.cost_probe import cost_curve_for
 from mlx_dspark.engine.decode import Round, _admitted
 from mlx_dspark.engine.grammar import GrammarState
 from mlx_dspark.engine.logits_processing import LogitsProcessor
@@ -138,6 +139,11 @@ class BatchRow:
             )
         if self.proposer is not None:
             self.max_draft = self.speculation.draft_length(self.proposer.block_size)
+        self.schedule = None  # the cost curve a confidence-scheduled row cuts its proposals with
+        if self.proposer is not None and self.speculation.verify_schedule == "confidence":
+            require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
+            self.schedule = self.speculation.cost_curve or cost_curve_for(model)
+        if self.proposer is not None:
             if self.speculation.confidence_threshold > 0:  # as make_steps: a threshold needs a confidence head
                 require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft",
                                         need=f"confidence_threshold {self.speculation.confidence_threshold}", fix="set it to 0")  # fmt: skip
@@ -247,7 +253,9 @@ def _plan(row: BatchRow, proposal: Proposal | None, budget: int, prefill_chunk: 
         return _Plan(row, mx.array(row.prompt[row.prefilled : end], dtype=mx.int32), end=end)
     row.prompt_cache.claim(row.lease)
     speculation = row.speculation
-    tokens, probs = _admitted(proposal, budget, p_min=speculation.p_min, threshold=speculation.confidence_threshold, schedule=None)
+    tokens, probs = _admitted(
+        proposal, budget, p_min=speculation.p_min, threshold=speculation.confidence_threshold, schedule=row.schedule
+    )
     tokens, probs = row.processor.admit(tokens, probs, hooked=False)
     return _Plan(row, mx.concatenate([mx.array([row.anchor], dtype=mx.int32), tokens]), draft=tokens, draft_probs=probs)
 

@@ -6,9 +6,7 @@ is prefilled in chunks inside the following rounds, so running streams keep flow
 whose client left (their caches stay valid and go back to the pool), and hands each job the
 StepResponses of its rounds (`api.stream_rounds`: the stop rules of a single request). Every request
 keeps its own sampling settings, seed, penalties, logit_bias, logprobs, constraint (JSON schema, forced
-tool call) and prompt cache. A request with `verify_schedule="confidence"` runs alone, the old way,
-once the batch has drained (its cost curve schedules one request's verify, not a batch's).
-The draft length of a round is `draft_cap(width)`, given from outside (default: `row_budget_cap`).
+tool call), verify schedule and prompt cache. The draft length of a round is `draft_cap(width)`, given from outside (default: `row_budget_cap`).
 """
 
 from __future__ import annotations
@@ -66,7 +64,6 @@ class BatchWorker(ModelWorker):
         self.draft_cap = draft_cap or row_budget_cap()
         self.prefill_chunk = prefill_chunk
         self.active: list[_Active] = []
-        self._solo: Job | None = None  # a job that runs alone once the batch has drained
         self.rounds = 0
         self.generated_tokens = 0
         self.peak_active = 0  # the widest batch so far
@@ -76,14 +73,14 @@ class BatchWorker(ModelWorker):
 
     @property
     def busy(self) -> bool:
-        return bool(self.active) or self.current is not None
+        return bool(self.active)
 
     def metrics(self) -> dict:
         now = time.monotonic()
         recent = [n for t, n in list(self._rate) if now - t <= _RATE_WINDOW_S]
         return {
             "max_batch": self.max_batch,
-            "active": len(self.active) + (self.current is not None),
+            "active": len(self.active),
             "peak_active": self.peak_active,
             "rounds": self.rounds,
             "generated_tokens": self.generated_tokens,
@@ -103,7 +100,7 @@ class BatchWorker(ModelWorker):
     def abort(self, message: str) -> None:
         super().abort(message)
         error = APIError(503, message, type="server_error", code="server_shutting_down")
-        for job in [a.job for a in list(self.active)] + ([self._solo] if self._solo is not None else []):
+        for job in [a.job for a in list(self.active)]:
             job.cancel()
             job.events.put(error)
 
@@ -113,7 +110,7 @@ class BatchWorker(ModelWorker):
         """Admit, run a round, hand out its steps; until `stop()` and every admitted job is done."""
         stopping = False
         while True:
-            while not stopping and self._solo is None and len(self.active) < self.max_batch:
+            while not stopping and len(self.active) < self.max_batch:
                 try:
                     # Idle: wait (waking now and then for signals); busy: only take what is there.
                     job = self._jobs.get(timeout=_IDLE_POLL_S) if not self.active else self._jobs.get_nowait()
@@ -126,13 +123,6 @@ class BatchWorker(ModelWorker):
                     self._finish(job)
                 else:
                     self._admit(job)
-            if self._solo is not None and not self.active:
-                job, self._solo = self._solo, None
-                self.current = job
-                self._serve(job)
-                self.current = None
-                self._finish(job)
-                continue
             if self.active:
                 self._round()
             elif stopping:
@@ -147,9 +137,6 @@ class BatchWorker(ModelWorker):
         try:
             tokenizer = self.model.tokenizer
             prompt, options = request.prepare(tokenizer)
-            if options.speculation.verify_schedule == "confidence":
-                self._solo = job
-                return
             job.prompt_ids = prompt
             if request.kind != "text":
                 job.reader = OutputCollector(request.tools.parser(tokenizer, prompt))
