@@ -26,8 +26,9 @@ FIXED_CAP = 3  # one draft length at every width: a seeded sampled request then 
 
 @pytest.fixture(scope="module")
 def server(tiny_spark_pair):
+    # 8-token prefill chunks: a newcomer's prompt spans rounds of the running streams
     with running_server(pair_loader(tiny_spark_pair), defaults=GenerationOptions(max_tokens=8), max_batch=4,
-                        batch_draft_cap=lambda width: FIXED_CAP) as srv:  # fmt: skip
+                        batch_draft_cap=lambda width: FIXED_CAP, batch_prefill_chunk=8) as srv:  # fmt: skip
         yield srv
 
 
@@ -166,10 +167,12 @@ def test_a_repeated_prompt_reuses_its_prompt_cache_in_a_batch(server):
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def test_the_command_line_rejects_a_max_batch_below_one():
+def test_the_command_line_rejects_batch_flags_below_one():
     from typer.testing import CliRunner
 
     from mlx_dspark.cli.server import app
 
     result = CliRunner().invoke(app, ["--port", "0", "--max-batch", "0"])
     assert result.exit_code == 2 and "--max-batch must be >= 1, got 0" in result.output
+    result = CliRunner().invoke(app, ["--port", "0", "--max-batch", "2", "--batch-prefill-chunk", "0"])
+    assert result.exit_code == 2 and "--batch-prefill-chunk must be >= 1, got 0" in result.output

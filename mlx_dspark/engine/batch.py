@@ -46,7 +46,7 @@ from mlx_dspark.models.cache import trim_caches
 from mlx_dspark.models.finite import check_finite_logits
 from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward
 
-PREFILL_CHUNK = 64  # prompt tokens a newcomer adds to one round
+PREFILL_CHUNK = 128  # prompt tokens a newcomer adds to one round
 
 
 def row_budget_cap(rows: int = 16, *, block_size: int = 7) -> Callable[[int], int]:
