@@ -194,6 +194,15 @@ def stream_generate(
     return _stream(model, prompt, options, proposer, prompt_cache, cancel, grammar, setup)
 
 
+def stream_rounds(
+    model: Any, prompt_ids: Sequence[int], rounds: Iterator[Round], *, options: GenerationOptions,
+    prompt_cache: PromptCache | None = None,
+) -> Iterator[StepResponse]:
+    """StepResponses of rounds that another driver runs (the server's batch, `engine/batch.py`): the same
+    stop tokens, stop strings, max_tokens and statistics as `stream_generate`. `options` are the row's."""
+    return _stream(model, list(prompt_ids), options, None, prompt_cache, None, None, ToolSetup.of(None, None), rounds=rounds)
+
+
 def _stream(
     model: Any,
     prompt: str | Sequence[int] | Sequence[dict],
@@ -203,6 +212,7 @@ def _stream(
     cancel: threading.Event | None,
     grammar: GrammarState | None,
     setup: ToolSetup,
+    rounds: Iterator[Round] | None = None,
 ) -> Iterator[StepResponse]:
     tokenizer = model.tokenizer
     stops = options.stop
@@ -214,7 +224,7 @@ def _stream(
     if max_tokens != options.max_tokens:
         options = dataclasses.replace(options, max_tokens=max_tokens)
 
-    if options.sampling.seed is not None:
+    if options.sampling.seed is not None and rounds is None:  # a batch row seeds its own draws
         mx.random.seed(options.sampling.seed)
     mx.reset_peak_memory()
     detokenizer = tokenizer.detokenizer
@@ -223,7 +233,9 @@ def _stream(
     generated = 0
     start = time.perf_counter()
     first_token_time = None
-    for step in make_steps(model, prompt_ids, options, proposer, prompt_cache, cancel, grammar):
+    if rounds is None:
+        rounds = make_steps(model, prompt_ids, options, proposer, prompt_cache, cancel, grammar)
+    for step in rounds:
         now = time.perf_counter()
         if first_token_time is None:
             first_token_time = now

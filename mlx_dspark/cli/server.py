@@ -71,6 +71,10 @@ def serve(
     tool_parser: Optional[str] = typer.Option(
         None, "--tool-parser", help="mlx-lm tool parser for the model's tool calls (e.g. json_tools, qwen3_coder); "
         "default: the one mlx-lm infers from the chat template."),
+    max_batch: int = typer.Option(
+        1, "--max-batch", help="Requests served at once (continuous batching, speculation per row); 1 = one at a time."),
+    batch_prefill_chunk: int = typer.Option(
+        128, "--batch-prefill-chunk", help="With --max-batch > 1: prompt tokens a newcomer prefills per round (smaller keeps running streams smoother)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
     allow_origin: list[str] = typer.Option([], "--allow-origin",
                                            help="Let web pages from this origin call the server (repeatable; '*' for any)."),
@@ -96,6 +100,10 @@ def serve(
         tap_ids = flags.parse_tap_ids(draft_tap_ids, draft=draft, model=model)
         if max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
+        if max_batch < 1:
+            raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
+        if batch_prefill_chunk < 1:
+            raise ValueError(f"--batch-prefill-chunk must be >= 1, got {batch_prefill_chunk}")
         defaults = flags.generation_options(ctx.params, max_tokens=max_tokens_default)  # the shared flags, by name
         prompt_cache = _prompt_cache_budget(prompt_cache_size, prompt_cache_bytes)
         if tool_parser is not None:
@@ -124,7 +132,7 @@ def serve(
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
                              max_body_bytes=max_body_bytes, allow_origins=allow_origin,
-                             prompt_cache=prompt_cache,
+                             prompt_cache=prompt_cache, max_batch=max_batch, batch_prefill_chunk=batch_prefill_chunk,
                              allow_template_kwargs=allow_template_kwarg)
     except ValueError as err:
         fail(str(err))

@@ -144,16 +144,23 @@ class FamilyAttention(nn.Module):
         return keys, values
 
     def __call__(self, x: mx.array, cache: Optional[Any] = None) -> mx.array:
-        L = x.shape[1]
-        offset = 0 if cache is None else cache.offset
+        offset = 0 if cache is None else cache.offset  # a packed forward's cache gives one position per row
         queries, keys, values = self.project(x, offset)
+        if getattr(cache, "packed", False):  # rows of several sequences side by side (models/packed.py)
+            return self.output(cache.attend(self, queries, keys, values), x)
+        return self.output(self.cached_attention(queries, keys, values, cache, offset), x)
+
+    def cached_attention(
+        self, queries: mx.array, keys: mx.array, values: mx.array, cache: Optional[Any], offset: int
+    ) -> mx.array:
+        """Attention of L queries at `offset ..` (B, H, L, D) over the cache's keys and their own -> (B, H, L, D)."""
+        L = queries.shape[2]
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)  # (B, Hkv, K, D)
         num_keys = (keys[0] if isinstance(keys, tuple) else keys).shape[2]  # a quantized cache returns (w, scales, biases)
         mask = attention_mask(offset, L, num_keys, window=self.window)
         # mlx-lm's call: the fast kernel, or its quantized-KV attention for a QuantizedKVCache
-        out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
-        return self.output(out, x)
+        return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
 
     def attend(
         self,

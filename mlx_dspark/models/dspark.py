@@ -234,8 +234,26 @@ class DSparkDraft(nn.Module):
             raise ValueError(f"num_tokens must be in [1, {size}] (the draft tokens of one block), got {num_tokens}")
         if not greedy and temperature <= 0:
             raise ValueError(f"sampled drafting needs temperature > 0, got {temperature}; use greedy=True")
+        block = self.block_hidden(anchor, ctx, target=target)
+        return self.propose_from_block(
+            anchor, block, target=target, greedy=greedy, temperature=temperature, num_tokens=num_tokens, logits_hook=logits_hook
+        )
+
+    def propose_from_block(
+        self,
+        anchor: mx.array,
+        block: mx.array,
+        *,
+        target: Any,
+        greedy: bool,
+        temperature: float,
+        num_tokens: int,
+        logits_hook: Optional[Callable] = None,
+    ) -> Proposal:
+        """The heads of `propose` over a block forward's output `block` (B, block_size, H) (models/packed.py
+        computes it for several sequences at once)."""
         first = self.args.packaging.first_draft_row
-        hidden = self.block_hidden(anchor, ctx, target=target)[:, first : first + num_tokens]  # o(1..K), (B, K, H)
+        hidden = block[:, first : first + num_tokens]  # o(1..K), (B, K, H)
         draft_ids = getattr(self, d2t.PARAMETER_NAME, None)
         vocabulary = self.vocabulary
         if draft_ids is not None:

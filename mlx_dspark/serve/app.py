@@ -18,6 +18,8 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from mlx_dspark.engine.options import GenerationOptions
+from mlx_dspark.engine.batch import PREFILL_CHUNK
+from mlx_dspark.serve.batch_worker import BatchWorker
 from mlx_dspark.serve.cache_pool import PromptCacheBudget
 from mlx_dspark.serve.protocol import (
     CLIENT_TEMPLATE_KWARGS,
@@ -235,10 +237,16 @@ def make_server(
     allow_origins: Sequence[str] = (),
     prompt_cache: PromptCacheBudget = PromptCacheBudget(),
     allow_template_kwargs: Sequence[str] = (),
+    max_batch: int = 1,
+    batch_draft_cap: Callable[[int], int] | None = None,
+    batch_prefill_chunk: int = PREFILL_CHUNK,
 ) -> DSparkHTTPServer:
     """Bind the socket (port 0 picks a free one); call `.start()` to load and serve.
 
     `allow_template_kwargs` names chat template switches clients may set beside the built-in ones.
+    `max_batch` > 1 serves that many requests at once (`batch_worker.BatchWorker`, continuous batching;
+    `batch_draft_cap(width)` its draft length per batch width, `batch_prefill_chunk` the prompt tokens a
+    newcomer prefills per round); 1 serves one at a time (`ModelWorker`).
     """
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
@@ -247,9 +255,14 @@ def make_server(
     if not idle_timeout_s > 0:
         raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
     template_kwargs = check_template_kwarg_names(allow_template_kwargs)
+    if max_batch == 1:
+        worker = ModelWorker(loader, prompt_cache=prompt_cache)
+    else:
+        worker = BatchWorker(loader, max_batch=max_batch, draft_cap=batch_draft_cap, prefill_chunk=batch_prefill_chunk,
+                             prompt_cache=prompt_cache)
     return DSparkHTTPServer(
         (host, port),
-        worker=ModelWorker(loader, prompt_cache=prompt_cache),
+        worker=worker,
         model_id=model_id,
         defaults=defaults,
         api_key=api_key,

@@ -248,7 +248,7 @@ class Handler(BaseHTTPRequestHandler):
         if worker.state == READY:
             body.update(busy=worker.busy, queued=worker.queued)
             if trusted:
-                body["speculative"] = worker.speculative
+                body.update(speculative=worker.speculative, work=worker.metrics())
         elif worker.load_error and trusted:
             body["error"] = worker.load_error
         self._send_json(200 if worker.state == READY else 503, body)

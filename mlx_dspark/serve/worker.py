@@ -77,6 +77,33 @@ class Job:
                 return
 
 
+def fail_job(job: Job, err: Exception) -> bool:
+    """Answer a job that raised `err` with its APIError (400 for the client's mistakes, 500 otherwise);
+    returns whether its caches must be dropped (the generation broke off inside the model work)."""
+    request = job.request
+    if isinstance(err, ContextLengthError):  # before any model work: the cache is untouched
+        prompt_field = {"chat": "messages", "anthropic": "messages", "responses": "input"}.get(request.kind, "prompt")
+        param = "max_tokens" if err.field == "max_tokens" else prompt_field
+        job.events.put(APIError(400, str(err), param=param, code="context_length_exceeded"))
+        return False
+    if isinstance(err, NonFiniteError):  # the model is broken, not the request
+        log.error("generation failed: %s", err)
+        job.events.put(APIError(500, str(err), type="server_error", code="non_finite_logits"))
+    elif isinstance(err, APIError):
+        job.events.put(err)
+        return False
+    elif type(err).__name__ == "ConstraintError":  # the engine compiling the request's constraint
+        job.events.put(APIError(400, str(err), param=request.constraint_field, code="invalid_value"))
+    elif isinstance(err, ValueError) and getattr(err, "field", None):  # a tool / reasoning field
+        job.events.put(APIError(400, str(err), param=err.field, code="invalid_value"))
+    elif isinstance(err, ValueError) or type(err).__module__.startswith("jinja2"):
+        job.events.put(APIError(400, str(err), code="invalid_prompt"))
+    else:
+        log.exception("generation failed", exc_info=err)
+        job.events.put(APIError(500, f"generation failed: {type(err).__name__}: {err}", type="server_error"))
+    return True
+
+
 class ModelWorker:
     """Loads the model with `loader()`, then serves submitted jobs in order, on one thread."""
 
@@ -196,6 +223,10 @@ class ModelWorker:
         with self._jobs.mutex:
             return sum(1 for job in self._jobs.queue if job is not None and not job.cancelled.is_set())
 
+    def metrics(self) -> dict:
+        """What /health reports about the work (the batch worker adds its batch and rates)."""
+        return {"max_batch": 1, "active": int(self.busy)}
+
     @property
     def speculative(self) -> bool:
         return self.model is not None and self.model.draft is not None
@@ -238,26 +269,7 @@ class ModelWorker:
         except GenerationCancelled:
             failed = False  # its client left (or the server is shutting down); the caches stay valid
         except Exception as err:  # noqa: BLE001
-            if isinstance(err, ContextLengthError):  # before any model work: the cache is untouched
-                failed = False
-                prompt_field = {"chat": "messages", "anthropic": "messages", "responses": "input"}.get(request.kind, "prompt")
-                param = "max_tokens" if err.field == "max_tokens" else prompt_field
-                job.events.put(APIError(400, str(err), param=param, code="context_length_exceeded"))
-            elif isinstance(err, NonFiniteError):  # the model is broken, not the request
-                log.error("generation failed: %s", err)
-                job.events.put(APIError(500, str(err), type="server_error", code="non_finite_logits"))
-            elif isinstance(err, APIError):
-                failed = False
-                job.events.put(err)
-            elif type(err).__name__ == "ConstraintError":  # the engine compiling the request's constraint
-                job.events.put(APIError(400, str(err), param=request.constraint_field, code="invalid_value"))
-            elif isinstance(err, ValueError) and getattr(err, "field", None):  # a tool / reasoning field
-                job.events.put(APIError(400, str(err), param=err.field, code="invalid_value"))
-            elif isinstance(err, ValueError) or type(err).__module__.startswith("jinja2"):
-                job.events.put(APIError(400, str(err), code="invalid_prompt"))
-            else:
-                log.exception("generation failed")
-                job.events.put(APIError(500, f"generation failed: {type(err).__name__}: {err}", type="server_error"))
+            failed = fail_job(job, err)
         finally:
             if steps is not None:
                 steps.close()

@@ -1,0 +1,371 @@
+"""Continuous batching with speculation: one round advances every active request by one target forward.
+
+A `BatchRow` is one request: its own prompt cache (target caches and draft context), sampler, logits
+processor, proposer state and RNG. `batch_round(model, rows, ...)` runs, for all rows at once:
+1. **Propose**: the rows that draft get one packed draft block forward (`models/packed.py`); the heads
+   run per row for sampled drafting (each row's own seed) and together for greedy drafting. The draft
+   length of the round is `draft_cap(width)`, a function of the batch width given by the caller (a
+   fixed cap, a cost curve's choice, or a controller's), cut per row by its `max_draft_tokens`, its
+   `max_tokens` and its p_min / confidence threshold / confidence-schedule cuts (one host read each).
+2. **Verify**: one packed target forward over every row's segment: `[anchor, x1..xl]` for a drafting
+   row, `[anchor]` for a plain or parked one, and the next chunk (at most `prefill_chunk` tokens) of a
+   newcomer's prompt, so running streams keep flowing while it prefills.
+3. **Accept** per row (greedy or sampled, on the row's processed logits), then **one host read** for the
+   whole batch; each row trims its own caches (`trim_caches`) and gives its draft the features of its
+   committed positions: ragged acceptance, no padding.
+Each row's `Round`s queue in `row.rounds`; `row.steps()` yields them to `api.stream_rounds`, which
+applies stop tokens, stop strings and max_tokens exactly as for a single request.
+
+Greedy rows are token-identical to the same request run alone (each packed row computes bitwise what
+its own forward computes on a BLAS whose rows are independent; see models/packed.py). A seeded sampled
+row draws from a generator of its own (re-seeded per round from its seed), so its output does not
+depend on the other rows; it reproduces at the same draft lengths, not the draws of `stream_generate`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_dspark.engine.accept import accept_greedy, accept_sampled
+from mlx_dspark.engine.cost_probe import cost_curve_for
+from mlx_dspark.engine.decode import Round, _admitted
+from mlx_dspark.engine.grammar import GrammarState
+from mlx_dspark.engine.logits_processing import LogitsProcessor
+from mlx_dspark.engine.options import GenerationOptions
+from mlx_dspark.engine.prompt_cache import PromptCache
+from mlx_dspark.engine.propose import DraftProposer, Proposal
+from mlx_dspark.engine.schedule import require_confidence_head
+from mlx_dspark.engine.steps import make_processor
+from mlx_dspark.models.cache import trim_caches
+from mlx_dspark.models.finite import check_finite_logits
+from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward
+
+PREFILL_CHUNK = 128  # prompt tokens a newcomer adds to one round
+
+
+def row_budget_cap(rows: int = 16, *, block_size: int = 7) -> Callable[[int], int]:
+    """A fixed draft cap per batch width: keep the packed verify within about `rows` rows
+    (`width * (l + 1) <= rows`), and at least 1 draft token per row, at most `block_size`."""
+
+    def cap(width: int) -> int:
+        return max(1, min(block_size, rows // max(width, 1) - 1))
+
+    return cap
+
+
+def _interpolate(points: dict[int, float], x: int) -> float:
+    """Piecewise-linear through measured (rows -> ms) points, extended linearly past the last two."""
+    xs = sorted(points)
+    if x in points:
+        return points[x]
+    if len(xs) == 1:
+        return points[xs[0]] * x / xs[0]
+    lo = max([k for k in xs if k < x], default=xs[0])
+    hi = min([k for k in xs if k > x], default=xs[-1])
+    if lo == hi:  # outside the measured range: the nearest segment's slope
+        lo, hi = (xs[0], xs[1]) if x < xs[0] else (xs[-2], xs[-1])
+    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+
+
+def cost_curve_cap(
+    forward_ms: dict[int, float], draft_ms: dict[int, float], *, acceptance: float, block_size: int
+) -> Callable[[int], int]:
+    """The draft length per batch width from measured costs: for `width` rows, the l in 0..block_size
+    that maximises `width * E(l) / (t_draft(width) + t_forward(width * (l + 1)))`, with
+    `E(l) = 1 + a + .. + a^l` for a per-token acceptance `a` (l = 0: plain rows, no draft forward).
+    `forward_ms[n]`: a packed target forward of n rows; `draft_ms[w]`: a packed draft block of w rows."""
+    if not 0.0 <= acceptance < 1.0:
+        raise ValueError(f"acceptance (per draft token) must be in [0, 1), got {acceptance}")
+
+    def cap(width: int) -> int:
+        def rate(length: int) -> float:
+            expected = sum(acceptance**k for k in range(length + 1))
+            cost = _interpolate(forward_ms, width * (length + 1)) + (_interpolate(draft_ms, width) if length else 0.0)
+            return width * expected / cost
+
+        return max(range(block_size + 1), key=rate)
+
+    return cap
+
+
+class BatchRow:
+    """One request in the batch; see the module docstring. Build it, then run `batch_round`s until the
+    consumer of `steps()` has what it wants (the batch never stops a row by itself: stops are the api's)."""
+
+    def __init__(
+        self,
+        model: Any,
+        prompt_ids: Sequence[int],
+        options: GenerationOptions,
+        *,
+        prompt_cache: PromptCache | None = None,
+        grammar: GrammarState | None = None,
+        cancel: threading.Event | None = None,
+        proposer: DraftProposer | None = None,
+    ) -> None:
+        """`proposer` replaces the row's DraftProposer over the loaded draft (a benchmark's controlled
+        one): it must draft with `model.draft` over `prompt_cache.draft_context`, and may define
+        `revise(proposal, position=, num_tokens=)` to rewrite what the batch's draft proposed."""
+        vocab = model.target.args.vocab_size
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        self.prompt = list(prompt_ids)
+        self.options = options
+        self.sampler = options.sampling
+        self.speculation = options.speculation
+        self.cancel = cancel
+        self.processor = make_processor(model, self.prompt, options, grammar) or LogitsProcessor.passthrough()
+        self.prompt_cache = prompt_cache or PromptCache(model.target, model.draft, max_snapshots=0)
+        self.proposer: DraftProposer | None = proposer
+        self.max_draft = 0
+        if proposer is not None and proposer.context is not self.prompt_cache.draft_context:
+            raise ValueError("the proposer must draft over the row's prompt cache: DraftProposer(..., context=prompt_cache.draft_context)")
+        if proposer is None and self.speculation.speculative and model.draft is not None:
+            self.proposer = DraftProposer(
+                model.draft,
+                model.target,
+                greedy=self.speculation.draft_sampling == "greedy" or self.sampler.greedy,
+                temperature=max(self.sampler.temperature, 1e-6),
+                context=self.prompt_cache.draft_context,
+            )
+        if self.proposer is not None:
+            self.max_draft = self.speculation.draft_length(self.proposer.block_size)
+        self.schedule = None  # the cost curve a confidence-scheduled row cuts its proposals with
+        if self.proposer is not None and self.speculation.verify_schedule == "confidence":
+            require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
+            self.schedule = self.speculation.cost_curve or cost_curve_for(model)
+        if self.proposer is not None:
+            if self.speculation.confidence_threshold > 0:  # as make_steps: a threshold needs a confidence head
+                require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft",
+                                        need=f"confidence_threshold {self.speculation.confidence_threshold}", fix="set it to 0")  # fmt: skip
+        # A sampled row draws from its own stream (fresh entropy without a seed), never another row's.
+        self._seeds = None if self.sampler.greedy else np.random.default_rng(self.sampler.seed)
+        self.rounds: deque[Round] = deque()
+        self.prefilled = self.prompt_cache.resume(model.target, self.prompt, proposer=self.proposer)
+        self._stops = self.prompt_cache.prefill_stops(self.prefilled, len(self.prompt))
+        self.lease = self.prompt_cache.lease
+        self.anchor: int | None = None  # the last committed token (not yet in the caches)
+        self.emitted = 0
+        self.proposed = 0  # draft tokens verified, over all rounds
+        self.accepted = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.anchor is None
+
+    @property
+    def position(self) -> int:
+        """The anchor's position (the caches hold the positions before it)."""
+        return len(self.prompt) + self.emitted - 1
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted draft tokens per verified draft token so far (0 before any)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def steps(self) -> Iterator[Round]:
+        """The rounds as `batch_round` produces them (for `api.stream_rounds`); pull only after a round."""
+        while True:
+            if not self.rounds:
+                raise RuntimeError("no round is ready for this row: run batch_round before pulling its steps")
+            yield self.rounds.popleft()
+
+    def _random(self) -> None:
+        """Before building this row's random draws: re-seed MLX's generator from the row's own stream."""
+        if self._seeds is not None:
+            mx.random.seed(int(self._seeds.integers(2**32)))
+
+    def _draft_budget(self, cap: int) -> int:
+        if self.proposer is None or self.anchor is None:
+            return 0
+        left = self.options.max_tokens - self.emitted - 1
+        return max(0, min(self.max_draft, cap, left))
+
+
+def _row_proposal(proposal: Proposal, i: int) -> Proposal:
+    def take(a):
+        return None if a is None else a[i : i + 1]
+
+    return Proposal(tokens=proposal.tokens[i : i + 1], draft_probs=take(proposal.draft_probs),
+                    token_probs=take(proposal.token_probs), confidence=take(proposal.confidence))  # fmt: skip
+
+
+def _propose(model: Any, rows: list[BatchRow], lengths: list[int]) -> list[Proposal]:
+    """One packed draft block forward for the drafting rows; heads per sampled row, together for greedy ones."""
+    anchors = mx.array([r.anchor for r in rows], dtype=mx.int32)
+    block = packed_block_hidden(model.draft, anchors, [r.proposer.context for r in rows], target=model.target)
+    proposals: list[Proposal | None] = [None] * len(rows)
+    greedy = [i for i, r in enumerate(rows) if r.proposer.greedy]
+    if greedy:
+        index = mx.array(greedy, dtype=mx.int32)
+        together = model.draft.propose_from_block(
+            anchors[index], block[index], target=model.target, greedy=True, temperature=1.0,
+            num_tokens=max(lengths[i] for i in greedy),
+        )  # fmt: skip
+        for j, i in enumerate(greedy):
+            proposals[i] = _row_proposal(together, j)
+    for i, row in enumerate(rows):
+        if proposals[i] is None:
+            row._random()
+            proposals[i] = model.draft.propose_from_block(
+                anchors[i : i + 1], block[i : i + 1], target=model.target, greedy=False,
+                temperature=row.proposer.temperature, num_tokens=lengths[i],
+            )  # fmt: skip
+    for i, row in enumerate(rows):
+        revise = getattr(row.proposer, "revise", None)
+        if revise is not None:
+            proposals[i] = revise(proposals[i], position=row.position, num_tokens=lengths[i])
+    return proposals
+
+
+@dataclass
+class _Plan:
+    """One row's part of a round: its segment of the packed forward, then its lazy outcome."""
+
+    row: BatchRow
+    segment: mx.array  # (n,) the row's input rows: a prompt chunk, or [anchor, x1..xl]
+    end: int | None = None  # a prefill chunk: the prompt position it reaches
+    draft: mx.array | None = None  # a verify: the admitted draft tokens (l,)
+    draft_probs: mx.array | None = None
+    accepted: mx.array | None = None  # () accepted draft tokens
+    candidates: mx.array | None = None  # committed candidates; the first accepted + 1 are committed
+    logprobs: tuple = ()
+    features: mx.array | None = None  # (1, n, F) the row's tapped features (rows with a draft)
+    first_logits: mx.array | None = None  # the prompt's last logits (1, V), checked once
+
+    @property
+    def prefill(self) -> bool:
+        return self.end is not None
+
+
+def _plan(row: BatchRow, proposal: Proposal | None, budget: int, prefill_chunk: int) -> _Plan:
+    if row.prefilling:
+        end = min(row.prefilled + prefill_chunk, next(s for s in row._stops if s > row.prefilled))
+        return _Plan(row, mx.array(row.prompt[row.prefilled : end], dtype=mx.int32), end=end)
+    row.prompt_cache.claim(row.lease)
+    speculation = row.speculation
+    tokens, probs = _admitted(
+        proposal, budget, p_min=speculation.p_min, threshold=speculation.confidence_threshold, schedule=row.schedule
+    )
+    tokens, probs = row.processor.admit(tokens, probs, hooked=False)
+    return _Plan(row, mx.concatenate([mx.array([row.anchor], dtype=mx.int32), tokens]), draft=tokens, draft_probs=probs)
+
+
+def _head_rows(plans: list[_Plan]) -> list[int]:
+    """The packed rows whose logits the round needs: every verify row, the last row of a prompt's last chunk."""
+    rows, start = [], 0
+    for plan in plans:
+        n = plan.segment.shape[0]
+        if not plan.prefill:
+            rows.extend(range(start, start + n))
+        elif plan.end == len(plan.row.prompt):
+            rows.append(start + n - 1)
+        start += n
+    return rows
+
+
+def _accept(plan: _Plan, logits: mx.array) -> None:
+    """The row's outcome from its logits (lazy): the prompt's first token, a plain draw, or an acceptance."""
+    row = plan.row
+    if plan.prefill:
+        plan.first_logits = logits
+        processed = row.processor.target_logits(logits, mx.zeros((0,), mx.int32))
+        row._random()
+        plan.candidates = row.sampler.sample(processed[0]).astype(mx.int32).reshape(1)
+        plan.accepted = mx.array(0, mx.int32)
+        plan.logprobs = row.processor.logprob_arrays(processed, plan.candidates)
+        return
+    processed = row.processor.target_logits(logits, plan.draft)
+    row._random()
+    if row.proposer is None:  # plain decoding: the target's own draw
+        plan.candidates = row.sampler.sample(processed).astype(mx.int32)
+        plan.accepted = mx.array(0, mx.int32)
+    elif row.sampler.greedy:
+        acceptance = accept_greedy(draft_tokens=plan.draft, target_logits=processed)
+        plan.accepted, plan.candidates = acceptance.accepted, acceptance.tokens
+    else:
+        probs = row.sampler.probs(processed)
+        acceptance = accept_sampled(draft_tokens=plan.draft, draft_probs=plan.draft_probs, target_probs=probs)
+        plan.accepted, plan.candidates = acceptance.accepted, acceptance.tokens
+    plan.logprobs = row.processor.logprob_arrays(processed, plan.candidates)
+
+
+def _commit(plan: _Plan) -> None:
+    """After the host read: record, roll back, advance this row, and queue its Round."""
+    row = plan.row
+    if plan.prefill:
+        row.prompt_cache.record(row.prompt[row.prefilled : plan.end])
+        row.prefilled = plan.end
+        if plan.end < len(row.prompt):
+            if plan.end in row._stops:  # where the prompt cache keeps a snapshot (near the prompt's end)
+                row.prompt_cache.snapshot()
+            return
+        check_finite_logits(plan.first_logits, step="the first step (the end of the prompt)")
+        first = int(plan.candidates.item())
+        row.anchor, row.emitted = first, 1
+        row.processor.commit([first])
+        row.rounds.append(Round(tokens=[first], logprobs=row.processor.read_logprobs(plan.logprobs, [first])))
+        return
+    accepted, num_draft = int(plan.accepted.item()), int(plan.draft.shape[0])
+    committed = plan.candidates.reshape(-1)[: accepted + 1].tolist()
+    row.processor.commit(committed)
+    trim_caches(row.prompt_cache.target_cache, num_draft - accepted)  # the row's own rollback
+    if row.proposer is not None:
+        row.proposer.extend(plan.features[:, : accepted + 1])
+        row.proposed += num_draft
+        row.accepted += accepted
+    row.prompt_cache.record([row.anchor, *committed[:-1]])  # the bonus, the new anchor, is not in the caches
+    row.anchor = committed[-1]
+    row.emitted += accepted + 1
+    row.rounds.append(Round(
+        tokens=committed, proposed=num_draft, accepted=accepted, verified=row.proposer is not None,
+        logprobs=row.processor.read_logprobs(plan.logprobs, committed),
+    ))  # fmt: skip
+
+
+def batch_round(
+    model: Any, rows: Sequence[BatchRow], *, draft_cap: Callable[[int], int] | int, prefill_chunk: int = PREFILL_CHUNK
+) -> None:
+    """Advance every row by one target forward (see the module docstring); each row gets at most one Round."""
+    if not rows:
+        return
+    cap = draft_cap(len(rows)) if callable(draft_cap) else int(draft_cap)
+    budgets = [r._draft_budget(cap) for r in rows]
+    drafting = [i for i, n in enumerate(budgets) if n > 0]
+    proposals: dict[int, Proposal] = {}
+    if drafting:
+        made = _propose(model, [rows[i] for i in drafting], [budgets[i] for i in drafting])
+        proposals = dict(zip(drafting, made))
+        mx.async_eval([p.tokens for p in made])  # the draft runs while the host builds the verify graph
+    plans = [_plan(row, proposals.get(i), budgets[i], prefill_chunk) for i, row in enumerate(rows)]
+    lengths = [int(p.segment.shape[0]) for p in plans]
+    speculative = any(r.proposer is not None for r in rows)
+    logits, features = packed_target_forward(
+        model.target, mx.concatenate([p.segment for p in plans]), [r.prompt_cache.target_cache for r in rows], lengths,
+        tap_ids=tuple(model.draft.args.target_layer_ids) if speculative else (), head_rows=_head_rows(plans),
+    )  # fmt: skip
+    pending, row_start, head_start = [], 0, 0
+    for plan, n in zip(plans, lengths):
+        if features is not None and plan.row.proposer is not None:
+            plan.features = features[row_start : row_start + n][None]
+            if plan.prefill:
+                plan.row.proposer.extend(plan.features)
+        row_start += n
+        if plan.prefill and plan.end < len(plan.row.prompt):
+            continue  # a middle chunk: no logits, nothing drawn
+        heads = 1 if plan.prefill else n
+        _accept(plan, logits[head_start : head_start + heads])
+        head_start += heads
+        pending.extend([plan.accepted, plan.candidates, *plan.logprobs])
+    mx.eval(*pending, *(() if features is None else (features,)))  # the round's one host read
+    for plan in plans:
+        _commit(plan)

@@ -1,0 +1,134 @@
+"""Packed forwards: the rows of several sequences in one target (or draft) forward, each with its own caches.
+
+Continuous batching puts B requests in one forward. Their rows (a verify block, a plain decode token, a
+prefill chunk) differ in length and in position, and each request rolls back on its own, so instead of
+padding them into a (B, L) batch with one shared cache, the rows are packed side by side as a
+(T, 1, hidden) batch of single-row sequences: the matmuls (projections, MLP, heads) see T rows at once,
+RoPE takes one position per row (`mx.fast.rope` with an array offset), and only the attention splits the
+rows again, per sequence, over that sequence's own caches (`KVCache`, `SlidingKVCache`, quantized): the
+same call as a forward of that sequence alone. Nothing is padded, rollback stays `trim_caches` on each
+sequence's cache list, and on a BLAS whose matmul rows do not depend on the other rows (the bundled
+one) every row is bitwise the row of its sequence's own forward.
+
+mlx-lm's `BatchKVCache` / `BatchRotatingKVCache` keep one left-padded (B, H, L, D) buffer with one
+trim for all rows, and `BatchRotatingKVCache` cannot roll back once it wrapped: ragged acceptance and
+the sliding layers' rollback need per-sequence caches, which is what this layout keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+
+from mlx_dspark.models.base import gather_taps
+from mlx_dspark.models.dspark import block_mask
+
+
+def positions(offsets: Sequence[int], lengths: Sequence[int]) -> mx.array:
+    """The position of every packed row: sequence i's rows continue from its cache offset -> (T,)."""
+    return mx.array([o + j for o, n in zip(offsets, lengths) for j in range(n)], dtype=mx.int32)
+
+
+class PackedLayerCache:
+    """One target layer's view of a packed forward: the sequences' caches of that layer and their row counts.
+
+    `offset` is the position of every row (what the family's `project` hands RoPE); `attend` runs each
+    sequence's rows through its own cache, exactly as the layer does for that sequence alone.
+    """
+
+    packed = True
+
+    def __init__(self, caches: Sequence[Any], lengths: Sequence[int], offset: mx.array):
+        self.caches = list(caches)
+        self.lengths = list(lengths)
+        self.offset = offset  # (T,)
+
+    def attend(self, attention: Any, queries: mx.array, keys: mx.array, values: mx.array) -> mx.array:
+        """queries (T, H, 1, D), keys / values (T, Hkv, 1, D) -> attention output (T, H, 1, D)."""
+        outs, start = [], 0
+        for cache, n in zip(self.caches, self.lengths):
+            rows = slice(start, start + n)
+            q, k, v = (a[rows].transpose(2, 1, 0, 3) for a in (queries, keys, values))  # (1, heads, n, D)
+            out = attention.cached_attention(q, k, v, cache, cache.offset)
+            outs.append(out.transpose(2, 1, 0, 3))
+            start += n
+        return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+
+
+def packed_target_forward(
+    target: Any,
+    tokens: Sequence[int] | mx.array,
+    caches: Sequence[list],
+    lengths: Sequence[int],
+    *,
+    tap_ids: Sequence[int] = (),
+    head_rows: Optional[Sequence[int]] = None,
+) -> tuple[mx.array, Optional[mx.array]]:
+    """One target forward over the packed rows of several sequences.
+
+    tokens: (T,) the rows of sequence 0, then 1, ...; `caches[i]` is sequence i's cache list (one per
+    layer), advanced by `lengths[i]` positions. `head_rows`: the packed rows that need logits (default
+    all; a prefill chunk needs only its last). Returns logits (R, V) for those rows and the tapped
+    features (T, F) of every row (None without tap ids). The loop is `TargetModel.__call__`'s, with the
+    family's own `residual` / `run_layer` / `final_norm` hooks.
+    """
+    tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens
+    total = sum(lengths)
+    if tokens.shape != (total,) or len(caches) != len(lengths):
+        raise ValueError(f"packed forward: {tokens.shape} tokens for {len(lengths)} sequences of {list(lengths)} rows")
+    tap_ids = tuple(tap_ids)
+    row_positions = positions([c[0].offset for c in caches], lengths)
+    x = target.embed(tokens.reshape(total, 1))  # (T, 1, hidden): T single-row sequences
+    dtype = x.dtype
+    h = target.residual(x)
+    taps = {-1: h}
+    for i, layer in enumerate(target.layers):
+        view = PackedLayerCache([c[i] for c in caches], lengths, row_positions)
+        h = target.run_layer(layer, h, view, dtype)
+        if i in tap_ids:
+            taps[i] = h
+    features = gather_taps(taps, tap_ids, dtype)
+    if head_rows is not None:
+        h = h[mx.array(list(head_rows), dtype=mx.int32)]
+    logits = target.lm_head_logits(target.final_norm(h, dtype))  # (R, 1, V)
+    return logits[:, 0], None if features is None else features[:, 0]
+
+
+def packed_block_hidden(draft: Any, anchors: mx.array, contexts: Sequence[list], *, target: Any) -> mx.array:
+    """`DSparkDraft.block_hidden` for B sequences at once: anchors (B,), contexts[i] sequence i's context
+    caches -> o = norm(h) (B, block_size, hidden). The block rows are packed as in the target's forward;
+    each sequence's block attends to its own context (`DecoderLayer` of models/dspark.py, row by row)."""
+    size, num = draft.args.block_size, anchors.shape[0]
+    ids = mx.concatenate(
+        [anchors.reshape(num, 1), mx.full((num, size - 1), draft.args.mask_token_id, dtype=anchors.dtype)], axis=1
+    ).reshape(num * size, 1)
+    h = target.embed(ids)  # (T, 1, hidden)
+    if draft._embedding_rows is not None:
+        for row_id, row in zip(*draft._embedding_rows):
+            h = mx.where((ids == row_id)[..., None], row.astype(h.dtype), h)
+    if draft.args.packaging.embedding_scale is not None:
+        h = h * draft.args.packaging.embedding_scale
+    row_positions = positions([ctx[0].offset for ctx in contexts], [size] * num)
+    for index, layer in enumerate(draft.layers):
+        attention = layer.self_attn
+        x = layer.input_layernorm(h)
+        queries, keys, values = attention.project(x, row_positions)  # (T, heads, 1, D)
+        outs = []
+        for b, ctx in enumerate(contexts):
+            cache = ctx[index]
+            rows = slice(b * size, (b + 1) * size)
+            q, k, v = (a[rows].transpose(2, 1, 0, 3) for a in (queries, keys, values))  # (1, heads, size, D)
+            context = cache.fetch()
+            if context is not None:
+                k = mx.concatenate([context[0].astype(k.dtype), k], axis=2)
+                v = mx.concatenate([context[1].astype(v.dtype), v], axis=2)
+            mask = block_mask(cache.offset, size, cache.length, cache.window)
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attention.scale, mask=mask)
+            outs.append(out.transpose(2, 1, 0, 3))
+        attn = attention.output(mx.concatenate(outs, axis=0), x)
+        if layer._value_scale is not None:
+            attn = attn * layer._value_scale
+        h = h + attn
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return draft.norm(h).reshape(num, size, -1)

@@ -1,0 +1,204 @@
+"""Many requests at once: the model's thread runs continuous batching rounds (engine/batch.py).
+
+`BatchWorker` is a `ModelWorker` (same jobs, events, loading, prompt-cache pool) whose `serve_jobs`
+keeps up to `max_batch` jobs active. Between rounds it admits queued jobs in order (a newcomer's prompt
+is prefilled in chunks inside the following rounds, so running streams keep flowing), drops the jobs
+whose client left (their caches stay valid and go back to the pool), and hands each job the
+StepResponses of its rounds (`api.stream_rounds`: the stop rules of a single request). Every request
+keeps its own sampling settings, seed, penalties, logit_bias, logprobs, constraint (JSON schema, forced
+tool call), verify schedule and prompt cache. The draft length of a round is `draft_cap(width)`, given from outside (default: `row_budget_cap`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from mlx_dspark.api import StepResponse, context_length, fit_max_tokens, stream_rounds
+from mlx_dspark.chat_format.turn import OutputCollector
+from mlx_dspark.engine.batch import PREFILL_CHUNK, BatchRow, batch_round, row_budget_cap
+from mlx_dspark.engine.prompt_cache import PromptCache
+from mlx_dspark.engine.steps import compile_request
+from mlx_dspark.serve.cache_pool import PromptCacheBudget
+from mlx_dspark.serve.protocol import APIError
+from mlx_dspark.serve.worker import _IDLE_POLL_S, Job, ModelWorker, fail_job
+
+log = logging.getLogger("mlx_dspark.server")
+
+_RATE_WINDOW_S = 10.0  # tokens per second over the last seconds
+
+
+@dataclass
+class _Active:
+    job: Job
+    row: BatchRow
+    stream: Iterator[StepResponse]
+    cache: PromptCache | None
+    started: float
+
+
+class BatchWorker(ModelWorker):
+    """A `ModelWorker` that serves up to `max_batch` jobs at once (module docstring)."""
+
+    def __init__(
+        self,
+        loader: Callable[[], Any],
+        *,
+        max_batch: int,
+        draft_cap: Callable[[int], int] | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+        history: int = 32,
+        prompt_cache: PromptCacheBudget = PromptCacheBudget(),
+    ) -> None:
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"the batch prefill chunk must be an integer >= 1, got {prefill_chunk!r}")
+        super().__init__(loader, history=history, prompt_cache=prompt_cache)
+        self.max_batch = max_batch
+        self.draft_cap = draft_cap or row_budget_cap()
+        self.prefill_chunk = prefill_chunk
+        self.active: list[_Active] = []
+        self.rounds = 0
+        self.generated_tokens = 0
+        self.peak_active = 0  # the widest batch so far
+        self._rate: deque[tuple[float, int]] = deque()  # (time, tokens) of recent rounds
+
+    # -- state -------------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active)
+
+    def metrics(self) -> dict:
+        now = time.monotonic()
+        recent = [n for t, n in list(self._rate) if now - t <= _RATE_WINDOW_S]
+        return {
+            "max_batch": self.max_batch,
+            "active": len(self.active),
+            "peak_active": self.peak_active,
+            "rounds": self.rounds,
+            "generated_tokens": self.generated_tokens,
+            "tokens_per_second": round(sum(recent) / _RATE_WINDOW_S, 2),
+            "requests": [
+                {
+                    "prompt_tokens": len(a.row.prompt),
+                    "prefilling": a.row.prefilling,
+                    "generated_tokens": a.job.generated_tokens,
+                    "tokens_per_second": round(a.job.generated_tokens / max(now - a.started, 1e-9), 2),
+                    "acceptance": round(a.row.acceptance, 3),  # accepted per verified draft token
+                }
+                for a in list(self.active)
+            ],
+        }
+
+    def abort(self, message: str) -> None:
+        super().abort(message)
+        error = APIError(503, message, type="server_error", code="server_shutting_down")
+        for job in [a.job for a in list(self.active)]:
+            job.cancel()
+            job.events.put(error)
+
+    # -- serving ------------------------------------------------------------------------------------
+
+    def serve_jobs(self) -> None:
+        """Admit, run a round, hand out its steps; until `stop()` and every admitted job is done."""
+        stopping = False
+        while True:
+            while not stopping and len(self.active) < self.max_batch:
+                try:
+                    # Idle: wait (waking now and then for signals); busy: only take what is there.
+                    job = self._jobs.get(timeout=_IDLE_POLL_S) if not self.active else self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                elif job.cancelled.is_set() or job.client_gone():
+                    job.cancel()  # its client left while it waited: it never starts
+                    self._finish(job)
+                else:
+                    self._admit(job)
+            if self.active:
+                self._round()
+            elif stopping:
+                return
+
+    def _finish(self, job: Job) -> None:
+        job.done.set()
+        self.recent.append(job)
+
+    def _admit(self, job: Job) -> None:
+        request, cache = job.request, None
+        try:
+            tokenizer = self.model.tokenizer
+            prompt, options = request.prepare(tokenizer)
+            job.prompt_ids = prompt
+            if request.kind != "text":
+                job.reader = OutputCollector(request.tools.parser(tokenizer, prompt))
+            grammar = compile_request(self.model, options)
+            max_tokens = fit_max_tokens(len(prompt), options, *context_length(self.model, options))
+            options = dataclasses.replace(options, max_tokens=max_tokens)
+            cache = self.prompt_caches.checkout(prompt, speculative=options.speculation.speculative and self.speculative)
+            row = BatchRow(self.model, prompt, options, prompt_cache=cache, grammar=grammar, cancel=job.cancelled)
+            stream = stream_rounds(self.model, prompt, row.steps(), options=options, prompt_cache=cache)
+        # The worker is the boundary of one request: its own mistakes are its 400, the batch runs on.
+        except Exception as err:  # noqa: BLE001
+            failed = fail_job(job, err)
+            self.prompt_caches.checkin(cache, reusable=not failed)
+            self._finish(job)
+            return
+        self.active.append(_Active(job=job, row=row, stream=stream, cache=cache, started=time.monotonic()))
+        self.peak_active = max(self.peak_active, len(self.active))
+
+    def _round(self) -> None:
+        for active in [a for a in self.active if a.job.cancelled.is_set()]:
+            self._retire(active)  # between rounds every row's caches are consistent: reusable
+        if not self.active:
+            return
+        try:
+            batch_round(self.model, [a.row for a in self.active], draft_cap=self.draft_cap, prefill_chunk=self.prefill_chunk)
+        # A failure inside the shared forward cannot be pinned on one request: all of them get the 500.
+        except Exception as err:  # noqa: BLE001
+            for active in list(self.active):
+                fail_job(active.job, err)
+                self._retire(active, reusable=False)
+            return
+        self.rounds += 1
+        produced = 0
+        for active in list(self.active):
+            job = active.job
+            try:
+                while active.row.rounds and job.finish_reason is None:
+                    step = next(active.stream)
+                    job.steps += 1
+                    job.generated_tokens = step.generation_tokens
+                    job.finish_reason = step.finish_reason
+                    produced += len(step.tokens)
+                    job.events.put(step)
+            except Exception as err:  # noqa: BLE001  (the detokenizer, the output parser: this request's)
+                self._retire(active, reusable=not fail_job(job, err))
+                continue
+            if job.finish_reason is not None:
+                self._retire(active)
+        self.generated_tokens += produced
+        now = time.monotonic()
+        self._rate.append((now, produced))
+        while self._rate and now - self._rate[0][0] > _RATE_WINDOW_S:
+            self._rate.popleft()
+
+    def _retire(self, active: _Active, *, reusable: bool = True) -> None:
+        self.active.remove(active)
+        active.stream.close()
+        self.prompt_caches.checkin(active.cache, reusable=reusable)
+        self._finish(active.job)
+        job = active.job
+        log.info(
+            "%s request: %d generated tokens, finish=%s, acceptance %.2f%s",
+            job.request.kind, job.generated_tokens, job.finish_reason, active.row.acceptance,
+            " (client gone, stopped)" if job.cancelled.is_set() else "",
+        )  # fmt: skip
