@@ -15,7 +15,7 @@ import mlx_dspark
 from mlx_dspark.bench.runner import RunSettings, prepare_model
 from mlx_dspark.engine.propose import DraftProposer, Proposal
 from mlx_dspark.models import mlx_lm_target
-from mlx_dspark.testing.mlx_lm_tiny import MLX_LM_FAMILIES, write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_tiny import HYBRID_FAMILIES, MLX_LM_FAMILIES, write_tiny_mlx_lm_target
 from mlx_dspark.testing.tiny import write_tiny_draft
 
 PROMPT = [1, 5, 9, 20, 33, 7, 100, 250, 3, 64, 17, 42]
@@ -87,6 +87,30 @@ def test_greedy_speculation_is_mlx_lms_generate_with_partial_acceptances(pair):
     # and the real draft alone (random weights) still gives mlx-lm's tokens
     plain_draft = mlx_dspark.generate(loaded, PROMPT, max_tokens=40)
     assert plain_draft.tokens == reference[:40]
+
+
+def test_prompt_cache_serves_the_next_turn_exactly(pair):
+    _, target, draft = pair
+    loaded = prepare_model(mlx_dspark.load(str(target), str(draft)), RunSettings(ignore_eos=True))
+    cache = mlx_dspark.make_prompt_cache(loaded)
+    first = mlx_dspark.generate(loaded, PROMPT, max_tokens=30, prompt_cache=cache)
+    follow_up = PROMPT + first.tokens + [11, 12, 13]
+    warm = mlx_dspark.generate(loaded, follow_up, max_tokens=30, prompt_cache=cache)
+    assert warm.cached_tokens >= len(PROMPT) + 29
+    assert warm.tokens == mlx_dspark.generate(loaded, follow_up, max_tokens=30).tokens
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_hybrid_targets_load_and_their_plain_decoding_is_mlx_lms_generate(tmp_path, family):
+    """qwen3_5 (under its multimodal wrapper), lfm2, nemotron_h: the probe passes and the tapped forward
+    is mlx-lm's; speculation on them needs their recurrent caches rolled back (models/cache.trim_caches)."""
+    target = write_tiny_mlx_lm_target(tmp_path / family, family=family)
+    loaded = prepare_model(mlx_dspark.load(str(target)), RunSettings(ignore_eos=True))
+    assert loaded.target.args.hidden_size == 128 and loaded.target.args.num_hidden_layers == 4
+    assert mlx_dspark.generate(loaded, PROMPT, max_tokens=40, speculative=False).tokens == mlx_lm_greedy(target, PROMPT, 40)
+    cache = loaded.target.make_cache()
+    logits, features = loaded.target(mx.array([PROMPT]), cache=cache, tap_ids=(0, 2))
+    assert features.shape == (1, len(PROMPT), 256) and logits.shape == (1, len(PROMPT), 384)
 
 
 def test_features_are_the_decoder_layers_outputs(tmp_path):

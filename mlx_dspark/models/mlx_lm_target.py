@@ -120,21 +120,19 @@ class MLXLMTarget:
         layers = getattr(self, "layers", None)
         if not isinstance(layers, list) or not layers:
             self._refuse("it has no `layers` list")
-        names = [k for k, c in self.children().items() if isinstance(c, nn.Module) and _holds(c, layers[0])]
-        if len(names) != 1:
-            self._refuse("no single child module holds its decoder layers")
-        self._backbone_name = names[0]  # a name, not the module: a second path to it would enter the tree
+        # The backbone: the module that holds the layer list and runs it (under a multimodal wrapper's
+        # language model, too). Kept outside the parameter tree: a second path to it would enter it.
+        holders = [m for _, m in self.named_modules() if any(_lists(v, layers[0]) for v in m.values())]
+        if len(holders) != 1:
+            self._refuse("no single module holds its decoder layers")
+        object.__setattr__(self, "_backbone", holders[0])
         self._capture = Capture(len(layers))
         subclasses: dict[type, type] = {}
         for i, layer in enumerate(layers):
             _record_through(layer, _recording_layer_call, self._capture, subclasses)
             layer._dspark_index = i
         _record_through(self._backbone, _recording_backbone_call, self._capture, subclasses)
-        _complete_args(self.args, num_layers=len(layers), untied=hasattr(self, "lm_head"))
-
-    @property
-    def _backbone(self) -> nn.Module:
-        return self[self._backbone_name]
+        _complete_args(self, num_layers=len(layers))
 
     def _refuse(self, why: str) -> None:
         raise ValueError(
@@ -210,16 +208,29 @@ class MLXLMTarget:
         return logits, gather_taps(taps, tap_ids, taps[tap_ids[0]].dtype)
 
 
-def _holds(module: nn.Module, target: nn.Module) -> bool:
-    return any(m is target for _, m in module.named_modules())
+def _lists(value: Any, layer: nn.Module) -> bool:
+    return isinstance(value, list) and any(item is layer for item in value)
 
 
-def _complete_args(args: Any, *, num_layers: int, untied: bool) -> None:
-    """The contract's `args` fields, added where mlx-lm's ModelArgs names them otherwise or not at all."""
+def _complete_args(model: nn.Module, *, num_layers: int) -> None:
+    """The contract's `args` fields on mlx-lm's ModelArgs where it names them otherwise or not at all:
+    a multimodal wrapper's text fields come from its language model's args."""
+    args = model.args
+    text = next(
+        (a for a in [args] + [getattr(m, "args", None) for _, m in model.named_modules()]
+         if getattr(a, "hidden_size", None) is not None and getattr(a, "vocab_size", None) is not None),
+        None,
+    )  # fmt: skip
+    if text is None:
+        model._refuse("its args name no hidden_size / vocab_size")
+    for name in ("hidden_size", "vocab_size"):
+        if getattr(args, name, None) is None:
+            setattr(args, name, getattr(text, name))
     if getattr(args, "num_hidden_layers", None) is None:
         args.num_hidden_layers = num_layers
     if getattr(args, "tie_word_embeddings", None) is None:
-        args.tie_word_embeddings = not untied
+        tied = getattr(text, "tie_word_embeddings", None)
+        args.tie_word_embeddings = tied if tied is not None else not any(p.endswith("lm_head") for p, _ in model.named_modules())
 
 
 def mlx_lm_classes(config: dict, *, source: str = "config.json") -> tuple[type, type]:

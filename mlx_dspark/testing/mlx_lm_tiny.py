@@ -20,6 +20,10 @@ from mlx_dspark.testing.tiny import save_hf_weights
 from mlx_dspark.testing.tiny_tokenizer import VOCAB_SIZE, _write_json, write_tokenizer
 
 MLX_LM_FAMILIES = ("llama", "gemma4_text", "qwen3_moe")
+# Hybrids (recurrent / convolution state beside attention), written in mlx-lm's own layout (its
+# parameter names, which its `sanitize` leaves as they are): their HF layouts differ in ways only
+# mlx-lm's sanitize knows (norm offsets, conv axes).
+HYBRID_FAMILIES = ("qwen3_5", "lfm2", "nemotron_h")
 
 
 def _base(ids: dict[str, Any]) -> dict[str, Any]:
@@ -62,8 +66,24 @@ def tiny_mlx_lm_config(family: str, ids: dict[str, Any], **overrides: Any) -> di
         config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu", rope_theta=10000.0,
                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                       moe_intermediate_size=128, norm_topk_prob=True, tie_word_embeddings=False, rope_scaling=None)  # fmt: skip
+    elif family == "qwen3_5":  # 2 GatedDeltaNet + 2 full-attention layers, under the multimodal wrapper
+        text = {k: config.pop(k) for k in list(config) if k not in ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "torch_dtype")}
+        text.update(model_type="qwen3_5_text", linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+                    linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=2, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0, "partial_rotary_factor": 0.25})  # fmt: skip
+        config.update(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5", text_config=text, tie_word_embeddings=False)
+    elif family == "lfm2":  # short convolutions + attention
+        config.update(architectures=["Lfm2ForCausalLM"], model_type="lfm2", norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+                      block_dim=128, block_multiple_of=32, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
+                      block_ff_dim=256, rope_theta=10000.0, tie_word_embeddings=True,
+                      layer_types=["conv", "full_attention", "conv", "full_attention"])  # fmt: skip
+    elif family == "nemotron_h":  # Mamba-2 + attention + MLP blocks
+        config.update(architectures=["NemotronHForCausalLM"], model_type="nemotron_h", attention_bias=False, mamba_num_heads=4,
+                      mamba_head_dim=32, mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=1, mlp_bias=False,
+                      layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, tie_word_embeddings=False,
+                      layers_block_type=["mamba", "mlp", "attention", "mlp"])  # fmt: skip
     else:
-        raise ValueError(f"family {family!r} is not one of {MLX_LM_FAMILIES}")
+        raise ValueError(f"family {family!r} is not one of {MLX_LM_FAMILIES + HYBRID_FAMILIES}")
     config.update(overrides)
     return dict(sorted(config.items()))
 
