@@ -172,6 +172,10 @@ def test_bad_targets_are_one_line_naming_the_field(tmp_path):
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"config.json: field 'model_type' is missing"):
         mlx_dspark.load(str(target))
+    config.update(model_type="llama")
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: kv_bits applies to our own spark2_5 / qwen3 targets; model_type 'llama'"):
+        mlx_dspark.load(str(target), kv_bits=8)
 
 
 def test_a_draft_that_does_not_fit_the_target_is_refused(tmp_path):

@@ -176,6 +176,11 @@ def load(
         raise ValueError("draft_vocab_file needs draft_vocab (K, the number of ranked tokens the draft scores)")
     target_path = resolve_path(target, role="target")
     target_checkpoint = read_checkpoint(target_path, role="target")
+    if kv_bits is not None and runs_on_mlx_lm(target_checkpoint.config):
+        raise ValueError(
+            f"{target_checkpoint.config_source}: kv_bits applies to our own spark2_5 / qwen3 targets; model_type "
+            f"{target_checkpoint.config.get('model_type')!r} runs on mlx-lm's own model and caches (load it without kv_bits)"
+        )
     target_model = build_target(target_checkpoint, dtype=mx_dtype)
     check_finite_weights(target_model, what=f"target ({target_path})")
     if quantize is not None and "quantization" in target_checkpoint.config:
@@ -208,11 +213,6 @@ def load(
     mx.eval(target_model.parameters())
     if is_mlx_lm_target(target_model):
         probe_target(target_model)  # our forward must give mlx-lm's own logits, or the target is refused
-        if kv_bits is not None:
-            raise ValueError(
-                f"kv_bits applies to our own spark2_5 / qwen3 targets; {target_model.mlx_lm_model_type!r} "
-                "runs mlx-lm's own caches (load it without kv_bits)"
-            )
     if kv_bits is not None:
         kv_group_size(target_model.args.head_dim)  # a head_dim the caches cannot group is refused here, not mid-prefill
         target_model.kv_bits = kv_bits  # read by make_cache: the full-attention layers' caches

@@ -268,7 +268,10 @@ def from_config(config: dict, *, source: str = "config.json", model_class: Optio
     clashes = [n for n in CONTRACT_NAMES if hasattr(model_class, n)]
     if clashes:
         raise ValueError(f"{source}: model_type {config['model_type']!r}: mlx-lm's model already defines {clashes}, names the target contract uses")
-    model = target_class(model_class)(args_class.from_dict(config))
+    try:
+        model = target_class(model_class)(args_class.from_dict(config))
+    except AttributeError as e:  # its __init__ assigns a name our contract defines as a property
+        raise ValueError(f"{source}: model_type {config['model_type']!r}: mlx-lm's model does not fit the target contract: {e}") from None
     clashes = [n for n in CONTRACT_NAMES if n in model]
     if clashes:
         raise ValueError(f"{source}: model_type {config['model_type']!r}: mlx-lm's model holds {clashes}, names the target contract uses")
@@ -282,50 +285,59 @@ def is_mlx_lm_target(model: Any) -> bool:
 def probe_target(model: MLXLMTarget, *, length: int = 6) -> None:
     """Check on a short probe prompt that our forward gives the model's own logits and well-formed
     features; ValueError naming the model_type otherwise (see the module docstring)."""
-    n, vocab = model.args.num_hidden_layers, model.args.vocab_size
+    vocab = model.args.vocab_size
     ids = mx.array([[(7 + 31 * i) % vocab for i in range(length)]], dtype=mx.int32)
     model._capture.start("off")
-    reference = super(MLXLMTarget, model).__call__(ids)  # mlx-lm's own forward, nothing recorded
-    taps = tuple(range(-1, n - 1))
-    capture = model._capture
-    capture.start("forward", tap_ids=taps)
     try:
-        logits = super(MLXLMTarget, model).__call__(ids)
-        calls, bad, final, recorded = list(capture.calls), capture.bad_output, capture.final, dict(capture.taps)
-    finally:
-        capture.start("off")
-    problems = []
-    if bad:
-        problems.append(f"a decoder layer's output is not a hidden state ({bad})")
-    if calls != [1] * n:
-        problems.append(f"its layers are not each called once per forward (calls per layer: {calls})")
-    hidden = model.args.hidden_size
-    if not problems:
-        shapes = {i: tuple(t.shape) for i, t in recorded.items() if tuple(t.shape) != (1, length, hidden)}
-        if shapes:
-            problems.append(f"tapped outputs are not (1, {length}, {hidden}) hidden states: {shapes}")
-        if final is None or tuple(final.shape) != (1, length, hidden):
-            problems.append(f"its backbone returns {None if final is None else tuple(final.shape)}, not the final hidden state")
-        elif not _same(model.lm_head_logits(final), reference):
-            problems.append("its logits are not a function of the final hidden state alone (mlx-lm's head on it differs)")
-        if not _same(logits, reference):
-            problems.append("the recorded forward's logits differ from its own __call__")
-        else:
-            try:
-                embedded = model.embed(ids)
-            except ValueError as e:
-                problems.append(str(e))
-            else:
-                if -1 in recorded and not _same(embedded, recorded[-1]):
-                    problems.append("its embedding output is not layer 0's input")
-            last, _ = model(ids, last_only=True)
-            if not mx.allclose(last, reference[:, -1:], rtol=1e-5, atol=1e-5).item():
-                problems.append("the last position's logits alone differ from the full forward's")
+        reference = super(MLXLMTarget, model).__call__(ids)  # mlx-lm's own forward, nothing recorded
+        mx.eval(reference)
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(
+            f"model_type {model.mlx_lm_model_type!r}: mlx-lm's own forward fails on a probe prompt here "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    try:
+        problems = _probe_problems(model, ids, reference)
+    except (ValueError, RuntimeError, TypeError, IndexError) as e:  # mlx-lm's code failing under the recording
+        problems = [f"its forward fails when recorded ({type(e).__name__}: {e})"]
     if problems:
         raise ValueError(
             f"model_type {model.mlx_lm_model_type!r}: our forward does not reproduce mlx-lm's own model, so it is "
             "not used as a DSpark target: " + "; ".join(problems)
         )
+
+
+def _probe_problems(model: MLXLMTarget, ids: mx.array, reference: mx.array) -> list[str]:
+    n, hidden, length = model.args.num_hidden_layers, model.args.hidden_size, ids.shape[1]
+    capture = model._capture
+    capture.start("forward", tap_ids=tuple(range(-1, n - 1)))
+    try:
+        logits = super(MLXLMTarget, model).__call__(ids)
+        calls, bad, final, recorded = list(capture.calls), capture.bad_output, capture.final, dict(capture.taps)
+    finally:
+        capture.start("off")
+    if bad:
+        return [f"a decoder layer's output is not a hidden state ({bad})"]
+    if calls != [1] * n:
+        return [f"its layers are not each called once per forward (calls per layer: {calls})"]
+    problems = []
+    shapes = {i: tuple(t.shape) for i, t in recorded.items() if tuple(t.shape) != (1, length, hidden)}
+    if shapes:
+        problems.append(f"tapped outputs are not (1, {length}, {hidden}) hidden states: {shapes}")
+    if final is None or tuple(final.shape) != (1, length, hidden):
+        problems.append(f"its backbone returns {None if final is None else tuple(final.shape)}, not the final hidden state")
+    elif not _same(model.lm_head_logits(final), reference):
+        problems.append("its logits are not a function of the final hidden state alone (mlx-lm's head on it differs)")
+    if not _same(logits, reference):
+        problems.append("the recorded forward's logits differ from its own __call__")
+    if problems:
+        return problems
+    if not _same(model.embed(ids), recorded[-1]):
+        problems.append("its embedding output is not layer 0's input")
+    last, _ = model(ids, last_only=True)
+    if not mx.allclose(last, reference[:, -1:], rtol=1e-5, atol=1e-5).item():
+        problems.append("the last position's logits alone differ from the full forward's")
+    return problems
 
 
 def _same(a: mx.array, b: mx.array) -> bool:
