@@ -9,8 +9,8 @@ boundaries, the same way for every family:
   output after any scale the model applies): after construction each layer becomes an instance of a
   subclass of its own class whose `__call__` calls the original and records (no library code changes;
   parameter paths are untouched, so loading and quantization see the checkpoint's names);
-- the module the model calls for its hidden states (its backbone: the child holding the layers)
-  records its output (the final normed hidden state) and, for `lm_head_logits(h)`, returns the given
+- the module the model calls for its hidden states (its backbone: the module holding the layer list,
+  under a multimodal wrapper's language model too) records its output (the final normed hidden state) and, for `lm_head_logits(h)`, returns the given
   `h` so that mlx-lm's own head code (tied / untied head, softcap, logit scaling) computes the logits.
 
 `probe_target` runs at load: a model whose forward cannot be taken apart this way (a layer not called
@@ -169,7 +169,7 @@ class MLXLMTarget:
         """The embedding output layer 0 receives (mlx-lm's scales applied), by mlx-lm's own code."""
         self._capture.start("embed")
         try:
-            self._backbone(ids)
+            super().__call__(ids)  # mlx-lm's own call, stopped as layer 0 is entered
         except _StopAtFirstLayer:
             embedded, self._capture.embedding = self._capture.embedding, None
             return embedded
@@ -291,14 +291,14 @@ def probe_target(model: MLXLMTarget, *, length: int = 6) -> None:
     try:
         reference = super(MLXLMTarget, model).__call__(ids)  # mlx-lm's own forward, nothing recorded
         mx.eval(reference)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, TypeError, IndexError, KeyError) as e:
         raise ValueError(
             f"model_type {model.mlx_lm_model_type!r}: mlx-lm's own forward fails on a probe prompt here "
             f"({type(e).__name__}: {e})"
         ) from None
     try:
         problems = _probe_problems(model, ids, reference)
-    except (ValueError, RuntimeError, TypeError, IndexError) as e:  # mlx-lm's code failing under the recording
+    except (ValueError, RuntimeError, TypeError, IndexError, KeyError) as e:  # mlx-lm's code failing under the recording
         problems = [f"its forward fails when recorded ({type(e).__name__}: {e})"]
     if problems:
         raise ValueError(
