@@ -113,6 +113,18 @@ def test_hybrid_targets_load_and_their_plain_decoding_is_mlx_lms_generate(tmp_pa
     assert features.shape == (1, len(PROMPT), 256) and logits.shape == (1, len(PROMPT), 384)
 
 
+def test_a_drafts_head_copy_is_compared_with_a_wrapped_models_head(tmp_path):
+    """qwen3_5 keeps its untied head under language_model: a draft's lm_head copy is checked against it."""
+    from mlx_dspark.loading.pair import check_shared_tensors
+
+    target = mlx_dspark.load(str(write_tiny_mlx_lm_target(tmp_path / "q", family="qwen3_5"))).target
+    head = target.language_model.lm_head.weight
+    assert target.output_head is target.language_model.lm_head
+    assert check_shared_tensors({"lm_head.weight": head, "embed_tokens.weight": target.embedding.weight}, target, draft_source="d") == {}
+    with pytest.raises(ValueError, match="'lm_head.weight' differs from the target's head"):
+        check_shared_tensors({"lm_head.weight": head + 0.5}, target, draft_source="d")
+
+
 def test_features_are_the_decoder_layers_outputs(tmp_path):
     """llama: the tapped features are each mlx-lm layer's output, run by hand here."""
     from mlx_lm.models.base import create_attention_mask

@@ -32,7 +32,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_dspark.models.base import check_tap_ids, gather_taps
 
 # Names of our contract that an mlx-lm model must not already use for something of its own.
-CONTRACT_NAMES = ("embed", "lm_head_logits", "embedding", "layer_types", "kv_bits", "mlx_lm_model_type")
+CONTRACT_NAMES = ("embed", "lm_head_logits", "embedding", "output_head", "layer_types", "kv_bits", "mlx_lm_model_type")
 
 
 class _StopAtFirstLayer(Exception):
@@ -155,6 +155,13 @@ class MLXLMTarget:
         if found is None:
             self._refuse("no input embedding found")
         return found
+
+    @property
+    def output_head(self) -> Optional[nn.Module]:
+        """The untied LM head module (under a wrapper's language model too); None when tied."""
+        if self.args.tie_word_embeddings:
+            return None
+        return next((m for p, m in self.named_modules() if p == "lm_head" or p.endswith(".lm_head")), None)
 
     def make_cache(self, *, max_rollback: int = 8) -> list[Any]:
         """mlx-lm's own caches for the model (its `make_cache`, else `make_prompt_cache`'s KV caches)."""
