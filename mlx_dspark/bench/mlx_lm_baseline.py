@@ -1,6 +1,7 @@
 """mlx-lm's own plain generation on the same weights: the baseline that keeps ours honest.
 
-qwen3 and spark2_5 targets (mlx-lm 0.32 ships both models) are loaded by `mlx_lm.load` with mlx-lm's own
+qwen3 and spark2_5 targets (mlx-lm 0.32 ships both models) and targets of any other family (which we
+run through mlx-lm's own model class, `models/mlx_lm_target.py`) are loaded by `mlx_lm.load` with mlx-lm's own
 model, cast to `--dtype` and, for `--quantize`, quantized by mlx-lm's own `quantize_model` (the same layers as our
 loader uses); a checkpoint stored quantized, a GGUF file (mlx-lm's loader reads directories) or another
 family runs our target module under mlx-lm's `generate_step` through `LogitsOnly`, so the loop is mlx-lm's
@@ -17,6 +18,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.options import SamplingOptions
+from mlx_dspark.models.mlx_lm_target import is_mlx_lm_target
 
 
 class LogitsOnly:
@@ -46,7 +48,8 @@ def make_mlx_lm_baseline(loaded: Any, *, dtype: str | None, quantize: int | None
     """mlx-lm's own model for float checkpoints of the families it ships; our target through `LogitsOnly` otherwise."""
     family = loaded.target_config.get("model_type")
     from_gguf = Path(loaded.target_path).suffix.lower() == ".gguf"
-    if family in MLX_LM_FAMILIES and "quantization" not in loaded.target_config and not from_gguf:
+    # a target we run through mlx-lm's own model class is mlx-lm's model, whatever its family
+    if (family in MLX_LM_FAMILIES or is_mlx_lm_target(loaded.target)) and "quantization" not in loaded.target_config and not from_gguf:
         import mlx_lm
         from mlx_lm.utils import quantize_model
 

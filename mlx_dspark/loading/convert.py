@@ -31,7 +31,8 @@ from mlx_dspark.loading.checkpoint import (
     resolve_path,
     weight_files,
 )
-from mlx_dspark.models import target_module
+from mlx_dspark.models import runs_on_mlx_lm, target_module
+from mlx_dspark.models.mlx_lm_target import from_config as mlx_lm_target_from_config
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_name, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.precision import DRAFT_SOURCE_PRECISION, check_quantize_options, parse_dtype, quant_predicate
@@ -54,6 +55,8 @@ def _skeleton(config: dict, files: list[Path], *, src: Path) -> tuple[nn.Module,
         family = layer_family(list(shapes), source=str(src))
         config = with_tensor_fields(config, shapes)
         return DSparkDraft(DraftArgs.from_dict(config, family=family, source=source)), "draft"
+    if runs_on_mlx_lm(config):
+        return mlx_lm_target_from_config(config, source=source), "target"
     module = target_module(config, source=source)
     return module.Model(module.ModelArgs.from_dict(config, source=source)), "target"
 
@@ -121,7 +124,13 @@ def convert(
 
     expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
     predicate = quant_predicate(model, group_size=q_group_size, keep=keep)
-    quant_modules = {path for path, m in model.named_modules() if predicate(path, m)} if quantize else set()
+    # module path -> its (group size, bits): the default, or the layer's own where the family gives one
+    quant_modules = {}
+    for path, m in model.named_modules() if quantize else ():
+        choice = predicate(path, m)
+        if choice:
+            own = choice if isinstance(choice, dict) else {}
+            quant_modules[path] = (own.get("group_size", q_group_size), own.get("bits", q_bits))
     _check_names(files, sanitize, expected, src=src, what=kind, keep_shared=kind == "draft" and keep_shared)
 
     dst.mkdir(parents=True, exist_ok=True)
@@ -137,7 +146,8 @@ def convert(
                 array = array.astype(mx_dtype)
             module_path, _, leaf = name.rpartition(".")
             if leaf == "weight" and module_path in quant_modules:
-                qweight, scales, biases = mx.quantize(array, group_size=q_group_size, bits=q_bits)
+                group, bits = quant_modules[module_path]
+                qweight, scales, biases = mx.quantize(array, group_size=group, bits=bits)
                 for suffix, value in (("weight", qweight), ("scales", scales), ("biases", biases)):
                     writer.add(f"{module_path}.{suffix}", value)
                     written += 1
@@ -145,7 +155,8 @@ def convert(
                 writer.add(name, array)
                 written += 1
     shards = writer.finish()
-    write_config(config, dst, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, dtype=dtype)
+    own = {p: {"group_size": g, "bits": b} for p, (g, b) in quant_modules.items() if (g, b) != (q_group_size, q_bits)}
+    write_config(config, dst, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, dtype=dtype, per_layer=own)
     copied = [name for name in AUX_FILES if (src / name).is_file()]
     for name in copied:
         shutil.copyfile(src / name, dst / name)

@@ -20,7 +20,8 @@ import mlx.nn as nn
 
 from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint, resolve_path
 from mlx_dspark.models.finite import check_finite_weights
-from mlx_dspark.models import target_module
+from mlx_dspark.models import runs_on_mlx_lm, target_module
+from mlx_dspark.models.mlx_lm_target import from_config as mlx_lm_target_from_config, is_mlx_lm_target, probe_target
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.pair import check_shared_tensors, validate_pair
@@ -55,8 +56,11 @@ def build_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) ->
     config, source = checkpoint.config, checkpoint.config_source
     if is_draft_config(config):
         raise ValueError(f"{source}: this is a DSpark draft (it has target_layer_ids); pass it as draft=, with its target")
-    module = target_module(config, source=source)
-    model = module.Model(module.ModelArgs.from_dict(config, source=source))
+    if runs_on_mlx_lm(config):  # any other architecture: mlx-lm's own model of its model_type
+        model = mlx_lm_target_from_config(config, source=source)
+    else:
+        module = target_module(config, source=source)
+        model = module.Model(module.ModelArgs.from_dict(config, source=source))
     return fill_model(
         model, config, dict(checkpoint.weights), checkpoint.origin,
         source=str(checkpoint.path), what="target", dtype=checkpoint.default_dtype if dtype is None else dtype, config_name=Path(source).name,
@@ -172,6 +176,11 @@ def load(
         raise ValueError("draft_vocab_file needs draft_vocab (K, the number of ranked tokens the draft scores)")
     target_path = resolve_path(target, role="target")
     target_checkpoint = read_checkpoint(target_path, role="target")
+    if kv_bits is not None and runs_on_mlx_lm(target_checkpoint.config):
+        raise ValueError(
+            f"{target_checkpoint.config_source}: kv_bits applies to our own spark2_5 / qwen3 targets; model_type "
+            f"{target_checkpoint.config.get('model_type')!r} runs on mlx-lm's own model and caches (load it without kv_bits)"
+        )
     target_model = build_target(target_checkpoint, dtype=mx_dtype)
     check_finite_weights(target_model, what=f"target ({target_path})")
     if quantize is not None and "quantization" in target_checkpoint.config:
@@ -202,6 +211,8 @@ def load(
         nn.quantize(target_model, q_group_size, quantize, class_predicate=quant_predicate(target_model, group_size=q_group_size))
     target_model.eval()
     mx.eval(target_model.parameters())
+    if is_mlx_lm_target(target_model):
+        probe_target(target_model)  # our forward must give mlx-lm's own logits, or the target is refused
     if kv_bits is not None:
         kv_group_size(target_model.args.head_dim)  # a head_dim the caches cannot group is refused here, not mid-prefill
         target_model.kv_bits = kv_bits  # read by make_cache: the full-attention layers' caches

@@ -40,7 +40,10 @@ def clear_outputs(dst: Path) -> None:
             path.unlink()
 
 
-def write_config(config: dict, dst: Path, *, quantize: bool, q_bits: int, q_group_size: int, dtype: Optional[str]) -> None:
+def write_config(
+    config: dict, dst: Path, *, quantize: bool, q_bits: int, q_group_size: int, dtype: Optional[str], per_layer: Optional[dict] = None
+) -> None:
+    """config.json of a conversion; `per_layer`: module path -> its own {"group_size", "bits"} (as mlx-lm writes them)."""
     config = dict(config)
     if config.get("rope_is_neox_style") is False:
         config["rope_is_neox_style"] = True  # the draft's sanitize wrote q/k in rotate-half order
@@ -50,6 +53,6 @@ def write_config(config: dict, dst: Path, *, quantize: bool, q_bits: int, q_grou
             config["torch_dtype"] = dtype
     if quantize:
         # the block MLX / mlx-lm write; the loader quantizes exactly the layers that carry scales
-        config["quantization"] = {"group_size": q_group_size, "bits": q_bits, "mode": "affine"}
+        config["quantization"] = {"group_size": q_group_size, "bits": q_bits, "mode": "affine", **(per_layer or {})}
         config["quantization_config"] = dict(config["quantization"])
     (dst / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

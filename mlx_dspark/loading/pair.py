@@ -90,7 +90,10 @@ def check_shared_tensors(
                 f"type cannot be compared with the target's (supported: {', '.join(FLOAT_STORAGE + tuple(GGUF_COPY_STEPS))}); "
                 "use a draft file without the copy or with it in BF16"
             )
-        module = target.lm_head if kind == "head" and not target.args.tie_word_embeddings else target.embedding
+        module = target.embedding
+        if kind == "head" and not target.args.tie_word_embeddings:
+            # an mlx-lm target names its head module (a multimodal wrapper keeps it under its language model)
+            module = target.output_head if hasattr(type(target), "output_head") else target.lm_head
         quant = _quantization(module)
         reference = module.weight
         ref_shape = tuple(reference.shape) if quant is None else (reference.shape[0], quant[0].shape[1] * quant[2])

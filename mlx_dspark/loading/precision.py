@@ -40,16 +40,20 @@ def quantizable(path: str, module: nn.Module, *, group_size: int) -> bool:
 
 def quant_predicate(
     model: nn.Module, *, group_size: int, keep: tuple[str, ...] = ()
-) -> Callable[[str, nn.Module], bool]:
+) -> Callable[[str, nn.Module], bool | dict]:
     """mlx-lm's choice of layers to quantize: `quantizable` ones, minus those the model's family keeps
     in source precision (its `quant_predicate`, as mlx-lm's model of the family declares it) and the
-    modules under the `keep` prefixes."""
+    modules under the `keep` prefixes. A layer the family gives its own parameters gets that dict."""
     family = getattr(model, "quant_predicate", None)
 
-    def predicate(path: str, module: nn.Module) -> bool:
+    def predicate(path: str, module: nn.Module) -> bool | dict:
         if any(path == k or path.startswith(k + ".") for k in keep):
             return False
-        return quantizable(path, module, group_size=group_size) and (family is None or family(path, module))
+        if not quantizable(path, module, group_size=group_size):
+            return False
+        choice = True if family is None else family(path, module)
+        # mlx-lm's models may give a layer its own {"group_size", "bits"} (e.g. MoE routers at 8 bits)
+        return choice if isinstance(choice, dict) else bool(choice)
 
     return predicate
 

@@ -1,5 +1,6 @@
-"""Model families. A target's family comes from its config's `architectures` (never `model_type`); a
-DSpark draft's layer family comes from its tensors (`models/dspark_args.py`)."""
+"""Model families. A target's family comes from its config's `architectures` (never `model_type`): our
+own modules for the architectures below, mlx-lm's model of the config's `model_type` for any other
+(`models/mlx_lm_target.py`). A DSpark draft's layer family comes from its tensors (`models/dspark_args.py`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ def family_module(family: str) -> ModuleType:
     if family not in FAMILIES:
         raise ValueError(f"unknown layer family {family!r}; expected one of {list(FAMILIES)}")
     return importlib.import_module(f"mlx_dspark.models.{family}")
+
+
+def runs_on_mlx_lm(config: dict) -> bool:
+    """Whether a target config is run by mlx-lm's model of its `model_type` (architectures not ours)."""
+    architectures = config.get("architectures")
+    return not (isinstance(architectures, list) and architectures and architectures[0] in TARGET_ARCHITECTURES)
 
 
 def target_module(config: dict, *, source: str = "config.json") -> ModuleType:

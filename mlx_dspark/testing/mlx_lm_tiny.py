@@ -1,0 +1,144 @@
+"""Tiny random checkpoints of families we run through mlx-lm (`models/mlx_lm_target.py`), in the
+Hugging Face layout: config.json in the family's HF fields, safetensors under HF names, the tiny
+byte-level tokenizer (qwen3's specials and chat template; vocabulary 384).
+
+The tensor list comes from mlx-lm's own model of the config (its parameter names and shapes), turned
+back into HF names where mlx-lm's `sanitize` renames them (qwen3_moe's stacked experts), so a
+checkpoint is what a Hugging Face export of that architecture holds and loading goes through the
+family's real `sanitize`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlx_dspark.testing.tiny import save_hf_weights
+from mlx_dspark.testing.tiny_tokenizer import VOCAB_SIZE, _write_json, write_tokenizer
+
+MLX_LM_FAMILIES = ("llama", "gemma4_text", "qwen3_moe")
+# Hybrids (recurrent / convolution state beside attention), written in mlx-lm's own layout (its
+# parameter names, which its `sanitize` leaves as they are): their HF layouts differ in ways only
+# mlx-lm's sanitize knows (norm offsets, conv axes).
+HYBRID_FAMILIES = ("qwen3_5", "lfm2", "nemotron_h")
+
+
+def _base(ids: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "bos_token_id": ids["bos"],
+        "eos_token_id": ids["eos"],
+        "pad_token_id": ids["pad"],
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "vocab_size": VOCAB_SIZE,
+        "torch_dtype": "float32",
+        "transformers_version": "4.57.1",
+    }
+
+
+def tiny_mlx_lm_config(family: str, ids: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    """config.json of a tiny target of `family` (one of MLX_LM_FAMILIES) in its HF fields."""
+    config = _base(ids)
+    if family == "llama":  # MiniCPM5's architecture
+        config.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rope_theta=10000.0,
+                      attention_bias=False, mlp_bias=False, tie_word_embeddings=False)  # fmt: skip
+    elif family == "gemma4_text":
+        config.update(
+            architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", hidden_activation="gelu_pytorch_tanh",
+            global_head_dim=64, num_global_key_value_heads=1, num_kv_shared_layers=0, hidden_size_per_layer_input=0,
+            sliding_window=512, layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            final_logit_softcapping=30.0, use_double_wide_mlp=False, attention_k_eq_v=False, tie_word_embeddings=True,
+            rope_parameters={
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+                "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0, "rope_type": "default"},
+            },
+        )  # fmt: skip
+    elif family == "qwen3_moe":
+        config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu", rope_theta=10000.0,
+                      num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                      moe_intermediate_size=128, norm_topk_prob=True, tie_word_embeddings=False, rope_scaling=None)  # fmt: skip
+    elif family == "qwen3_5":  # 2 GatedDeltaNet + 2 full-attention layers, under the multimodal wrapper
+        text = {k: config.pop(k) for k in list(config) if k not in ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "torch_dtype")}
+        text.update(model_type="qwen3_5_text", linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+                    linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=2, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0, "partial_rotary_factor": 0.25})  # fmt: skip
+        config.update(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5", text_config=text, tie_word_embeddings=False)
+    elif family == "lfm2":  # short convolutions + attention
+        config.update(architectures=["Lfm2ForCausalLM"], model_type="lfm2", norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+                      block_dim=128, block_multiple_of=32, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
+                      block_ff_dim=256, rope_theta=10000.0, tie_word_embeddings=True,
+                      layer_types=["conv", "full_attention", "conv", "full_attention"])  # fmt: skip
+    elif family == "nemotron_h":  # Mamba-2 + attention + MLP blocks
+        config.update(architectures=["NemotronHForCausalLM"], model_type="nemotron_h", attention_bias=False, mamba_num_heads=4,
+                      mamba_head_dim=32, mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=1, mlp_bias=False,
+                      layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, tie_word_embeddings=False,
+                      layers_block_type=["mamba", "mlp", "attention", "mlp"])  # fmt: skip
+    else:
+        raise ValueError(f"family {family!r} is not one of {MLX_LM_FAMILIES + HYBRID_FAMILIES}")
+    config.update(overrides)
+    return dict(sorted(config.items()))
+
+
+def _random(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if "norm" in name or name.endswith("layer_scalar"):
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if "embed_tokens" in name:
+        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    if name == "lm_head.weight":
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith(".bias") or len(shape) == 1:
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)  # 1 / sqrt(fan_in)
+
+
+def _hf_names(family: str, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """mlx-lm's parameter names back to the HF checkpoint's (the inverse of the family's `sanitize`)."""
+    if family != "qwen3_moe":
+        return weights
+    out = {}
+    for name, value in weights.items():
+        if ".mlp.switch_mlp." in name:  # (experts, out, in) stacked -> one tensor per expert
+            prefix, proj = name.split(".mlp.switch_mlp.")
+            for e in range(value.shape[0]):
+                out[f"{prefix}.mlp.experts.{e}.{proj}"] = value[e]
+        else:
+            out[name] = value
+    return out
+
+
+def tiny_mlx_lm_weights(config: dict[str, Any], *, seed: int) -> dict[str, np.ndarray]:
+    """Random float32 weights under the HF names of the config's family."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    rng = np.random.default_rng(seed)
+    shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    weights = {k: _random(rng, k, shape) for k, shape in sorted(shapes.items())}
+    return dict(sorted(_hf_names(config["model_type"], weights).items()))
+
+
+def write_tiny_mlx_lm_target(path: str | Path, *, family: str, seed: int = 0, **overrides: Any) -> Path:
+    """Write a random tiny `family` target (config, weights, tokenizer) into `path`; return it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(path, family="qwen3")
+    config = tiny_mlx_lm_config(family, ids, **overrides)
+    _write_json(path / "config.json", config)
+    _write_json(path / "generation_config.json", {"bos_token_id": ids["bos"], "eos_token_id": ids["gen_eos"], "pad_token_id": ids["pad"]})
+    save_hf_weights(path, tiny_mlx_lm_weights(config, seed=seed))
+    return path
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
