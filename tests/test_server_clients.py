@@ -281,7 +281,10 @@ def slow_server(pair):
         yield srv
 
 
-def test_a_stream_starts_before_the_prefill_and_pings_while_it_runs(slow_server, caplog):
+def test_a_stream_starts_before_the_prefill_and_pings_while_it_runs(slow_server, caplog, monkeypatch):
+    from mlx_dspark.serve import anthropic
+
+    monkeypatch.setattr(anthropic, "TEXT_KEEPALIVE_S", 0.2)  # Claude Code's watchdog ignores pings: text deltas too
     prompts = [f"{i} " + "word " * 1500 for i in range(3)]  # each its own: a cached prompt has no prefill
     with caplog.at_level(logging.INFO, logger="mlx_dspark.server"):
         for path, body, first, ping in [
@@ -295,21 +298,28 @@ def test_a_stream_starts_before_the_prefill_and_pings_while_it_runs(slow_server,
             assert events[0][0] == first and (first or events[0][1]["choices"][0]["delta"]["role"] == "assistant")
             names = [name for name, _ in events]
             assert ping in names[1:], names[:5]
+            if path == "/v1/messages":
+                empty = [d for n, d in events if n == "content_block_delta" and d["delta"] == {"type": "text_delta", "text": ""}]
+                assert empty and names.index("content_block_start") < names.index("content_block_delta")
+                assert names.count("content_block_start") == names.count("content_block_stop")
     started = [r.getMessage() for r in caplog.records if "started" in r.getMessage()]
     assert any('"POST /v1/messages" started' in m for m in started)
 
 
 def test_a_client_that_leaves_during_the_prefill_cancels_it(slow_server):
     worker = slow_server.worker
-    before = len(worker.recent)
+    assert wait_for(lambda: not worker.busy and not worker.queued)
     conn, response = open_stream(slow_server, "/v1/messages", {"messages": [{"role": "user", "content": "gone " + "word " * 1500}],
                                                                "max_tokens": 2})
     assert response.status == 200
     assert response.readline().startswith(b"event: message_start")
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    assert wait_for(lambda: len(worker.recent) > before, timeout=30)
-    job = worker.recent[-1]
+    def gone_job():
+        return next((j for j in worker.recent if j.request.prompt[0]["content"].startswith("gone ")), None)
+
+    assert wait_for(lambda: gone_job() is not None, timeout=30)
+    job = gone_job()
     assert job.cancelled.is_set() and job.steps == 0  # stopped inside the prefill, before any token
 
 

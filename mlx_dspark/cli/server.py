@@ -71,6 +71,11 @@ def serve(
     tool_parser: Optional[str] = typer.Option(
         None, "--tool-parser", help="mlx-lm tool parser for the model's tool calls (e.g. json_tools, qwen3_coder); "
         "default: the one mlx-lm infers from the chat template."),
+    force_tool_call: Optional[str] = typer.Option(
+        None, "--force-tool-call", help="Trial aid for models too weak to call tools: a request that offers this "
+        "tool, leaves tool_choice to the model and ends with a user turn gets it as its forced, named choice."),
+    keepalive_s: float = typer.Option(10.0, "--keepalive-s", help="Seconds between keep-alives on a stream waiting "
+                                      "for its first token (Anthropic ping events, SSE comments)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
     allow_origin: list[str] = typer.Option([], "--allow-origin",
                                            help="Let web pages from this origin call the server (repeatable; '*' for any)."),
@@ -121,7 +126,8 @@ def serve(
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
                              max_body_bytes=max_body_bytes, allow_origins=allow_origin,
                              prompt_cache=prompt_cache,
-                             allow_template_kwargs=allow_template_kwarg)
+                             allow_template_kwargs=allow_template_kwarg, keepalive_s=keepalive_s,
+                             force_tool_call=force_tool_call)
     except ValueError as err:
         fail(str(err))
     except OSError as err:

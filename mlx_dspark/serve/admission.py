@@ -10,7 +10,10 @@ max_tokens on these), OpenAI's `context_length_exceeded` with its own wording.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+from mlx_dspark.chat_format.tools import ToolChoice
 
 from mlx_dspark.engine.context import ContextLengthError, context_length, fit_max_tokens
 from mlx_dspark.serve.errors import APIError
@@ -59,3 +62,19 @@ def admit(worker: Any, request: GenerationRequest) -> list[int]:
             raise APIError(400, str(err), code="invalid_prompt") from None
         raise
     return ids
+
+
+def force_tool_call(request: GenerationRequest, name: str) -> bool:
+    """`--force-tool-call NAME` (a trial aid for models too weak to call tools on their own): a request
+    that offers the tool NAME, leaves the choice to the model and whose last turn is the user's (not a
+    tool result: the turn after the call is the model's own) gets NAME as its named tool_choice."""
+    setup = request.tools
+    if setup.choice.mode != "auto" or name not in [t["function"]["name"] for t in setup.tools]:
+        return False
+    turns = [m for m in request.prompt if isinstance(m, dict) and m.get("role") != "system"] \
+        if isinstance(request.prompt, list) else []
+    if not turns or turns[-1].get("role") != "user":
+        return False
+    request.tools = dataclasses.replace(setup, choice=ToolChoice("named", name))
+    request.warnings.append(f"the server forced a call of {name!r} (--force-tool-call)")
+    return True

@@ -24,6 +24,7 @@ from mlx_dspark.serve.protocol import CLIENT_TEMPLATE_KWARGS, GenerationRequest,
 
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 _STOP_REASONS = {"length": "max_tokens"}
+TEXT_KEEPALIVE_S = 60.0  # a stream with no token yet after this long gets empty text deltas beside its pings
 # output_config.effort -> reasoning effort (the template's switch)
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
 
@@ -225,8 +226,20 @@ class AnthropicWriter:
         message["usage"]["input_tokens"] = prompt_tokens
         return [("message_start", {"type": "message_start", "message": message})]
 
-    def ping_event(self) -> tuple[str | None, Any]:
-        return "ping", {"type": "ping"}
+    def keepalive_events(self, waited_s: float) -> list[tuple[str, dict]]:
+        """A `ping`; once the wait passes `TEXT_KEEPALIVE_S`, an empty `text_delta` too (in a text block
+        opened for it, which the answer's text continues): Claude Code's stream watchdog (300 s) counts
+        every event but pings."""
+        events = [("ping", {"type": "ping"})]
+        if waited_s < TEXT_KEEPALIVE_S or self.tally.last is not None:
+            return events
+        if self._open is None:
+            self.blocks.append({"type": "text", "text": ""})
+            self._open = len(self.blocks) - 1
+            events.append(("content_block_start", {"type": "content_block_start", "index": self._open,
+                                                   "content_block": {"type": "text", "text": ""}}))
+        return events + [("content_block_delta", {"type": "content_block_delta", "index": self._open,
+                                                  "delta": {"type": "text_delta", "text": ""}})]
 
     def _events_for(self, kind: str, value: Any) -> list[tuple[str, dict]]:
         events = []

@@ -67,8 +67,10 @@ class DSparkHTTPServer(ThreadingHTTPServer):
         allow_origins: Sequence[str] = (),
         template_kwargs: frozenset[str] = CLIENT_TEMPLATE_KWARGS,
         keepalive_s: float = KEEPALIVE_S,
+        force_tool_call: str | None = None,
     ) -> None:
         self.worker = worker
+        self.force_tool_call = force_tool_call  # --force-tool-call: a trial aid for weak models
         self.keepalive_s = keepalive_s  # a stream waiting for its first token sends a keep-alive this often
         self.model_id = model_id
         self.defaults = defaults
@@ -239,6 +241,7 @@ def make_server(
     prompt_cache: PromptCacheBudget = PromptCacheBudget(),
     allow_template_kwargs: Sequence[str] = (),
     keepalive_s: float = KEEPALIVE_S,
+    force_tool_call: str | None = None,
 ) -> DSparkHTTPServer:
     """Bind the socket (port 0 picks a free one); call `.start()` to load and serve.
 
@@ -265,4 +268,5 @@ def make_server(
         allow_origins=[normalize_origin(o) for o in allow_origins],
         template_kwargs=template_kwargs,
         keepalive_s=keepalive_s,
+        force_tool_call=force_tool_call,
     )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
 
 from mlx_dspark.serve import anthropic, responses
-from mlx_dspark.serve.admission import admit
+from mlx_dspark.serve.admission import admit, force_tool_call
 from mlx_dspark.serve.errors import APIError
 from mlx_dspark.serve.openai_writer import OpenAIWriter
 from mlx_dspark.serve.protocol import parse_request
@@ -301,6 +301,8 @@ class Handler(AnswerWriting, BaseHTTPRequestHandler):
         model = body.get("model")
         if model is not None and model != self.server.model_id and kind != "anthropic":
             raise self._unknown_model(model)  # Anthropic clients name Claude models: one model answers them all
+        if self.server.force_tool_call and kind != "text":
+            force_tool_call(request, self.server.force_tool_call)
         prompt = admit(self.server.worker, request)  # a prompt that cannot run is a 400 before any byte of the answer
         log.info("%s request: %d prompt tokens%s", kind, len(prompt),
                  "".join(f"; warning: {w}" for w in request.warnings))
@@ -312,6 +314,7 @@ class Handler(AnswerWriting, BaseHTTPRequestHandler):
             else:
                 self._complete(job, writer)
         finally:
+            job.answered = writer.finished
             job.cancel()  # no-op once done; stops the generation when we leave early (or the answer ended)
 
     def _count_tokens(self) -> None:

@@ -75,8 +75,8 @@ class OpenAIWriter:
         self._first = False
         return [(None, self._chunk({"role": "assistant", "content": ""}))]
 
-    def ping_event(self) -> Event:
-        return None, None  # an SSE comment line
+    def keepalive_events(self, waited_s: float) -> list:
+        return []  # an SSE comment: the OpenAI streams have no keep-alive event of their own
 
     @property
     def reader(self) -> OutputCollector | None:

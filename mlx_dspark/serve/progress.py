@@ -32,9 +32,9 @@ class PrefillWatch:
         if self._steps() == 0 and self.prompt_tokens > self.step:
             self.chunks += 1
             now = time.monotonic()
-            if now - self._logged >= self._every_s:
+            done = min(self.prompt_tokens, (self.chunks - 1) * self.step)
+            if now - self._logged >= self._every_s and done < self.prompt_tokens:
                 self._logged = now
-                done = min(self.prompt_tokens, (self.chunks - 1) * self.step)
                 log.info("%s request: prefill at most %d of %d prompt tokens to go after %.0f s (%d chunks of %d done)",
                          self.kind, self.prompt_tokens - done, self.prompt_tokens, now - self._start, self.chunks - 1,
                          self.step)

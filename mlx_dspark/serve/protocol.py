@@ -88,9 +88,9 @@ class GenerationRequest:
         choice_field = "tool_choice"
         constraint = self.tools.constraint(tokenizer, field=choice_field)
         if constraint is not None:
-            if self.constraint_field is not None:
-                raise APIError(400, f"'{choice_field}' forces a tool call: it cannot be combined with '{self.constraint_field}'",
-                               param=choice_field, code="invalid_value")
+            if self.constraint_field is not None:  # the forced call is the answer: the format has nothing to shape
+                self.warnings.append(f"'{choice_field}' forces a tool call: '{self.constraint_field}' does not apply to "
+                                     "this answer")
             options = dataclasses.replace(options, constraint=constraint)
             self.constraint_field = choice_field
         return ids, options

@@ -216,8 +216,8 @@ class ResponsesWriter:
         return [self._event("response.created", response=self.response("in_progress")),
                 self._event("response.in_progress", response=self.response("in_progress"))]
 
-    def ping_event(self) -> tuple[str | None, Any]:
-        return None, None  # an SSE comment: the Responses stream has no keep-alive event of its own
+    def keepalive_events(self, waited_s: float) -> list:
+        return []  # an SSE comment: the OpenAI streams have no keep-alive event of their own
 
     def _event(self, kind: str, **payload: Any) -> tuple[str, dict]:
         self._sequence += 1

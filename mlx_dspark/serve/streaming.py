@@ -3,7 +3,8 @@
 A stream's headers and first event (`message_start`, `response.created`, the chat role chunk) go out
 before the prefill, and while no token comes a keep-alive goes out every `keepalive_s` (Anthropic's
 `ping` event, an SSE comment for the OpenAI protocols), so clients with a first-byte or idle timeout
-keep waiting on a long prompt; writing to a client that left raises, which cancels the job (as the
+keep waiting on a long prompt (Claude Code's watchdog ignores pings: after a minute its stream also
+gets empty text deltas); writing to a client that left raises, which cancels the job (as the
 handler's poll of the socket does between writes). A writer whose answer is complete before the
 generation ends (the one call a named choice allows) stops reading the job; the handler cancels it.
 """
@@ -50,12 +51,13 @@ class AnswerWriting:
             nonlocal pings
             pings += 1
             if job.steps == 0 and pings % 3 == 1:
-                log.info("%s request: waiting for the first token for %.0f s (a %d-token prompt)", writer.request.kind,
-                         time.monotonic() - started, prompt_tokens)
-            name, payload = writer.ping_event()
-            if payload is None:
+                where = "running" if self.server.worker.current is job else "queued behind another request"
+                log.info("%s request: no token yet after %.0f s, %s (a %d-token prompt)", writer.request.kind,
+                         time.monotonic() - started, where, prompt_tokens)
+            events = writer.keepalive_events(time.monotonic() - started)
+            if not events:
                 self._write_chunk(b": keep-alive\n\n")
-            else:
+            for name, payload in events:
                 self._send_event(payload, name)
 
         try:

@@ -49,6 +49,7 @@ class Job:
     # chat-like surfaces: the reader of the output, set before the first step (the handler's writer reads it)
     reader: OutputCollector | None = None
     prompt_ids: list[int] | None = None
+    answered: bool = False  # the handler's answer was complete before the generation ended (it cancels the rest)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -272,5 +273,6 @@ class ModelWorker:
             self.prompt_caches.checkin(cache, reusable=not failed)  # a failed generation's caches are dropped
         log.info(
             "%s request: %d generated tokens, finish=%s%s",
-            request.kind, job.generated_tokens, job.finish_reason, " (client gone, stopped)" if job.cancelled.is_set() else "",
+            request.kind, job.generated_tokens, job.finish_reason,
+            " (its one tool call complete, stopped)" if job.answered else " (client gone, stopped)" if job.cancelled.is_set() else "",
         )
