@@ -344,3 +344,32 @@ def test_head_and_get_of_the_base_url_answer(server):
     assert call(server, "HEAD", "/")[0] == 200
     status, _, body = call(server, "GET", "/")
     assert status == 200 and "/v1/messages" in body["endpoints"]
+
+
+def test_force_tool_call_names_the_tool_only_when_the_user_spoke_last():
+    from mlx_dspark.chat_format.tools import ToolChoice
+    from mlx_dspark.serve import fields
+    from mlx_dspark.serve.admission import force_tool_call
+    from mlx_dspark.serve.protocol import GenerationRequest
+
+    setup = fields.tool_setup([{"type": "function", "function": {"name": "TaskList"}}], None, None)
+    asked = [{"role": "user", "content": "x"}, {"role": "system", "content": "a note"}]
+    request = GenerationRequest(kind="anthropic", prompt=asked, options=GenerationOptions(), tools=setup)
+    assert force_tool_call(request, "TaskList") and request.tools.choice == ToolChoice("named", "TaskList")
+    assert "--force-tool-call" in request.warnings[0]
+    answered = asked + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+                         "function": {"name": "TaskList", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c", "content": "[]"}]
+    for prompt, name in ((answered, "TaskList"), (asked, "Other")):
+        request = GenerationRequest(kind="anthropic", prompt=prompt, options=GenerationOptions(), tools=setup)
+        assert not force_tool_call(request, name) and request.tools.choice.mode == "auto"
+
+
+def test_a_forced_call_with_a_response_format_answers_with_the_call(server):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
+    status, _, answer = call(server, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Weather?"}], "tools": tools, "max_tokens": 300,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}})
+    assert status == 200, answer
+    assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    assert any("'response_format' does not apply" in w for w in answer["dspark"]["warnings"])
