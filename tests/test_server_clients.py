@@ -284,7 +284,10 @@ def slow_server(pair):
 def test_a_stream_starts_before_the_prefill_and_pings_while_it_runs(slow_server, caplog, monkeypatch):
     from mlx_dspark.serve import anthropic
 
-    monkeypatch.setattr(anthropic, "TEXT_KEEPALIVE_S", 0.2)  # Claude Code's watchdog ignores pings: text deltas too
+    from mlx_dspark.serve import responses
+
+    monkeypatch.setattr(anthropic, "TEXT_KEEPALIVE_S", 0.5)  # Claude Code's watchdog ignores pings: text deltas too
+    monkeypatch.setattr(responses, "KEEPALIVE_EVENT_S", 0.5)  # Codex's ignores comments: in_progress events too
     prompts = [f"{i} " + "word " * 1500 for i in range(3)]  # each its own: a cached prompt has no prefill
     with caplog.at_level(logging.INFO, logger="mlx_dspark.server"):
         for path, body, first, ping in [
@@ -302,6 +305,9 @@ def test_a_stream_starts_before_the_prefill_and_pings_while_it_runs(slow_server,
                 empty = [d for n, d in events if n == "content_block_delta" and d["delta"] == {"type": "text_delta", "text": ""}]
                 assert empty and names.index("content_block_start") < names.index("content_block_delta")
                 assert names.count("content_block_start") == names.count("content_block_stop")
+            if path == "/v1/responses":
+                assert names.count("response.in_progress") > 1
+                assert [d["sequence_number"] for n, d in events if n != ":"] == list(range(len(names) - names.count(":")))
     started = [r.getMessage() for r in caplog.records if "started" in r.getMessage()]
     assert any('"POST /v1/messages" started' in m for m in started)
 

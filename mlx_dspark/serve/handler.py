@@ -314,7 +314,7 @@ class Handler(AnswerWriting, BaseHTTPRequestHandler):
             else:
                 self._complete(job, writer)
         finally:
-            job.answered = writer.finished
+            job.answered = bool(getattr(job.reader, "ended", False))  # its one call was the whole answer
             job.cancel()  # no-op once done; stops the generation when we leave early (or the answer ended)
 
     def _count_tokens(self) -> None:

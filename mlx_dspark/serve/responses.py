@@ -22,6 +22,7 @@ from mlx_dspark.serve import fields
 from mlx_dspark.serve.errors import APIError, bad_value
 from mlx_dspark.serve.protocol import CLIENT_TEMPLATE_KWARGS, GenerationRequest, Tally, note_cut_call, request_options
 
+KEEPALIVE_EVENT_S = 60.0  # a stream with no token yet after this long gets events, not only comments
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
@@ -217,7 +218,11 @@ class ResponsesWriter:
                 self._event("response.in_progress", response=self.response("in_progress"))]
 
     def keepalive_events(self, waited_s: float) -> list:
-        return []  # an SSE comment: the OpenAI streams have no keep-alive event of their own
+        """An SSE comment; once the wait passes a minute, `response.in_progress` again: Codex's stream idle
+        timeout (300 s) counts events, not comments."""
+        if waited_s < KEEPALIVE_EVENT_S or self.tally.last is not None:
+            return []
+        return [self._event("response.in_progress", response=self.response("in_progress"))]
 
     def _event(self, kind: str, **payload: Any) -> tuple[str, dict]:
         self._sequence += 1
