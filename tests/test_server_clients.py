@@ -365,7 +365,8 @@ def test_force_tool_call_names_the_tool_only_when_the_user_spoke_last():
     assert "--force-tool-call" in request.warnings[0]
     answered = asked + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
                          "function": {"name": "TaskList", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c", "content": "[]"}]
-    for prompt, name in ((answered, "TaskList"), (asked, "Other")):
+    resumed = answered + [{"role": "user", "content": "go on"}]  # a later user turn: the model's own
+    for prompt, name in ((answered, "TaskList"), (resumed, "TaskList"), (asked, "Other")):
         request = GenerationRequest(kind="anthropic", prompt=prompt, options=GenerationOptions(), tools=setup)
         assert not force_tool_call(request, name) and request.tools.choice.mode == "auto"
 

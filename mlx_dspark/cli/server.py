@@ -72,8 +72,8 @@ def serve(
         None, "--tool-parser", help="mlx-lm tool parser for the model's tool calls (e.g. json_tools, qwen3_coder); "
         "default: the one mlx-lm infers from the chat template."),
     force_tool_call: Optional[str] = typer.Option(
-        None, "--force-tool-call", help="Trial aid for models too weak to call tools: a request that offers this "
-        "tool, leaves tool_choice to the model and ends with a user turn gets it as its forced, named choice."),
+        None, "--force-tool-call", help="Trial aid for models too weak to call tools: the first model turn of a "
+        "conversation that offers this tool and leaves tool_choice to the model gets it as its forced, named choice."),
     keepalive_s: float = typer.Option(10.0, "--keepalive-s", help="Seconds between keep-alives on a stream waiting "
                                       "for its first token (Anthropic ping events, SSE comments)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),

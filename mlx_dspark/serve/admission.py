@@ -65,15 +65,16 @@ def admit(worker: Any, request: GenerationRequest) -> list[int]:
 
 
 def force_tool_call(request: GenerationRequest, name: str) -> bool:
-    """`--force-tool-call NAME` (a trial aid for models too weak to call tools on their own): a request
-    that offers the tool NAME, leaves the choice to the model and whose last turn is the user's (not a
-    tool result: the turn after the call is the model's own) gets NAME as its named tool_choice."""
+    """`--force-tool-call NAME` (a trial aid for models too weak to call tools on their own): the first
+    model turn of a conversation (no assistant turn yet, the user spoke last) that offers the tool NAME
+    and leaves the choice to the model gets NAME as its named tool_choice; every later turn is the
+    model's own."""
     setup = request.tools
     if setup.choice.mode != "auto" or name not in [t["function"]["name"] for t in setup.tools]:
         return False
     turns = [m for m in request.prompt if isinstance(m, dict) and m.get("role") != "system"] \
         if isinstance(request.prompt, list) else []
-    if not turns or turns[-1].get("role") != "user":
+    if not turns or turns[-1].get("role") != "user" or any(m.get("role") == "assistant" for m in turns):
         return False
     request.tools = dataclasses.replace(setup, choice=ToolChoice("named", name))
     request.warnings.append(f"the server forced a call of {name!r} (--force-tool-call)")
