@@ -380,3 +380,11 @@ def test_a_forced_call_with_a_response_format_answers_with_the_call(server):
     assert status == 200, answer
     assert answer["choices"][0]["finish_reason"] == "tool_calls"
     assert any("'response_format' does not apply" in w for w in answer["dspark"]["warnings"])
+
+
+def test_the_operator_s_stop_sequences_apply_to_requests_without_their_own():
+    from mlx_dspark.serve.protocol import CLIENT_TEMPLATE_KWARGS, request_options
+
+    defaults = GenerationOptions(stop=(".",))  # --stop .
+    assert list(request_options({}, defaults, CLIENT_TEMPLATE_KWARGS).stop) == ["."]
+    assert list(request_options({"stop": ["x"]}, defaults, CLIENT_TEMPLATE_KWARGS).stop) == ["x"]

@@ -8,6 +8,7 @@ shipped in the package (a Python-code model without a chat template: use /v1/com
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import signal
@@ -74,6 +75,8 @@ def serve(
     force_tool_call: Optional[str] = typer.Option(
         None, "--force-tool-call", help="Trial aid for models too weak to call tools: the first model turn of a "
         "conversation that offers this tool and leaves tool_choice to the model gets it as its forced, named choice."),
+    stop: list[str] = typer.Option([], "--stop", help="A stop sequence for requests that give none of their own "
+                                   "(repeatable; e.g. for a model that never ends its replies)."),
     keepalive_s: float = typer.Option(10.0, "--keepalive-s", help="Seconds between keep-alives on a stream waiting "
                                       "for its first token (Anthropic ping events, SSE comments)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
@@ -99,6 +102,8 @@ def serve(
         if max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
         defaults = flags.generation_options(ctx.params, max_tokens=max_tokens_default)  # the shared flags, by name
+        if stop:
+            defaults = dataclasses.replace(defaults, stop=list(stop))
         prompt_cache = _prompt_cache_budget(prompt_cache_size, prompt_cache_bytes)
         if tool_parser is not None:
             from mlx_dspark.loading.tokenizer import check_tool_parser

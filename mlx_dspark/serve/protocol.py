@@ -216,7 +216,7 @@ def request_options(body: dict, defaults: GenerationOptions, allowed_template_kw
             max_tokens=_integer(body, max_tokens_field, defaults.max_tokens),
             # without max_tokens the server's default is shortened to the context a long prompt leaves (as OpenAI does)
             clamp_max_tokens=body.get(max_tokens_field) is None,
-            stop=_stop(body),
+            stop=_stop(body) or list(defaults.stop),  # the operator's --stop when the request has none
             chat_template_kwargs={**(defaults.chat_template_kwargs or {}), **(template_kwargs or {})} or None,
             sampling=dataclasses.replace(
                 sampling,
