@@ -346,10 +346,14 @@ def test_prompts_too_long_come_in_the_words_agents_look_for(server, caplog):
     conn.close()
 
 
-def test_head_and_get_of_the_base_url_answer(server):
+def test_head_and_get_of_the_base_url_answer_even_without_the_key(server, tiny_qwen3_pair):
     assert call(server, "HEAD", "/")[0] == 200
     status, _, body = call(server, "GET", "/")
     assert status == 200 and "/v1/messages" in body["endpoints"]
+    target, draft = tiny_qwen3_pair
+    with running_server(lambda: load(target, draft=draft), api_key="sk-key") as keyed:
+        assert call(keyed, "HEAD", "/")[0] == 200  # Claude Code probes its base URL without the key
+        assert call(keyed, "GET", "/v1/models")[0] == 401
 
 
 def test_force_tool_call_names_the_tool_only_when_the_user_spoke_last():

@@ -123,7 +123,7 @@ class Handler(AnswerWriting, BaseHTTPRequestHandler):
             if method == "POST":
                 self._check_content_type()
                 self._body = self._read_body()
-            if path != "/health":
+            if path not in ("/health", "/"):  # probes of the base URL carry no key (Claude Code's HEAD /)
                 self._check_key()
             routes[method]()
         except APIError as err:
