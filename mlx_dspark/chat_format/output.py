@@ -4,13 +4,18 @@ The markers are the tokenizer's (mlx-lm's `TokenizerWrapper`): `think_start` / `
 from the vocabulary, `tool_call_start` / `tool_call_end` and the `tool_parser` inferred from the chat
 template (or named with `--tool-parser`). The parser works on text, so a marker split over tokens (or
 over steps) is found all the same: text that could still grow into a marker is held back until the
-next piece says. Whitespace that only separates sections (after `</think>`, around calls) is dropped.
+next piece says. Whitespace that only separates sections (after `</think>`, around calls) is dropped;
+trailing whitespace is held only while a call (or the end of thinking) may follow, so text without
+tools goes out as it comes.
 
 A call whose body is JSON (`{"name": ..., "arguments": ...}`, mlx-lm's json_tools) streams: once its
 name is known a "tool_call_begin" event carries it (with the call's id), then "tool_call_delta" events
 carry the arguments' text as it comes, and the closing "tool_call" event carries the parsed call
 (whose `arguments` are exactly the streamed text when that text is the parsed arguments' JSON). Other
-parsers' calls arrive whole, as one "tool_call" event.
+parsers' calls arrive whole, as one "tool_call" event. An output that ends inside a call (max_tokens)
+gives a "tool_call_cut" event instead (the call so far, or None): never a finished call, and its
+markup (a marker's start included) never becomes content. With `max_calls`, the output is over
+(`ended`) once that many calls are complete: what follows is not read.
 """
 
 from __future__ import annotations
