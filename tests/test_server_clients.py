@@ -392,3 +392,29 @@ def test_the_operator_s_stop_sequences_apply_to_requests_without_their_own():
     defaults = GenerationOptions(stop=(".",))  # --stop .
     assert list(request_options({}, defaults, CLIENT_TEMPLATE_KWARGS).stop) == ["."]
     assert list(request_options({"stop": ["x"]}, defaults, CLIENT_TEMPLATE_KWARGS).stop) == ["x"]
+
+
+@pytest.mark.parametrize("name", ["openai_agents_0.24_chat.json", "openai_agents_0.24_responses.json"])
+def test_the_agents_sdk_s_forced_tool_turn_and_structured_answer(server, name):
+    recording = json.loads((RECORDED / name).read_text())
+    body = {**recording["body"], "model": MODEL_ID}
+    status, _, answer = call(server, "POST", recording["path"], body)
+    assert status == 200, answer
+    assert any("does not apply" in w for w in answer["dspark"]["warnings"])  # the output_type waits for the next turn
+    if recording["path"] == "/v1/chat/completions":
+        (tool_call,) = answer["choices"][0]["message"]["tool_calls"]
+        arguments = json.loads(tool_call["function"]["arguments"])
+        history = body["messages"] + [answer["choices"][0]["message"],
+                                      {"role": "tool", "tool_call_id": tool_call["id"], "content": "sunny"}]
+        follow_up = {**body, "messages": history, "tool_choice": None}
+    else:
+        (item,) = [i for i in answer["output"] if i["type"] == "function_call"]
+        arguments = json.loads(item["arguments"])
+        follow_up = {**body, "input": body["input"] + [item, {"type": "function_call_output", "call_id": item["call_id"],
+                                                               "output": "sunny"}], "tool_choice": None}
+    assert arguments["city"] in ("Paris", "Oslo")
+    status, _, answer = call(server, "POST", recording["path"], follow_up)  # the SDK's next turn: auto, the output_type
+    assert status == 200, answer
+    text = answer["choices"][0]["message"]["content"] if "choices" in answer else \
+        next(i for i in answer["output"] if i["type"] == "message")["content"][0]["text"]
+    assert json.loads(text)["weather"] in ("sunny", "rainy")
