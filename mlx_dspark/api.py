@@ -264,6 +264,8 @@ def _stream(
         elapsed = now - first_token_time
         if reader is not None:
             reader.add(new_text, final=finish_reason is not None)
+            if reader.ended and finish_reason is None:
+                finish_reason = "stop"  # the one call allowed (a named or non-parallel choice) is complete
         parsed = reader.output if reader is not None and finish_reason is not None else None
         yield StepResponse(
             text=new_text,

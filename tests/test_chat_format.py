@@ -61,10 +61,10 @@ def test_plain_text_passes_unchanged_character_by_character():
     assert "".join(pieces) == text
 
 
-def test_a_prompt_that_opened_thinking_starts_as_reasoning_and_an_unclosed_call_stays_content():
+def test_a_prompt_that_opened_thinking_starts_as_reasoning_and_an_unclosed_call_is_left_out():
     out = parse_output(_parser(in_reasoning=True), "step one</think>Answer: <tool_call>{\"name\": ")
     assert out.reasoning == "step one"
-    assert out.content == 'Answer: <tool_call>{"name": '
+    assert out.content == "Answer:"  # a call the output ended inside is neither a call nor text
     assert out.tool_calls == []
 
 
@@ -137,8 +137,9 @@ def test_the_template_renders_tools_calls_and_results(tools_pair):
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
     without = tokenizer.decode(encode_prompt(tokenizer, HISTORY))
     assert "<tools>" not in without
-    with pytest.raises(ValueError, match="arguments is not JSON"):
-        encode_prompt(tokenizer, [{**HISTORY[1], "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])
+    # arguments that are not JSON (a call a client recorded cut short) are written as they are, not refused
+    cut = tokenizer.decode(encode_prompt(tokenizer, [{**HISTORY[1], "tool_calls": [{"function": {"name": "f", "arguments": '{"a": "b'}}]}]))
+    assert '{"name": "f", "arguments": {"a": "b}' in cut
 
 
 def test_generate_with_tools_reads_its_own_text(tools_pair):
@@ -190,9 +191,10 @@ def test_json_call_arguments_stream_and_join_to_the_parsed_call(cut):
     assert "".join(v for k, v in events if k == "content") == "Sure."
 
 
-def test_a_streamed_call_cut_short_reports_its_arguments_so_far():
+def test_a_streamed_call_cut_short_is_a_cut_call_with_its_arguments_so_far():
     parser = OutputParser(tools=CALLS, stream_arguments=True)
     events = parser.feed('<tool_call>{"name": "f", "arguments": {"path": "a.py", "text": "def f(') + parser.finish()
-    (call,) = [v for k, v in events if k == "tool_call"]
+    assert not [v for k, v in events if k == "tool_call"]  # never a finished call
+    (call,) = [v for k, v in events if k == "tool_call_cut"]
     assert call.name == "f" and call.arguments == '{"path": "a.py", "text": "def f('
     assert "".join(v for k, v in events if k == "tool_call_delta") == call.arguments

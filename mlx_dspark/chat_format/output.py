@@ -4,13 +4,18 @@ The markers are the tokenizer's (mlx-lm's `TokenizerWrapper`): `think_start` / `
 from the vocabulary, `tool_call_start` / `tool_call_end` and the `tool_parser` inferred from the chat
 template (or named with `--tool-parser`). The parser works on text, so a marker split over tokens (or
 over steps) is found all the same: text that could still grow into a marker is held back until the
-next piece says. Whitespace that only separates sections (after `</think>`, around calls) is dropped.
+next piece says. Whitespace that only separates sections (after `</think>`, around calls) is dropped;
+trailing whitespace is held only while a call (or the end of thinking) may follow, so text without
+tools goes out as it comes.
 
 A call whose body is JSON (`{"name": ..., "arguments": ...}`, mlx-lm's json_tools) streams: once its
 name is known a "tool_call_begin" event carries it (with the call's id), then "tool_call_delta" events
 carry the arguments' text as it comes, and the closing "tool_call" event carries the parsed call
 (whose `arguments` are exactly the streamed text when that text is the parsed arguments' JSON). Other
-parsers' calls arrive whole, as one "tool_call" event.
+parsers' calls arrive whole, as one "tool_call" event. An output that ends inside a call (max_tokens)
+gives a "tool_call_cut" event instead (the call so far, or None): never a finished call, and its
+markup (a marker's start included) never becomes content. With `max_calls`, the output is over
+(`ended`) once that many calls are complete: what follows is not read.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ log = logging.getLogger("mlx_dspark.chat_format")
 
 CONTENT, REASONING, TOOL = "content", "reasoning", "tool"
 CALL_BEGIN, CALL_DELTA, CALL = "tool_call_begin", "tool_call_delta", "tool_call"
+# a call the output ended inside (max_tokens): its ToolCall as far as it got (None when not even its name was
+# read); never a finished call, and its markup never becomes content
+CALL_CUT = "tool_call_cut"
 # the head of a JSON call body, up to where its arguments start
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
@@ -72,7 +80,10 @@ class OutputParser:
         tools: tuple[str, str, Callable[[str], Any]] | None = None,
         in_reasoning: bool = False,
         stream_arguments: bool = False,
+        max_calls: int | None = None,
     ) -> None:
+        self.max_calls = max_calls  # after this many calls the output is over (a single forced call)
+        self.ended = False
         self._think = think
         self._tools = tools
         self._stream_arguments = stream_arguments and tools is not None  # the call bodies are JSON
@@ -87,7 +98,7 @@ class OutputParser:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, *, in_reasoning: bool = False, parse_tools: bool = True,
-                      tools: Sequence[dict] | None = None) -> OutputParser:
+                      tools: Sequence[dict] | None = None, max_calls: int | None = None) -> OutputParser:
         think = None
         if getattr(tokenizer, "has_thinking", False):
             think = (tokenizer.think_start, tokenizer.think_end)
@@ -96,7 +107,8 @@ class OutputParser:
             parser = tokenizer.tool_parser
             calls = (tokenizer.tool_call_start, tokenizer.tool_call_end, lambda text: parser(text, list(tools or [])))
             json_bodies = parser.__module__.rpartition(".")[2] in JSON_BODY_PARSERS
-        return cls(think=think, tools=calls, in_reasoning=in_reasoning, stream_arguments=json_bodies)
+        return cls(think=think, tools=calls, in_reasoning=in_reasoning, stream_arguments=json_bodies,
+                   max_calls=max_calls if calls is not None else None)
 
     @property
     def called(self) -> bool:
@@ -110,6 +122,16 @@ class OutputParser:
         return [m for m in ((self._think or (None,))[0], (self._tools or (None,))[0]) if m]
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
+        if self.ended:
+            return []
+        events = self._feed(text)
+        if self.max_calls is not None and self._calls >= self.max_calls:
+            # the last call allowed is complete: nothing after it is part of the answer
+            last = max(i for i, (kind, _) in enumerate(events) if kind == CALL)
+            events, self.ended, self._buffer = events[: last + 1], True, ""
+        return events
+
+    def _feed(self, text: str) -> list[tuple[str, Any]]:
         self._buffer += text
         events: list[tuple[str, Any]] = []
         while True:
@@ -126,26 +148,55 @@ class OutputParser:
         if self.state != TOOL:
             keep = _partial_marker(self._buffer, self._markers())
             ready = self._buffer[: len(self._buffer) - keep]
-            # trailing whitespace waits too: it is dropped if a marker follows
-            ready_stripped = ready.rstrip()
+            # trailing whitespace waits too when a call (or the end of thinking) may follow: it is dropped
+            # before a marker; otherwise text goes out as it comes
+            ready_stripped = ready.rstrip() if self._holds_whitespace() else ready
             self._emit(ready_stripped, events)
             self._buffer = self._buffer[len(ready_stripped):]
         return events
 
+    def _holds_whitespace(self) -> bool:
+        return self.state == REASONING or (self.state == CONTENT and self._tools is not None)
+
     def finish(self) -> list[tuple[str, Any]]:
-        """The end of the output: what was held back; an unclosed call stays text (as content)."""
+        """The end of the output: what was held back. A call whose end marker never came is a call when its
+        body is whole (the model ended right after it), else a CALL_CUT event: never text."""
         events: list[tuple[str, Any]] = []
-        if self.state == TOOL and self._open_call is not None:  # cut short inside a streamed call: as far as it got
-            self._send_arguments(events, self._buffer[self._arguments_at:])
-            self._end_call(_arguments_text(self._buffer[self._arguments_at:]), events)
+        if self.ended:
+            return events
+        if self.state == TOOL:
+            self._finish_call(events)
             self.state = CONTENT
-        elif self.state == TOOL:
-            self.state, self._after_marker = CONTENT, False
-            self._emit(self._gap + self._tools[0] + self._buffer, events)
         elif not (self.called and self.state == CONTENT and not self._buffer.strip()):
-            self._emit(self._buffer, events)
+            text = self._buffer
+            partial = _partial_marker(text, [self._tools[0]]) if self.state == CONTENT and self._tools else 0
+            if partial:  # the start of a call marker (and the whitespace before it) is not text
+                text = text[: len(text) - partial].rstrip()
+            self._emit(text, events)
         self._buffer = ""
         return events
+
+    def _finish_call(self, events: list) -> None:
+        if self._open_call is not None:
+            body = self._buffer[self._arguments_at:]
+            self._send_arguments(events, body)
+            arguments = _arguments_text(body)
+            if body.rstrip().endswith("}") and _is_json(arguments):
+                self._end_call(arguments, events)
+            else:
+                call, self._open_call = self._open_call, None
+                events.append((CALL_CUT, ToolCall(name=call.name, arguments=arguments, id=call.id)))
+            return
+        text = self._buffer
+        try:
+            parsed = self._tools[2](text) if text.strip() else None
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+            parsed = None
+        if parsed is None or (isinstance(parsed, list) and not parsed):
+            log.info("the output ended inside a tool call (%d characters of it): the call is left out", len(text))
+            events.append((CALL_CUT, None))
+            return
+        self._parse_call(text, events)
 
     def _emit(self, text: str, events: list) -> None:
         if self._after_marker:
@@ -245,6 +296,14 @@ class OutputParser:
             self._calls += 1
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def parse_output(parser: OutputParser, text: str) -> ParsedOutput:
     """A whole output through `parser` (a fresh one)."""
     out = ParsedOutput()
@@ -252,7 +311,7 @@ def parse_output(parser: OutputParser, text: str) -> ParsedOutput:
     for kind, value in parser.feed(text) + parser.finish():
         if kind == CALL:
             out.tool_calls.append(value)
-        elif kind in (CALL_BEGIN, CALL_DELTA):
+        elif kind in (CALL_BEGIN, CALL_DELTA, CALL_CUT):
             continue
         elif kind == REASONING:
             reasoning.append(value)

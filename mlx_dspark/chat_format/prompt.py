@@ -32,8 +32,8 @@ def _template_tool_calls(calls: Any, index: int) -> list[dict]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as err:
-                raise ValueError(f"chat message {index}: tool_calls[{j}].function.arguments is not JSON: {err}") from None
+            except json.JSONDecodeError:
+                pass  # not JSON (a call cut short, as a client recorded it): the template writes the text as is
         out.append({**call, "type": "function", "function": {"name": function["name"], "arguments": arguments}})
     return out
 
@@ -86,6 +86,17 @@ def encode_prompt(
             kwargs["tools"] = list(tools)
         return list(tokenizer.apply_chat_template(items, add_generation_prompt=True, **kwargs))
     raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
+
+
+def fold_system_messages(messages: Any) -> list[dict] | None:
+    """Chat messages with every system message joined into one leading system message (None: nothing to fold)."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        return None
+    late = [i for i, m in enumerate(messages) if m.get("role") == "system" and i > 0]
+    if not late:
+        return None
+    system = "\n\n".join(m.get("content") or "" for m in messages if m.get("role") == "system")
+    return [{"role": "system", "content": system}] + [m for m in messages if m.get("role") != "system"]
 
 
 def starts_in_reasoning(tokenizer: Any, prompt_ids: Sequence[int]) -> bool:

@@ -29,6 +29,12 @@ def template_text(tokenizer: Any) -> str:
     return template if isinstance(template, str) else ""
 
 
+def has_thinking_switch(tokenizer: Any) -> bool:
+    """The template reads Spark's `thinking_effort` or Qwen3's `enable_thinking`."""
+    template = template_text(tokenizer)
+    return "thinking_effort" in template or "enable_thinking" in template
+
+
 def reasoning_switch(tokenizer: Any, effort: Any, *, field: str = "reasoning_effort") -> dict:
     """The chat_template_kwargs that set `effort` on this tokenizer's template."""
     if effort not in REASONING_EFFORTS:

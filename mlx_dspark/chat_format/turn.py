@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from mlx_dspark.chat_format.output import CALL, CALL_BEGIN, CALL_DELTA, REASONING, OutputParser, ParsedOutput
+from mlx_dspark.chat_format.output import CALL, CALL_BEGIN, CALL_CUT, CALL_DELTA, REASONING, OutputParser, ParsedOutput
 from mlx_dspark.chat_format.prompt import starts_in_reasoning
 from mlx_dspark.chat_format.tools import ToolChoice, ToolError, check_choice, check_tools, forced_call_constraint, openai_choice
 
@@ -39,9 +39,15 @@ class ToolSetup:
             return None
         return forced_call_constraint(tokenizer, self.tools, self.choice, parallel=self.parallel, field=field)
 
+    @property
+    def single_call(self) -> bool:
+        """One call ends the answer: a named forced call, or parallel calls turned off."""
+        return self.choice.mode == "named" or not self.parallel
+
     def parser(self, tokenizer: Any, prompt_ids: Sequence[int]) -> OutputParser:
         return OutputParser.for_tokenizer(tokenizer, in_reasoning=starts_in_reasoning(tokenizer, prompt_ids),
-                                          parse_tools=self.offered is not None, tools=self.tools)
+                                          parse_tools=self.offered is not None, tools=self.tools,
+                                          max_calls=1 if self.single_call else None)
 
 
 @dataclass
@@ -50,6 +56,12 @@ class OutputCollector:
 
     parser: OutputParser
     output: ParsedOutput = field(default_factory=ParsedOutput)
+    cut: bool = False  # the output ended inside a call (left out of `output`)
+
+    @property
+    def ended(self) -> bool:
+        """The single call allowed is complete: the answer is over whatever the model does next."""
+        return self.parser.ended
 
     def add(self, text: str, *, final: bool) -> list[tuple[str, Any]]:
         events = self.parser.feed(text) if text else []
@@ -58,6 +70,8 @@ class OutputCollector:
         for kind, value in events:
             if kind == CALL:
                 self.output.tool_calls.append(value)
+            elif kind == CALL_CUT:
+                self.cut = True
             elif kind in (CALL_BEGIN, CALL_DELTA):
                 continue  # a streamed call's pieces: the closing CALL event carries it whole
             elif kind == REASONING:

@@ -8,6 +8,7 @@ shipped in the package (a Python-code model without a chat template: use /v1/com
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import signal
@@ -75,6 +76,13 @@ def serve(
         1, "--max-batch", help="Requests served at once (continuous batching, speculation per row); 1 = one at a time."),
     batch_prefill_chunk: int = typer.Option(
         128, "--batch-prefill-chunk", help="With --max-batch > 1: prompt tokens a newcomer prefills per round (smaller keeps running streams smoother)."),
+    force_tool_call: Optional[str] = typer.Option(
+        None, "--force-tool-call", help="Trial aid for models too weak to call tools: the first model turn of a "
+        "conversation that offers this tool and leaves tool_choice to the model gets it as its forced, named choice."),
+    stop: list[str] = typer.Option([], "--stop", help="A stop sequence for requests that give none of their own "
+                                   "(repeatable; e.g. for a model that never ends its replies)."),
+    keepalive_s: float = typer.Option(10.0, "--keepalive-s", help="Seconds between keep-alives on a stream waiting "
+                                      "for its first token (Anthropic ping events, SSE comments)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
     allow_origin: list[str] = typer.Option([], "--allow-origin",
                                            help="Let web pages from this origin call the server (repeatable; '*' for any)."),
@@ -105,6 +113,8 @@ def serve(
         if batch_prefill_chunk < 1:
             raise ValueError(f"--batch-prefill-chunk must be >= 1, got {batch_prefill_chunk}")
         defaults = flags.generation_options(ctx.params, max_tokens=max_tokens_default)  # the shared flags, by name
+        if stop:
+            defaults = dataclasses.replace(defaults, stop=list(stop))
         prompt_cache = _prompt_cache_budget(prompt_cache_size, prompt_cache_bytes)
         if tool_parser is not None:
             from mlx_dspark.loading.tokenizer import check_tool_parser
@@ -133,7 +143,8 @@ def serve(
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
                              max_body_bytes=max_body_bytes, allow_origins=allow_origin,
                              prompt_cache=prompt_cache, max_batch=max_batch, batch_prefill_chunk=batch_prefill_chunk,
-                             allow_template_kwargs=allow_template_kwarg)
+                             allow_template_kwargs=allow_template_kwarg, keepalive_s=keepalive_s,
+                             force_tool_call=force_tool_call)
     except ValueError as err:
         fail(str(err))
     except OSError as err:

@@ -11,6 +11,7 @@ Errors are written in Anthropic's shape by the handler.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 from typing import Any
@@ -19,10 +20,13 @@ from mlx_dspark.api import StepResponse
 from mlx_dspark.chat_format.tools import ToolChoice
 from mlx_dspark.serve import fields
 from mlx_dspark.serve.errors import APIError, bad_value
-from mlx_dspark.serve.protocol import CLIENT_TEMPLATE_KWARGS, GenerationRequest, Tally, request_options
+from mlx_dspark.serve.protocol import CLIENT_TEMPLATE_KWARGS, GenerationRequest, Tally, note_cut_call, request_options
 
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 _STOP_REASONS = {"length": "max_tokens"}
+TEXT_KEEPALIVE_S = 60.0  # a stream with no token yet after this long gets empty text deltas beside its pings
+# output_config.effort -> reasoning effort (the template's switch)
+_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
 
 
 def _text(content: Any, where: str) -> str:
@@ -88,13 +92,19 @@ def _messages(body: dict) -> list[dict]:
     if system is not None:
         out.append({"role": "system", "content": _text(system, "system")})
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise bad_value(f"messages[{i}].role", "'user' or 'assistant'", message.get("role") if isinstance(message, dict) else message)
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise bad_value(f"messages[{i}].role", "'user', 'assistant' or 'system'",
+                            message.get("role") if isinstance(message, dict) else message)
+        if message["role"] == "system":
+            # A system turn inside the conversation (Anthropic's mid-conversation-system beta, which Claude
+            # Code uses): rendered at its place; `prepare` joins it to the system prompt if the template refuses.
+            out.append({"role": "system", "content": _text(message.get("content"), f"messages[{i}].content")})
+            continue
         out += _turn(message["role"], message.get("content"), f"messages[{i}]")
     return out
 
 
-def _tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None, bool]:
+def _tools(body: dict, warnings: list[str]) -> tuple[list[dict] | None, ToolChoice | None, bool]:
     tools = body.get("tools")
     converted = None
     if tools is not None:
@@ -102,10 +112,11 @@ def _tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None, bool]:
             raise bad_value("tools", "a list of tools", tools)
         converted = []
         for i, tool in enumerate(tools):
-            if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
-                kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-                raise APIError(400, f"tools[{i}]: only client tools with an input_schema are supported, got {kind!r}",
-                               param=f"tools[{i}]", code="unsupported_value")
+            if not isinstance(tool, dict):
+                raise bad_value(f"tools[{i}]", "a tool object", tool)
+            if tool.get("type") not in (None, "custom"):  # Anthropic's server tools (web_search_..., code_execution_...)
+                warnings.append(f"tools[{i}] ({tool.get('type')!r}) is a server tool this server does not run: it was dropped")
+                continue
             function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
             if tool.get("description") is not None:
                 function["description"] = tool["description"]
@@ -143,16 +154,55 @@ def parse_request(body: Any, *, defaults: Any, template_kwargs: frozenset[str] =
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_value("stream", "true or false", stream)
-    tools, choice, parallel = _tools(body)
+    warnings: list[str] = []
+    tools, choice, parallel = _tools(body, warnings)
     request = GenerationRequest(kind="anthropic", prompt=_messages(body), options=options, stream=stream and not count_only,
-                                tools=fields.tool_setup(tools, choice, parallel))
+                                tools=fields.tool_setup(tools, choice, parallel), warnings=warnings)
+    _thinking(body, request)
+    constraint, field = _output_format(body)
+    if constraint is not None:
+        request.options = dataclasses.replace(request.options, constraint=constraint)
+        request.constraint_field = field
+    if body.get("thread") not in (None, False):
+        raise APIError(400, "'thread': server-held conversations (Threads) are not kept by this server; omit "
+                       "'thread' and send the whole conversation in 'messages'", param="thread", code="unsupported_parameter")
+    return request
+
+
+def _thinking(body: dict, request: GenerationRequest) -> None:
+    """`thinking` and `output_config.effort` onto the template's switch (`prepare` answers without thinking,
+    with a warning, on a template that has none)."""
     thinking = body.get("thinking")
     if thinking is not None:
         if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
             raise bad_value("thinking", "{'type': 'enabled' | 'disabled' | 'adaptive'}", thinking)
         request.reasoning_effort = "none" if thinking["type"] == "disabled" else "high"
         request.reasoning_field = "thinking"
-    return request
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise bad_value("output_config", "an object ({'effort': ..., 'format': ...})", config)
+    effort = (config or {}).get("effort")
+    if effort is not None:
+        if effort not in _EFFORTS:
+            raise bad_value("output_config.effort", f"one of {list(_EFFORTS)}", effort)
+        if request.reasoning_effort != "none":  # thinking disabled wins: the effort then only sizes the answer
+            request.reasoning_effort, request.reasoning_field = _EFFORTS[effort], "output_config.effort"
+
+
+def _output_format(body: dict) -> tuple[Any, str | None]:
+    """`output_config.format` (structured outputs, {"type": "json_schema", "schema": ...}) as a constraint."""
+    form = (body.get("output_config") or {}).get("format")
+    if form is None:
+        return None, None
+    if not isinstance(form, dict) or form.get("type") != "json_schema":
+        raise bad_value("output_config.format", "{'type': 'json_schema', 'schema': {...}}", form)
+    try:
+        constraint, _ = fields.openai_constraint({"response_format": {"type": "json_schema", "json_schema": {"schema": form.get("schema")}}})
+    except APIError as err:
+        err.param = "output_config.format"
+        err.message = err.message.replace("response_format.json_schema", "output_config.format").replace("response_format", "output_config.format")
+        raise
+    return constraint, "output_config.format"
 
 
 class AnthropicWriter:
@@ -161,11 +211,35 @@ class AnthropicWriter:
     def __init__(self, request: GenerationRequest, job: Any, *, model_id: str, speculative: bool, tokenizer: Any) -> None:
         self.request, self.job, self.model_id, self.tokenizer = request, job, model_id, tokenizer
         self.id = f"msg_{secrets.token_hex(12)}"
-        self.tally = Tally(speculative=speculative)
+        self.tally = Tally(speculative=speculative, warnings=request.warnings)
         self.blocks: list[dict] = []  # the message's content, as it grows
         self._open: int | None = None  # index of the block being streamed
         self._streaming_call: str | None = None  # id of the tool_use whose input is streaming
         self.finish_reason: str | None = None
+        self.finished = False  # the answer is complete (the handler stops reading the job)
+        self._started = False
+
+    def start_events(self, prompt_tokens: int = 0) -> list[tuple[str, dict]]:
+        """`message_start`, sent before the prefill (the first token can be minutes away on a long prompt)."""
+        self._started = True
+        message = self._message(content=[], stop_reason=None, stop_sequence=None)
+        message["usage"]["input_tokens"] = prompt_tokens
+        return [("message_start", {"type": "message_start", "message": message})]
+
+    def keepalive_events(self, waited_s: float) -> list[tuple[str, dict]]:
+        """A `ping`; once the wait passes `TEXT_KEEPALIVE_S`, an empty `text_delta` too (in a text block
+        opened for it, which the answer's text continues): Claude Code's stream watchdog (300 s) counts
+        every event but pings."""
+        events = [("ping", {"type": "ping"})]
+        if waited_s < TEXT_KEEPALIVE_S or self.tally.last is not None:
+            return events
+        if self._open is None:
+            self.blocks.append({"type": "text", "text": ""})
+            self._open = len(self.blocks) - 1
+            events.append(("content_block_start", {"type": "content_block_start", "index": self._open,
+                                                   "content_block": {"type": "text", "text": ""}}))
+        return events + [("content_block_delta", {"type": "content_block_delta", "index": self._open,
+                                                  "delta": {"type": "text_delta", "text": ""}})]
 
     def _events_for(self, kind: str, value: Any) -> list[tuple[str, dict]]:
         events = []
@@ -179,6 +253,12 @@ class AnthropicWriter:
         if kind == "tool_call_delta":
             return [("content_block_delta", {"type": "content_block_delta", "index": self._open,
                                              "delta": {"type": "input_json_delta", "partial_json": value}})]
+        if kind == "tool_call_cut":  # as Anthropic's API: the stream has its start; the message leaves it out
+            if value is not None and self._streaming_call == value.id:
+                self._streaming_call = None
+                self.blocks.pop()
+                return self._close()
+            return []
         if kind == "tool_call" and self._streaming_call == value.id:  # its arguments streamed: close it
             self.blocks[-1]["input"] = value.parsed_arguments()
             self._streaming_call = None
@@ -210,14 +290,17 @@ class AnthropicWriter:
         index, self._open = self._open, None
         return [("content_block_stop", {"type": "content_block_stop", "index": index})]
 
+    def _usage(self) -> dict:
+        return {"input_tokens": self.tally.prompt_tokens - self.tally.cached_tokens, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": self.tally.cached_tokens, "output_tokens": self.tally.completion_tokens}
+
     def _message(self, *, content: list[dict], stop_reason: str | None, stop_sequence: str | None) -> dict:
-        usage = {"input_tokens": self.tally.prompt_tokens - self.tally.cached_tokens,
-                 "cache_read_input_tokens": self.tally.cached_tokens, "output_tokens": self.tally.completion_tokens}
+        usage = self._usage()
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model_id, "content": content,
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage, "dspark": self.tally.stats()}
 
     def _stop(self) -> tuple[str, str | None]:
-        if self.finish_reason == "length":
+        if self.finish_reason == "length" and not self.job.reader.ended:
             return "max_tokens", None
         if any(block["type"] == "tool_use" for block in self.blocks):
             return "tool_use", None
@@ -230,24 +313,23 @@ class AnthropicWriter:
         return ("stop_sequence", min(found)[1]) if found else ("end_turn", None)
 
     def add(self, step: StepResponse) -> list[tuple[str, dict]]:
-        first = self.tally.last is None
         self.tally.add(step)
         done = step.finish_reason is not None
-        if done:
-            self.finish_reason = step.finish_reason
-        events: list[tuple[str, dict]] = []
-        if first:
-            events.append(("message_start", {"type": "message_start",
-                                             "message": self._message(content=[], stop_reason=None, stop_sequence=None)}))
-        for kind, value in self.job.reader.add(step.text, final=done):
-            if value:
+        events: list[tuple[str, dict]] = [] if self._started else self.start_events(step.prompt_tokens)
+        reader = self.job.reader
+        for kind, value in reader.add(step.text, final=done):
+            if value or kind == "tool_call_cut":
                 events += self._events_for(kind, value)
+        if reader.ended:  # the one call allowed is complete: the answer ends here
+            done = True
         if done:
+            self.finish_reason, self.finished = step.finish_reason or "stop", True
+            note_cut_call(self.request, reader, self.finish_reason)
             events += self._close()
             stop_reason, stop_sequence = self._stop()
             events.append(("message_delta", {"type": "message_delta",
                                              "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                             "usage": {"output_tokens": self.tally.completion_tokens}}))
+                                             "usage": self._usage()}))
             events.append(("message_stop", {"type": "message_stop"}))
         return events
 

@@ -30,6 +30,7 @@ from mlx_dspark.serve.protocol import (
 from mlx_dspark.serve.guards import host_name, is_loopback_name, normalize_origin
 from mlx_dspark.serve.handler import Handler
 from mlx_dspark.serve.responses import ResponseStore
+from mlx_dspark.serve.streaming import KEEPALIVE_S
 from mlx_dspark.serve.worker import ModelWorker
 
 log = logging.getLogger("mlx_dspark.server")
@@ -67,8 +68,12 @@ class DSparkHTTPServer(ThreadingHTTPServer):
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         allow_origins: Sequence[str] = (),
         template_kwargs: frozenset[str] = CLIENT_TEMPLATE_KWARGS,
+        keepalive_s: float = KEEPALIVE_S,
+        force_tool_call: str | None = None,
     ) -> None:
         self.worker = worker
+        self.force_tool_call = force_tool_call  # --force-tool-call: a trial aid for weak models
+        self.keepalive_s = keepalive_s  # a stream waiting for its first token sends a keep-alive this often
         self.model_id = model_id
         self.defaults = defaults
         self.api_key = api_key
@@ -240,6 +245,8 @@ def make_server(
     max_batch: int = 1,
     batch_draft_cap: Callable[[int], int] | None = None,
     batch_prefill_chunk: int = PREFILL_CHUNK,
+    keepalive_s: float = KEEPALIVE_S,
+    force_tool_call: str | None = None,
 ) -> DSparkHTTPServer:
     """Bind the socket (port 0 picks a free one); call `.start()` to load and serve.
 
@@ -254,6 +261,8 @@ def make_server(
         raise ValueError(f"max_connections must be >= 1, got {max_connections}")
     if not idle_timeout_s > 0:
         raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
+    if not keepalive_s > 0:
+        raise ValueError(f"keepalive_s must be > 0, got {keepalive_s}")
     template_kwargs = check_template_kwarg_names(allow_template_kwargs)
     if max_batch == 1:
         worker = ModelWorker(loader, prompt_cache=prompt_cache)
@@ -271,4 +280,6 @@ def make_server(
         idle_timeout_s=idle_timeout_s,
         allow_origins=[normalize_origin(o) for o in allow_origins],
         template_kwargs=template_kwargs,
+        keepalive_s=keepalive_s,
+        force_tool_call=force_tool_call,
     )

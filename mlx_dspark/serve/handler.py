@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
 
 from mlx_dspark.serve import anthropic, responses
+from mlx_dspark.serve.admission import admit, force_tool_call
 from mlx_dspark.serve.errors import APIError
 from mlx_dspark.serve.openai_writer import OpenAIWriter
 from mlx_dspark.serve.protocol import parse_request
+from mlx_dspark.serve.streaming import AnswerWriting
 from mlx_dspark.serve.worker import READY
 
 from mlx_dspark.serve.guards import MAX_JSON_DEPTH, check_json_value, escape_controls
@@ -31,7 +33,7 @@ log = logging.getLogger("mlx_dspark.server")
 _DRAIN_LIMIT = 64 * 1024 * 1024  # an oversize body up to this is read and dropped, so the client sees the 413
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(AnswerWriting, BaseHTTPRequestHandler):
     server: "DSparkHTTPServer"
     protocol_version = "HTTP/1.1"  # keep-alive; streams use chunked transfer encoding
     server_version = "mlx-dspark"
@@ -77,6 +79,8 @@ class Handler(BaseHTTPRequestHandler):
     # -- routing ---------------------------------------------------------------------------------
 
     def _route(self, path: str) -> dict[str, Callable[[], None]] | None:
+        if path == "/":  # clients probe the base URL (Claude Code sends HEAD /)
+            return {"GET": self._root, "HEAD": self._root}
         if path == "/health":
             return {"GET": self._health}
         if path == "/v1/models":
@@ -101,6 +105,9 @@ class Handler(BaseHTTPRequestHandler):
         self._cors_origin = None
         path = urlsplit(self.path).path.rstrip("/") or "/"
         self._anthropic = path.startswith("/v1/messages")  # errors in Anthropic's shape
+        # the access line when the request starts (the standard one comes with the reply's status)
+        log.log(logging.INFO if method == "POST" else logging.DEBUG, "%s \"%s %s\" started", self.address_string(),
+                escape_controls(method), escape_controls(self.path[:300]))
         try:
             self._check_host_and_origin()
             routes = self._route(path)
@@ -116,7 +123,7 @@ class Handler(BaseHTTPRequestHandler):
             if method == "POST":
                 self._check_content_type()
                 self._body = self._read_body()
-            if path != "/health":
+            if path not in ("/health", "/"):  # probes of the base URL carry no key (Claude Code's HEAD /)
                 self._check_key()
             routes[method]()
         except APIError as err:
@@ -253,6 +260,11 @@ class Handler(BaseHTTPRequestHandler):
             body["error"] = worker.load_error
         self._send_json(200 if worker.state == READY else 503, body)
 
+    def _root(self) -> None:
+        self._send_json(200, {"object": "server", "name": "mlx-dspark", "status": self.server.worker.state,
+                              "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
+                                            "/v1/models", "/health"]})
+
     def _models(self) -> None:
         self._send_json(200, {"object": "list", "data": [self.server.model_card()]})
 
@@ -289,15 +301,21 @@ class Handler(BaseHTTPRequestHandler):
         model = body.get("model")
         if model is not None and model != self.server.model_id and kind != "anthropic":
             raise self._unknown_model(model)  # Anthropic clients name Claude models: one model answers them all
+        if self.server.force_tool_call and kind != "text":
+            force_tool_call(request, self.server.force_tool_call)
+        prompt = admit(self.server.worker, request)  # a prompt that cannot run is a 400 before any byte of the answer
+        log.info("%s request: %d prompt tokens%s", kind, len(prompt),
+                 "".join(f"; warning: {w}" for w in request.warnings))
         job = self.server.worker.submit(request, client_gone=self._client_gone)
         writer = self._writer(kind, request, job)
         try:
             if request.stream:
-                self._stream(job, writer)
+                self._stream(job, writer, len(prompt))
             else:
                 self._complete(job, writer)
         finally:
-            job.cancel()  # no-op once done; stops the generation when we leave early
+            job.answered = bool(getattr(job.reader, "ended", False))  # its one call was the whole answer
+            job.cancel()  # no-op once done; stops the generation when we leave early (or the answer ended)
 
     def _count_tokens(self) -> None:
         """Anthropic's /v1/messages/count_tokens: the prompt the request would render, counted."""
@@ -311,33 +329,6 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError as err:
             raise APIError(400, str(err), param=getattr(err, "field", None), code="invalid_prompt") from None
         self._send_json(200, {"input_tokens": len(ids)})
-
-    def _complete(self, job: Any, writer: Any) -> None:
-        finished = False
-        for step in job.results():
-            writer.add(step)
-            finished = step.finish_reason is not None
-        if not finished:
-            self.close_connection = True
-            return  # the client left while we were generating
-        self._send_json(200, writer.body())
-
-    def _stream(self, job: Any, writer: Any) -> None:
-        try:
-            for step in job.results():
-                events = writer.add(step)
-                if not self._stream_started:
-                    self._start_stream()  # after the first step, so a bad prompt is still a plain 400
-                for name, payload in events:
-                    self._send_event(payload, name)
-                if step.finish_reason is not None:
-                    self._end_stream()
-        except APIError as err:
-            if not self._stream_started:
-                raise
-            for name, payload in writer.error_events(err):  # headers are gone: the error travels as an event
-                self._send_event(payload, name)
-            self._end_stream()
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -377,35 +368,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # an unread body would be taken for the next request
         if err.status >= 500:
             log.warning("%d: %s", err.status, err.message)
+        else:  # why a request was refused, for whoever reads the server's log
+            log.info("%d %s%s: %s", err.status, err.code or err.type,
+                     f" ({err.param})" if err.param else "", escape_controls(err.message[:500]))
         self._send_json(err.status, err.anthropic_body() if self._anthropic else err.body(), err.headers)
-
-    def _start_stream(self) -> None:
-        self._stream_started = True
-        self._chunked = self.request_version == "HTTP/1.1"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("X-Accel-Buffering", "no")  # reverse proxies: pass events on at once
-        self._send_cors_headers()
-        if self._chunked:
-            self.send_header("Transfer-Encoding", "chunked")
-        else:
-            self.close_connection = True  # HTTP/1.0: the end of the stream is the end of the connection
-            self.send_header("Connection", "close")
-        self.end_headers()
-
-    def _send_event(self, payload: dict | str, name: str | None = None) -> None:
-        """One server-sent event; `name` for the protocols with typed events (Anthropic, Responses)."""
-        head = f"event: {name}\n" if name else ""
-        data = f"{head}data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
-        self._write_chunk(data)
-
-    def _end_stream(self) -> None:
-        if self._chunked:
-            self.wfile.write(b"0\r\n\r\n")
-
-    def _write_chunk(self, data: bytes) -> None:
-        if self._chunked:
-            data = b"%x\r\n%s\r\n" % (len(data), data)
-        self.wfile.write(data)
-        self.wfile.flush()

@@ -15,7 +15,7 @@ from typing import Any
 from mlx_dspark.api import StepResponse
 from mlx_dspark.chat_format.turn import OutputCollector
 from mlx_dspark.serve.errors import APIError
-from mlx_dspark.serve.protocol import Envelope, GenerationRequest, Tally
+from mlx_dspark.serve.protocol import Envelope, GenerationRequest, Tally, note_cut_call
 
 Event = tuple[str | None, Any]  # (SSE event name or None, payload: a dict or "[DONE]")
 
@@ -57,15 +57,26 @@ class OpenAIWriter:
         self.request = request
         self.job = job  # its `reader` (an OutputCollector) is set by the worker before the first step
         self.envelope = Envelope.new(request.kind, model_id)
-        self.tally = Tally(speculative=speculative)
+        self.tally = Tally(speculative=speculative, warnings=request.warnings)
         self.tokenizer = tokenizer
         self.text: list[str] = []
         self.logprobs: list | None = None
         self.calls = 0
-        self._streamed: dict[str, int] = {}  # ids of the calls whose arguments streamed -> their index
         self.finish_reason: str | None = None
+        self.finished = False  # the answer is complete (the handler stops reading the job)
+        self.ended_early = False  # ...before the generation ended: the one call allowed was complete
         self._first = True
         self._offset = 0
+
+    def start_events(self, prompt_tokens: int = 0) -> list[Event]:
+        """The first chunk (the role, for chat), sent before the prefill."""
+        if self.request.kind != "chat":
+            return []
+        self._first = False
+        return [(None, self._chunk({"role": "assistant", "content": ""}))]
+
+    def keepalive_events(self, waited_s: float) -> list:
+        return []  # an SSE comment: the OpenAI streams have no keep-alive event of their own
 
     @property
     def reader(self) -> OutputCollector | None:
@@ -81,21 +92,22 @@ class OpenAIWriter:
         if step_logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(step_logprobs)
         done = step.finish_reason is not None
-        if done:
-            self.finish_reason = step.finish_reason
-        parts = self.reader.add(step.text, final=done) if self.reader is not None else [("content", step.text)]
         if self.request.kind != "chat":
+            if done:
+                self.finish_reason = step.finish_reason
             return self._text_chunks(step, step_logprobs, done)
+        parts = self.reader.add(step.text, final=done)
+        if self.reader.ended and not done:  # the one call allowed is complete: the answer ends here
+            done, self.ended_early = True, True
+        if done:
+            self.finish_reason = "stop" if self.ended_early else step.finish_reason
+            self.finished = True
+            note_cut_call(self.request, self.reader, self.finish_reason)
         deltas: list[dict] = []
         for kind, value in parts:
-            if kind == "tool_call_begin":  # id and name first, then the arguments as they come
-                self._streamed[value.id] = self.calls
-                deltas.append({"tool_calls": [{"index": self.calls, "id": value.id, "type": "function",
-                                               "function": {"name": value.name, "arguments": ""}}]})
-                self.calls += 1
-            elif kind == "tool_call_delta":
-                deltas.append({"tool_calls": [{"index": self.calls - 1, "function": {"arguments": value}}]})
-            elif kind == "tool_call" and value.id not in self._streamed:  # a call that arrived whole
+            # A call goes out once it is whole (id and name, then its arguments): a call cut by max_tokens is
+            # left out instead of streaming arguments that never become JSON.
+            if kind == "tool_call":
                 header = {"index": self.calls, "id": value.id, "type": "function",
                           "function": {"name": value.name, "arguments": ""}}
                 deltas += [{"tool_calls": [header]}, {"tool_calls": [{"index": self.calls, "function": {"arguments": value.arguments}}]}]
@@ -117,6 +129,7 @@ class OpenAIWriter:
         return events + (self._tail() if done else [])
 
     def _text_chunks(self, step: StepResponse, step_logprobs: list | None, done: bool) -> list[Event]:
+        self.finished = done
         first, self._first = self._first, False
         if not (step.text or first or done):
             return []

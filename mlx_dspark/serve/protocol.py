@@ -9,6 +9,7 @@ OpenAI-compatible servers do; a field whose value we cannot honour (`n` > 1, `lo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import secrets
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_dspark.api import ResultCollector
-from mlx_dspark.chat_format.prompt import encode_prompt
-from mlx_dspark.chat_format.reasoning import reasoning_switch
+from mlx_dspark.chat_format.prompt import encode_prompt, fold_system_messages
+from mlx_dspark.chat_format.reasoning import REASONING_EFFORTS, has_thinking_switch, reasoning_switch
 from mlx_dspark.chat_format.turn import ToolSetup
 from mlx_dspark.engine.options import GenerationOptions, OptionError
 from mlx_dspark.serve import fields
@@ -52,24 +53,62 @@ class GenerationRequest:
     reasoning_field: str = "reasoning_effort"
     constraint_field: str | None = None  # the request field `options.constraint` came from (for its 400s)
     extra: dict = dataclasses.field(default_factory=dict)  # what one surface keeps for its answer
+    # what the answer should tell the client it did differently (a field or header of the response)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    _prepared: tuple[list[int], GenerationOptions] | None = dataclasses.field(default=None, init=False, repr=False)
 
     def prepare(self, tokenizer: Any) -> tuple[list[int], GenerationOptions]:
         """The prompt's token ids and the final options: what needs the tokenizer (the reasoning switch,
-        the tools rendered by the template, the constraint forcing a call). ValueErrors with a `field`."""
+        the tools rendered by the template, the constraint forcing a call). ValueErrors with a `field`.
+
+        Done once: the handler prepares a request before it answers (so a bad prompt is a plain 400 and
+        the headers can carry the warnings), the worker then reads the same result."""
+        if self._prepared is None:
+            self._prepared = self._prepare(tokenizer)
+        return self._prepared
+
+    def _switch(self, tokenizer: Any) -> dict:
+        effort = self.reasoning_effort
+        if effort in REASONING_EFFORTS and not has_thinking_switch(tokenizer):
+            # As the hosted APIs do for models that cannot think: the answer comes without thinking,
+            # and says so, instead of a 400 that stops an agent whose settings ask for thinking.
+            if effort not in ("none", "minimal"):
+                self.warnings.append(f"'{self.reasoning_field}' asks for thinking, but this model's chat template has "
+                                     "no thinking switch: answered without thinking")
+            return {}
+        return reasoning_switch(tokenizer, effort, field=self.reasoning_field)
+
+    def _prepare(self, tokenizer: Any) -> tuple[list[int], GenerationOptions]:
         options = self.options
         if self.reasoning_effort is not None:
-            switch = reasoning_switch(tokenizer, self.reasoning_effort, field=self.reasoning_field)
-            options = dataclasses.replace(options, chat_template_kwargs={**(options.chat_template_kwargs or {}), **switch})
-        ids = encode_prompt(tokenizer, self.prompt, chat_template_kwargs=options.chat_template_kwargs, tools=self.tools.offered)
+            switch = self._switch(tokenizer)
+            if switch:
+                options = dataclasses.replace(options, chat_template_kwargs={**(options.chat_template_kwargs or {}), **switch})
+        ids = self._encode(tokenizer, options)
         choice_field = "tool_choice"
         constraint = self.tools.constraint(tokenizer, field=choice_field)
         if constraint is not None:
-            if self.constraint_field is not None:
-                raise APIError(400, f"'{choice_field}' forces a tool call: it cannot be combined with '{self.constraint_field}'",
-                               param=choice_field, code="invalid_value")
+            if self.constraint_field is not None:  # the forced call is the answer: the format has nothing to shape
+                self.warnings.append(f"'{choice_field}' forces a tool call: '{self.constraint_field}' does not apply to "
+                                     "this answer")
             options = dataclasses.replace(options, constraint=constraint)
             self.constraint_field = choice_field
         return ids, options
+
+    def _encode(self, tokenizer: Any, options: GenerationOptions) -> list[int]:
+        """The template's rendering; a system message after the first turn (Claude Code sends them) is
+        rendered at its place, or, when the template refuses that, joined to the leading system prompt."""
+        encode = functools.partial(encode_prompt, tokenizer, chat_template_kwargs=options.chat_template_kwargs,
+                                   tools=self.tools.offered)
+        try:
+            return encode(self.prompt)
+        except Exception:  # noqa: BLE001  (a template's own error: retried once without mid-conversation system turns)
+            folded = fold_system_messages(self.prompt)
+            if folded is None:
+                raise
+            self.warnings.append("the chat template refuses system messages after the first turn: they were joined "
+                                 "to the system prompt")
+            return encode(folded)
 
 
 # -- reading fields --------------------------------------------------------------------------------
@@ -177,7 +216,7 @@ def request_options(body: dict, defaults: GenerationOptions, allowed_template_kw
             max_tokens=_integer(body, max_tokens_field, defaults.max_tokens),
             # without max_tokens the server's default is shortened to the context a long prompt leaves (as OpenAI does)
             clamp_max_tokens=body.get(max_tokens_field) is None,
-            stop=_stop(body),
+            stop=_stop(body) or list(defaults.stop),  # the operator's --stop when the request has none
             chat_template_kwargs={**(defaults.chat_template_kwargs or {}), **(template_kwargs or {})} or None,
             sampling=dataclasses.replace(
                 sampling,
@@ -255,11 +294,8 @@ def _check_history_calls(calls: Any, index: int) -> None:
         arguments = function.get("arguments", "{}")
         if not isinstance(arguments, (str, dict)):
             raise _bad(f"{where}[{j}].function.arguments", "a JSON string", arguments)
-        if isinstance(arguments, str) and arguments.strip():
-            try:
-                json.loads(arguments)
-            except json.JSONDecodeError as err:
-                raise _bad(f"{where}[{j}].function.arguments", f"JSON text ({err})", arguments) from None
+        # Text that is not JSON (a client's record of a call cut short) is taken back as it is: the template
+        # renders it as written rather than the conversation failing on it.
 
 
 def _completion_prompt(body: dict) -> str | list[int]:
@@ -302,12 +338,24 @@ def parse_request(
 # -- writing responses -----------------------------------------------------------------------------
 
 
+def note_cut_call(request: GenerationRequest, reader: Any, finish_reason: str | None) -> None:
+    """The warnings of an answer that ended inside a call, or without the call its tool_choice forces."""
+    if reader is None:
+        return
+    if reader.cut:
+        request.warnings.append("the output ended inside a tool call (max_tokens): the incomplete call is not a call")
+    if request.tools.choice.forced and not reader.output.tool_calls and finish_reason == "length":
+        request.warnings.append(f"tool_choice forces a call, but max_tokens ({request.options.max_tokens}) ran out "
+                                "before the call was complete: raise max_tokens")
+
+
 class Tally(ResultCollector):
     """Usage and speculative statistics of one request, read off the steps the collector joined."""
 
-    def __init__(self, *, speculative: bool) -> None:
+    def __init__(self, *, speculative: bool, warnings: list[str] | None = None) -> None:
         super().__init__()
         self.speculative = speculative
+        self.warnings = warnings if warnings is not None else []  # the request's (shared: later ones show too)
 
     @property
     def prompt_tokens(self) -> int:
@@ -342,6 +390,7 @@ class Tally(ResultCollector):
             "generation_tps": round(last.generation_tps if last else 0.0, 3),
             "prompt_tps": round(last.prompt_tps if last else 0.0, 3),
             "time_to_first_token_s": round(self.first_time or 0.0, 4),
+            **({"warnings": list(self.warnings)} if self.warnings else {}),
         }
 
 

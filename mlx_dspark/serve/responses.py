@@ -20,8 +20,9 @@ from typing import Any
 from mlx_dspark.api import StepResponse
 from mlx_dspark.serve import fields
 from mlx_dspark.serve.errors import APIError, bad_value
-from mlx_dspark.serve.protocol import CLIENT_TEMPLATE_KWARGS, GenerationRequest, Tally, request_options
+from mlx_dspark.serve.protocol import CLIENT_TEMPLATE_KWARGS, GenerationRequest, Tally, note_cut_call, request_options
 
+KEEPALIVE_EVENT_S = 60.0  # a stream with no token yet after this long gets events, not only comments
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
@@ -96,20 +97,37 @@ def _items(value: Any) -> list[dict]:
     return messages
 
 
-def _tools(body: dict) -> list[dict] | None:
+def _function(tool: dict) -> dict:
+    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool}}
+
+
+def _tools(body: dict, warnings: list[str]) -> tuple[list[dict] | None, dict[str, str]]:
+    """Function tools (a `namespace` gives its functions); hosted tools this server cannot run (`web_search`,
+    `local_shell`, `custom`, ...) are dropped with a warning in the response rather than a 400 that stops
+    an agent. Also the namespace of each namespaced function, for its calls."""
     tools = body.get("tools")
     if tools is None:
-        return None
+        return None, {}
     if not isinstance(tools, list):
         raise bad_value("tools", "a list of tools", tools)
-    out = []
+    out, namespaces = [], {}
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-            raise APIError(400, f"tools[{i}]: only function tools are supported, got {kind!r}", param=f"tools[{i}]",
-                           code="unsupported_value")
-        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool}})
-    return out
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            out.append(_function(tool))
+        elif kind == "namespace" and isinstance(tool.get("tools"), list):
+            for j, inner in enumerate(tool["tools"]):
+                if not isinstance(inner, dict) or inner.get("type", "function") != "function":
+                    warnings.append(f"tools[{i}].tools[{j}] is not a function tool: it was dropped")
+                    continue
+                out.append(_function(inner))
+                if isinstance(inner.get("name"), str):
+                    namespaces[inner["name"]] = tool.get("name")
+        elif isinstance(kind, str):
+            warnings.append(f"tools[{i}] ({kind!r}) is a tool type this server does not run: it was dropped")
+        else:
+            raise bad_value(f"tools[{i}]", "a tool object with a 'type'", tool)
+    return out, namespaces
 
 
 def _text_format(body: dict) -> dict:
@@ -162,16 +180,18 @@ def parse_request(body: Any, *, defaults: Any, template_kwargs: frozenset[str] =
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_value("stream", "true or false", stream)
+    warnings: list[str] = []
+    tools, namespaces = _tools(body, warnings)
     request = GenerationRequest(kind="responses", prompt=messages, options=options, stream=stream,
-                                constraint_field=constraint_field,
-                                tools=fields.tool_setup(_tools(body), body.get("tool_choice"), body.get("parallel_tool_calls")))
+                                constraint_field=constraint_field, warnings=warnings,
+                                tools=fields.tool_setup(tools, body.get("tool_choice"), body.get("parallel_tool_calls")))
     reasoning = body.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, dict):
             raise bad_value("reasoning", "{'effort': ...}", reasoning)
         request.reasoning_effort = fields.reasoning_effort(reasoning, "effort")
         request.reasoning_field = "reasoning.effort"
-    request.extra = {"previous_response_id": previous, "instructions": instructions}
+    request.extra = {"previous_response_id": previous, "instructions": instructions, "namespaces": namespaces}
     return request
 
 
@@ -183,11 +203,26 @@ class ResponsesWriter:
         self.request, self.job, self.model_id, self.store = request, job, model_id, store
         self.id = f"resp_{secrets.token_hex(12)}"
         self.created = int(time.time())
-        self.tally = Tally(speculative=speculative)
+        self.tally = Tally(speculative=speculative, warnings=request.warnings)
         self.output: list[dict] = []
         self._open = False  # the last output item is still streaming
         self._sequence = 0
         self.finish_reason: str | None = None
+        self.finished = False  # the answer is complete (the handler stops reading the job)
+        self._started = False
+
+    def start_events(self, prompt_tokens: int = 0) -> list[tuple[str, dict]]:
+        """`response.created` and `response.in_progress`, sent before the prefill."""
+        self._started = True
+        return [self._event("response.created", response=self.response("in_progress")),
+                self._event("response.in_progress", response=self.response("in_progress"))]
+
+    def keepalive_events(self, waited_s: float) -> list:
+        """An SSE comment; once the wait passes a minute, `response.in_progress` again: Codex's stream idle
+        timeout (300 s) counts events, not comments."""
+        if waited_s < KEEPALIVE_EVENT_S or self.tally.last is not None:
+            return []
+        return [self._event("response.in_progress", response=self.response("in_progress"))]
 
     def _event(self, kind: str, **payload: Any) -> tuple[str, dict]:
         self._sequence += 1
@@ -230,7 +265,19 @@ class ResponsesWriter:
                                       content_index=0, text=item["content"][0]["text"]))
         return events + [self._event("response.output_item.done", output_index=index, item=item)]
 
+    def _cut(self, value: Any) -> list[tuple[str, dict]]:
+        """A call the output ended inside: its item is `incomplete`, its arguments left empty (never a
+        call a client could run)."""
+        last = self.output[-1] if self.output else None
+        if value is None or not self._open or last["type"] != "function_call" or last["call_id"] != value.id:
+            return []
+        self._open = False
+        last.update(status="incomplete", arguments="")
+        return [self._event("response.output_item.done", output_index=len(self.output) - 1, item=last)]
+
     def _events_for(self, kind: str, value: Any) -> list[tuple[str, dict]]:
+        if kind == "tool_call_cut":
+            return self._cut(value)
         item_type = {"content": "message", "reasoning": "reasoning"}.get(kind)
         last = self.output[-1] if self.output else None
         if item_type and self._open and last["type"] == item_type:
@@ -249,6 +296,9 @@ class ResponsesWriter:
         if kind in ("tool_call", "tool_call_begin"):
             item = {"type": "function_call", "id": f"fc_{value.id[5:]}", "call_id": value.id, "name": value.name,
                     "arguments": "", "status": "in_progress"}
+            namespace = self.request.extra.get("namespaces", {}).get(value.name)
+            if namespace:
+                item["namespace"] = namespace
             self.output.append(item)
             self._open = True
             events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
@@ -271,18 +321,19 @@ class ResponsesWriter:
         return events + self._events_for(kind, value)
 
     def add(self, step: StepResponse) -> list[tuple[str, dict]]:
-        first = self.tally.last is None
         self.tally.add(step)
         done = step.finish_reason is not None
-        events: list[tuple[str, dict]] = []
-        if first:
-            events += [self._event("response.created", response=self.response("in_progress")),
-                       self._event("response.in_progress", response=self.response("in_progress"))]
-        for kind, value in self.job.reader.add(step.text, final=done):
-            if value:
+        events: list[tuple[str, dict]] = [] if self._started else self.start_events()
+        reader = self.job.reader
+        for kind, value in reader.add(step.text, final=done):
+            if value or kind == "tool_call_cut":
                 events += self._events_for(kind, value)
+        if reader.ended:  # the one call allowed is complete: the answer ends here
+            done = True
         if done:
-            self.finish_reason = step.finish_reason
+            self.finish_reason = "stop" if reader.ended else step.finish_reason
+            self.finished = True
+            note_cut_call(self.request, reader, self.finish_reason)
             events += self._close()
             self._remember()
             status = self._status()

@@ -23,6 +23,7 @@ from mlx_dspark.api import ContextLengthError, GenerationCancelled, StepResponse
 from mlx_dspark.chat_format.turn import OutputCollector
 from mlx_dspark.models.finite import NonFiniteError
 from mlx_dspark.serve.cache_pool import PromptCacheBudget, PromptCachePool
+from mlx_dspark.serve.progress import PrefillWatch
 from mlx_dspark.serve.protocol import APIError, GenerationRequest
 
 log = logging.getLogger("mlx_dspark.server")
@@ -48,16 +49,19 @@ class Job:
     # chat-like surfaces: the reader of the output, set before the first step (the handler's writer reads it)
     reader: OutputCollector | None = None
     prompt_ids: list[int] | None = None
+    answered: bool = False  # the handler's answer was complete before the generation ended (it cancels the rest)
 
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def results(self, *, poll_s: float = 0.2) -> Iterator[StepResponse]:
+    def results(self, *, poll_s: float = 0.2, idle_s: float | None = None,
+                on_idle: Callable[[], None] | None = None) -> Iterator[StepResponse]:
         """The job's steps as they come; raises its APIError; cancels it when `client_gone()` says so.
 
-        The client is checked every `poll_s` seconds, busy or not, so a reply nobody waits for stops.
+        The client is checked every `poll_s` seconds, busy or not, so a reply nobody waits for stops;
+        `on_idle()` is called each `idle_s` seconds without a step (a stream's keep-alive).
         """
-        checked = time.monotonic()
+        checked = last = time.monotonic()
         while True:
             try:
                 event = self.events.get(timeout=poll_s)
@@ -69,7 +73,11 @@ class Job:
                     self.cancel()
                     return
             if event is None:
+                if on_idle is not None and idle_s is not None and time.monotonic() - last >= idle_s:
+                    last = time.monotonic()
+                    on_idle()
                 continue
+            last = time.monotonic()
             if isinstance(event, APIError):
                 raise event
             yield event
@@ -255,7 +263,8 @@ class ModelWorker:
             cache = self.prompt_caches.checkout(prompt, speculative=speculative)
             # The job's cancel event stops the prefill between chunks too: a client that left mid-prompt
             # frees the worker within one prefill chunk.
-            steps = stream_generate(self.model, prompt, options=options, prompt_cache=cache, cancel=job.cancelled)
+            watch = PrefillWatch(job.cancelled, request.kind, len(prompt), options.prefill_step_size, lambda: job.steps)
+            steps = stream_generate(self.model, prompt, options=options, prompt_cache=cache, cancel=watch)
             for step in steps:
                 job.steps += 1
                 job.generated_tokens = step.generation_tokens
@@ -276,5 +285,6 @@ class ModelWorker:
             self.prompt_caches.checkin(cache, reusable=not failed)  # a failed generation's caches are dropped
         log.info(
             "%s request: %d generated tokens, finish=%s%s",
-            request.kind, job.generated_tokens, job.finish_reason, " (client gone, stopped)" if job.cancelled.is_set() else "",
+            request.kind, job.generated_tokens, job.finish_reason,
+            " (its one tool call complete, stopped)" if job.answered else " (client gone, stopped)" if job.cancelled.is_set() else "",
         )
