@@ -129,6 +129,8 @@ def stream_generate(
     verify_schedule: str = _SPECULATION.verify_schedule,
     cost_curve: CostCurve | None = _SPECULATION.cost_curve,
     mask_draft: bool = _SPECULATION.mask_draft,
+    lookup: str = _SPECULATION.lookup,
+    fast_forward: bool = _SPECULATION.fast_forward,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
@@ -154,6 +156,10 @@ def stream_generate(
     carries its text read as `content`, `reasoning` and `tool_calls` (the tokenizer's tool parser);
     `tool_choice` "required" or {"type": "function", "function": {"name": ...}} forces a call
     (constrained decoding), "none" offers no tools.
+    `lookup` "on" also proposes what followed the last tokens earlier in the context (prompt lookup; the
+    round verifies the better of it and the draft's block), "only" uses lookup without the draft (any
+    target gets a speedup on text that repeats its context); `fast_forward` verifies a constraint's
+    forced runs in the round's block (engine/choose.py).
     """
     built = GenerationOptions(
         max_tokens=max_tokens,
@@ -178,6 +184,8 @@ def stream_generate(
             verify_schedule=verify_schedule,
             cost_curve=cost_curve,
             mask_draft=mask_draft,
+            lookup=lookup,
+            fast_forward=fast_forward,
         ),
     )
     if options is None:
@@ -378,6 +386,8 @@ def generate(
     verify_schedule: str = _SPECULATION.verify_schedule,
     cost_curve: CostCurve | None = _SPECULATION.cost_curve,
     mask_draft: bool = _SPECULATION.mask_draft,
+    lookup: str = _SPECULATION.lookup,
+    fast_forward: bool = _SPECULATION.fast_forward,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
@@ -420,6 +430,8 @@ def generate(
         verify_schedule=verify_schedule,
         cost_curve=cost_curve,
         mask_draft=mask_draft,
+        lookup=lookup,
+        fast_forward=fast_forward,
         stop=stop,
         stop_token_ids=stop_token_ids,
         chat_template_kwargs=chat_template_kwargs,

@@ -12,7 +12,8 @@ Penalties count the last `penalty_last_n` tokens of the sequence, prompt include
 rule); repetition_penalty divides a positive logit (multiplies a negative one) of every token present.
 Penalties and bias are device work inside the lazy graph. The grammar mask is host work: the verify
 masks are computed after the verify forward is launched, so they overlap it; masked drafting costs one
-host read per draft position (the next draft position's mask needs the drawn token).
+host read per draft position (the next draft position's mask needs the drawn token), except inside the
+grammar's forced run (`GrammarState.forced`), where the only legal token is drawn without a read.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dspark.engine import logprobs as logprobs_mod
-from mlx_dspark.engine.grammar import GrammarState, apply_masks
+from mlx_dspark.engine.grammar import GrammarState, allow_only, apply_masks
 from mlx_dspark.engine.options import OptionError, SamplingOptions
 
 # (logits (B, V) of draft position k, the drawn draft tokens x(1..k-1) as (B,) arrays) -> processed
@@ -127,6 +128,7 @@ class LogitsProcessor:
             return None
         masked = self.grammar is not None and self.mask_draft
         drawn: list[int] = []  # host copies of this proposal's draft tokens so far (masked drafting only)
+        forced: list[int] = []  # the grammar's forced run this round: drawn without a host read
 
         def hook(logits: mx.array, drafted: list) -> mx.array | None:
             pending = mx.concatenate([t.reshape(-1) for t in drafted]) if drafted else mx.zeros((0,), mx.int32)
@@ -135,10 +137,16 @@ class LogitsProcessor:
                 return out
             if not drafted:
                 drawn.clear()  # a new proposal
+                # a grammar that cannot tell its forced run (a test's stand-in) forces nothing
+                forced[:] = self.grammar.forced() if hasattr(self.grammar, "forced") else []
+            elif len(drafted) <= len(forced):
+                drawn.append(forced[len(drafted) - 1])  # allowed alone at its position: no read needed
             else:
-                drawn.append(int(drafted[-1].item()))  # the host read per draft position
+                drawn.append(int(drafted[-1].item()))  # the host read per unforced draft position
                 if drawn[-1] in self.grammar.eos_ids:
                     return None
+            if len(drawn) < len(forced):
+                return allow_only(out, forced[len(drawn)])
             if self.grammar.ends_after(drawn):
                 return None  # only an end-of-sequence token can follow: the target's bonus gives it
             return apply_masks(out, self.grammar.mask(drawn)[None])

@@ -22,6 +22,10 @@ class Proposal:
     draft_probs: mx.array | None = None  # (1, K, V) distributions drawn from; None = greedy (one-hot)
     token_probs: mx.array | None = None  # (1, K) top draft probability at each position (before a draw), for p_min
     confidence: mx.array | None = None  # (1, K) confidence head outputs c(k)
+    # drafted through the round's logits hook (penalties, bias, grammar mask); False: a proposal the
+    # grammar has not seen (a lookup continuation), which the round validates before verifying
+    hooked: bool = True
+    source: str = "draft"  # "draft", or "lookup" / "forced" (choose.py): sized by their chooser, not scheduled
 
 
 class Proposer(Protocol):
