@@ -32,6 +32,7 @@ from mlx_dspark.engine.schedule import CostCurve
 
 DECAY = 0.6  # per observation: acceptance drifts with the text (code, then prose, then JSON)
 RELAX = 0.95  # per round a source sits out
+CHAIN_MATCH = 8  # a lookup match at least this long makes reading the DSpark block worth its host read
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class _Pending:
     forced: int
     proposed: int  # unforced tokens proposed
     ngram: int = 0  # the lookup match length
+    chained: int = 0  # lookup tokens after a DSpark block
 
 
 @dataclass
@@ -140,6 +142,8 @@ class Chooser:
         if pending.proposed and accepted >= 0:
             observed = self.draft_rate if pending.source == "draft" else self._lookup_rate(pending.ngram)
             observed.observe(pending.proposed, min(accepted, pending.proposed))
+            if pending.chained and accepted >= pending.proposed:  # the block survived: the lookup tail was tried
+                self._lookup_rate(pending.ngram).observe(pending.chained, accepted - pending.proposed)
         for rate in (self.draft_rate, *self.lookup_rates.values()):
             if rate is not observed:
                 rate.relax()
@@ -162,7 +166,8 @@ class Chooser:
         if size > m:  # the block is the default: parking the draft is the draft-length policy's call, not ours
             score = self._rate(1 + m + expected_tokens(self.draft_rate.rate, size - m), 1 + size, draft=True)
             if best[1] != "lookup" or score > best[0]:
-                return self._draft_block(anchor, position, size, forced, logits_hook)
+                proposal = self._draft_block(anchor, position, size, forced, logits_hook)
+                return self._chained(proposal, room, strong=best[3] >= CHAIN_MATCH)
         _, source, tokens, ngram = best
         tokens = forced + tokens
         self.chosen[source if tokens else "none"] += 1
@@ -173,9 +178,46 @@ class Chooser:
 
     # -- inside -----------------------------------------------------------------------------------
 
+    def _chained(self, proposal: Proposal, room: int, *, strong: bool) -> Proposal:
+        """The DSpark block, then the lookup continuation of context + block where the expected rate
+        says so. Reading the block costs a host read: only under a grammar (its tokens are read anyway,
+        by the masked draft or the validation of an unmasked one) or beside a strong lookup match."""
+        pending = self._pending
+        size = proposal.tokens.shape[1]
+        if self.index is None or room <= size or not (strong or self.grammar is not None):
+            return proposal
+        drafted = proposal.tokens[0].tolist()
+        match = self.index.continuation(drafted, max_tokens=min(self.max_lookup, room) - size)
+        unforced = size - pending.forced
+        all_accepted = self.draft_rate.rate**unforced
+        base = 1 + pending.forced + expected_tokens(self.draft_rate.rate, unforced)
+        rate = self._lookup_rate(match.length).rate
+        best, length = self._rate(base, 1 + size, draft=True), 0
+        for n in range(1, len(match.tokens) + 1):
+            score = self._rate(base + all_accepted * expected_tokens(rate, n), 1 + size + n, draft=True)
+            if score > best:
+                best, length = score, n
+        if length == 0:
+            return proposal
+        extra = match.tokens[:length]
+        pending.chained, pending.ngram = length, match.length
+        ones = mx.ones((1, length), mx.float32)
+        draft_probs = proposal.draft_probs
+        if draft_probs is not None:
+            one_hot = (mx.arange(draft_probs.shape[-1])[None] == mx.array(extra)[:, None]).astype(draft_probs.dtype)
+            draft_probs = mx.concatenate([draft_probs, one_hot[None]], axis=1)
+        token_probs, confidence = (
+            None if x is None else mx.concatenate([x.astype(mx.float32), ones], axis=1)
+            for x in (proposal.token_probs, proposal.confidence)
+        )
+        tokens = mx.concatenate([proposal.tokens.astype(mx.int32), mx.array([extra], dtype=mx.int32)], axis=1)
+        # hooked=False: the grammar has not seen the lookup tokens, the round validates the block
+        return Proposal(tokens=tokens, draft_probs=draft_probs, token_probs=token_probs, confidence=confidence,
+                        hooked=False, source="lookup")
+
     def _lookup_rate(self, length: int) -> Acceptance:
         if length not in self.lookup_rates:  # the prior: a longer match is more likely copied on
-            self.lookup_rates[length] = Acceptance(hits=max(1.0, length / 4), misses=1.0)
+            self.lookup_rates[length] = Acceptance(hits=max(1.0, length / 2), misses=1.0)
         return self.lookup_rates[length]
 
     def _rate(self, expected: float, width: int, *, draft: bool) -> float:

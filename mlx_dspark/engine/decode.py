@@ -270,6 +270,8 @@ def _admitted(
     """
     if proposal is None or num_tokens == 0:
         return mx.zeros((0,), mx.int32), None
+    if proposal.source != "draft":
+        schedule = None  # a lookup or forced block comes sized by its chooser (choose.py)
     tokens = proposal.tokens[0, :num_tokens].astype(mx.int32)
     draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[0, :num_tokens]
     keep = None
@@ -283,8 +285,6 @@ def _admitted(
     kept = None if keep is None else mx.cumprod(keep.astype(mx.int32)).sum()
     confidence = None
     if schedule is not None:
-        if proposal.confidence is None and proposal.source != "draft":  # lookup blocks come sized by their chooser
-            return tokens if keep is None else tokens[: int(kept.item())], draft_probs
         if proposal.confidence is None:
             raise ValueError("verify_schedule 'confidence' needs confidences c(k): this proposer's proposals carry none")
         confidence = proposal.confidence[0, :num_tokens].astype(mx.float32)
