@@ -350,9 +350,16 @@ class ResultCollector:
         )
 
 
-def make_prompt_cache(model: Any, *, max_snapshots: int = 4, snapshot_margin: int = 16) -> PromptCache:
-    """A prompt cache for `model`'s target (and draft): pass it to every turn of one conversation."""
-    return PromptCache(model.target, model.draft, max_snapshots=max_snapshots, snapshot_margin=snapshot_margin)
+def make_prompt_cache(
+    model: Any, *, max_snapshots: int = 4, snapshot_margin: int = 16, max_rollback: int | None = None
+) -> PromptCache:
+    """A prompt cache for `model`'s target (and draft): pass it to every turn of one conversation.
+
+    `max_rollback`: how many rejected tokens a round can roll back (None: 8, a draft block); lookup
+    blocks (`lookup="on"`) are at most as long as this allows, so give `engine.lookup.LOOKUP_MAX_TOKENS`.
+    """
+    return PromptCache(model.target, model.draft, max_snapshots=max_snapshots, snapshot_margin=snapshot_margin,
+                       max_rollback=max_rollback)
 
 
 def generate(

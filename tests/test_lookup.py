@@ -169,3 +169,19 @@ def test_sampled_lookup_drafting_matches_the_exact_target_distribution():
     assert chi_square_p_value(counts.reshape(-1), exact.reshape(-1)) > 1e-4
     for observed, expected in zip(marginals(counts), marginals(exact)):
         assert chi_square_p_value(observed, expected) > 1e-4
+
+
+def test_generate_cli_draft_lookup_and_lookup_flag(tiny_spark_pair):
+    from typer.testing import CliRunner
+
+    from mlx_dspark.cli.generate import app
+
+    target, draft = tiny_spark_pair
+    common = ["--model", str(target), "--prompt", REPEATING, "--no-chat-template", "--max-tokens", "16", "--json", "--compare"]
+    for extra in (["--draft", "lookup"], ["--draft", str(draft), "--lookup", "on"]):
+        out = CliRunner().invoke(app, common + extra)
+        assert out.exit_code == 0, out.output
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        assert result["speculative"] is True and result["plain"]["identical"] is True, extra
+    bad = CliRunner().invoke(app, common + ["--lookup", "maybe"])
+    assert bad.exit_code == 2 and "--lookup" in bad.output

@@ -73,6 +73,8 @@ def generate(
     regex: flags.Regex = None,
     grammar: flags.Grammar = None,
     no_mask_draft: flags.NoMaskDraft = False,
+    lookup: flags.Lookup = flags.SPECULATION.lookup,
+    no_fast_forward: flags.NoFastForward = False,
     chat_template_args: flags.ChatTemplateArgs = None,
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Use the prompt as raw text."),
     quantize: flags.Quantize = None,
@@ -110,6 +112,7 @@ def generate(
         model, draft, dtype = str(demo.target), draft or str(demo.draft), demo.dtype
         prompt = demo.prompt if prompt is None else prompt
         typer.echo(f"[mlx_dspark] {demo.note}; prompt (raw text): {prompt!r}", err=True)
+    draft = flags.draft_path(draft)  # `--draft lookup`: the target alone, lookup drafts (options.speculation.lookup)
     try:
         speculative = draft is not None and not no_draft
         pair = load(
@@ -161,7 +164,7 @@ def generate(
                     "peak_memory_gb": result.peak_memory_gb,
                     "acceptance_lengths": result.acceptance_lengths,
                     "mean_acceptance_length": result.mean_acceptance_length,
-                    "speculative": pair.draft is not None and not no_draft,
+                    "speculative": (pair.draft is not None or options.speculation.lookup != "off") and not no_draft,
                     "target_forwards": result.target_forwards,
                     **({} if plain is None else {"plain": _comparison(result, plain, greedy=options.sampling.greedy)}),
                 }
