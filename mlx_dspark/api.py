@@ -156,10 +156,8 @@ def stream_generate(
     carries its text read as `content`, `reasoning` and `tool_calls` (the tokenizer's tool parser);
     `tool_choice` "required" or {"type": "function", "function": {"name": ...}} forces a call
     (constrained decoding), "none" offers no tools.
-    `lookup` "on" also proposes what followed the last tokens earlier in the context (prompt lookup; the
-    round verifies the better of it and the draft's block), "only" uses lookup without the draft (any
-    target gets a speedup on text that repeats its context); `fast_forward` verifies a constraint's
-    forced runs in the round's block (engine/choose.py).
+    `lookup` "on" adds prompt-lookup drafts beside the draft, "only" without it; `fast_forward` verifies
+    a constraint's forced runs in the round's block (engine/choose.py).
     """
     built = GenerationOptions(
         max_tokens=max_tokens,
@@ -354,10 +352,7 @@ def make_prompt_cache(
     model: Any, *, max_snapshots: int = 4, snapshot_margin: int = 16, max_rollback: int | None = None
 ) -> PromptCache:
     """A prompt cache for `model`'s target (and draft): pass it to every turn of one conversation.
-
-    `max_rollback`: how many rejected tokens a round can roll back (None: 8, a draft block); lookup
-    blocks (`lookup="on"`) are at most as long as this allows, so give `engine.lookup.LOOKUP_MAX_TOKENS`.
-    """
+    `max_rollback` (None: 8) bounds the lookup blocks (`lookup="on"`): give lookup.LOOKUP_MAX_TOKENS."""
     return PromptCache(model.target, model.draft, max_snapshots=max_snapshots, snapshot_margin=snapshot_margin,
                        max_rollback=max_rollback)
 
