@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from mlx_dspark.api import generate
 from mlx_dspark.cli.common import demo_pair
-from mlx_dspark.engine.constraints import Constraint
+from mlx_dspark.engine.constraints import Constraint, ToolCallShape
 from mlx_dspark.engine.decode import prefill
 from mlx_dspark.engine.propose import DraftProposer
 from mlx_dspark.loading.load import load
@@ -41,7 +41,7 @@ VARIANTS = {
 
 
 def workload_requests(name: str, spec: dict, tokenizer) -> dict | None:
-    """The generate() keywords of one workload; None when the tokenizer cannot render it (no chat template)."""
+    """The generate() keywords of one workload (a raw-text forced call where the tokenizer has no chat template)."""
     source = (WORKLOADS / "inventory.py").read_text()
     fill = {"{file}": source, "{diff}": (WORKLOADS / "patch.diff").read_text(), "{file_head}": "\n".join(source.splitlines()[:40])}
 
@@ -51,10 +51,15 @@ def workload_requests(name: str, spec: dict, tokenizer) -> dict | None:
         return text
 
     if "messages" in spec:
-        if not getattr(tokenizer, "chat_template", None):
-            return None
         messages = [{**m, "content": filled(m["content"])} for m in spec["messages"]]
-        return dict(prompt=messages, tools=[spec["tool"]], tool_choice="required", parallel_tool_calls=False)
+        if getattr(tokenizer, "chat_template", None):
+            return dict(prompt=messages, tools=[spec["tool"]], tool_choice="required", parallel_tool_calls=False)
+        # no chat template (the scaled pair's tiny tokenizer): the same forced call over the raw user text
+        function = spec["tool"]["function"]
+        schema = {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": function["parameters"]},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+        shape = ToolCallShape("<tool_call>\n", schema, "\n</tool_call>")
+        return dict(prompt=messages[-1]["content"], constraint=Constraint.tool_calls([shape], parallel=False))
     kwargs = dict(prompt=filled(spec["prompt"]))
     if "schema" in spec:
         kwargs["constraint"] = Constraint.json_schema(spec["schema"])

@@ -20,6 +20,7 @@ from mlx_dspark.engine.choose import Chooser, RoundCost, expected_tokens
 from mlx_dspark.engine.constraints import Constraint, ToolCallShape
 from mlx_dspark.engine.decode import speculative_steps
 from mlx_dspark.engine.lookup import ContextIndex, LookupProposer
+from mlx_dspark.engine.mask_choice import MaskChoice
 from mlx_dspark.engine.sample import Sampler
 from tests.engine_helpers import greedy_reference, make_target
 from tests.test_lossless_sampling import chi_square_p_value, marginals
@@ -112,7 +113,8 @@ def test_greedy_lookup_with_penalties_and_logprobs_equals_plain(model):
 ], ids=["schema", "tool_call"])
 def test_grammar_fast_forward_is_lossless_and_commits_forced_runs_in_one_forward(model, target_only, constraint):
     plain = mlx_dspark.generate(model, "Hello", constraint=constraint, max_tokens=80, speculative=False)
-    for knobs in (dict(fast_forward=False), dict(), dict(mask_draft=False), dict(lookup="on"), dict(lookup="only")):
+    for knobs in (dict(fast_forward=False), dict(), dict(mask_draft=False), dict(mask_draft="auto"), dict(lookup="on"),
+                  dict(lookup="only"), dict(lookup="on", mask_draft="auto")):
         result = mlx_dspark.generate(model, "Hello", constraint=constraint, max_tokens=80, **knobs)
         assert result.tokens == plain.tokens, knobs
     # without a draft, the forced runs alone are verified: several tokens per target forward
@@ -185,3 +187,17 @@ def test_generate_cli_draft_lookup_and_lookup_flag(tiny_spark_pair):
         assert result["speculative"] is True and result["plain"]["identical"] is True, extra
     bad = CliRunner().invoke(app, common + ["--lookup", "maybe"])
     assert bad.exit_code == 2 and "--lookup" in bad.output
+
+
+def test_auto_mask_choice_measures_both_modes_then_keeps_the_faster_and_explores():
+    now = [0.0]
+    choice = MaskChoice(explore_every=10, clock=lambda: now[0])
+    seconds = {True: 0.01, False: 0.03}  # masked rounds take 10 ms, unmasked 30 ms, both commit 3 tokens
+    modes = []
+    choice.observe(1)  # the prefill's token: starts the clock
+    for _ in range(30):
+        modes.append(choice.masked)
+        now[0] += seconds[choice.masked]
+        choice.observe(3)
+    assert modes[:6] == [True] * 3 + [False] * 3  # warm-up: each mode measured
+    assert modes[6:].count(True) > 18 and False in modes[6:]  # then the faster, with an occasional re-try

@@ -125,8 +125,9 @@ class SpeculationOptions:
     verify_schedule: str = "fixed"
     cost_curve: CostCurve | None = None  # for "confidence"; None = this machine's, measured once and cached
     # With a constraint: the draft proposes from its grammar-masked distribution (True; one host read per
-    # draft position) or unmasked, its proposal cut at the first token the grammar forbids (False)
-    mask_draft: bool = True
+    # draft position) or unmasked, its proposal cut at the first token the grammar forbids (False), or
+    # per round the faster of the two as measured during the request ("auto", mask_choice.py)
+    mask_draft: bool | str = True
     # Prompt lookup (lookup.py, choose.py): propose what followed the last tokens earlier in the context
     lookup: str = "off"
     # With a constraint: verify the grammar's forced runs (its only continuation) in the round's block
@@ -145,8 +146,8 @@ class SpeculationOptions:
         _check_fraction("confidence_threshold", self.confidence_threshold)
         if self.max_draft_tokens is not None and not (_is_int(self.max_draft_tokens) and self.max_draft_tokens >= 1):
             raise OptionError("max_draft_tokens", self.max_draft_tokens, "an integer >= 1, or none for the draft's block size")
-        if not isinstance(self.mask_draft, bool):
-            raise OptionError("mask_draft", self.mask_draft, "true or false")
+        if not (isinstance(self.mask_draft, bool) or self.mask_draft == "auto"):
+            raise OptionError("mask_draft", self.mask_draft, "true, false or \"auto\"")
         if self.verify_schedule not in VERIFY_SCHEDULES:
             raise OptionError("verify_schedule", self.verify_schedule, f"one of {', '.join(VERIFY_SCHEDULES)}")
         if self.cost_curve is not None and not isinstance(self.cost_curve, CostCurve):
