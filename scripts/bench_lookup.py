@@ -7,7 +7,8 @@ Without --model it runs the trained demo pair. Per workload the variants run int
 times; greedy, so every variant must write the same tokens (checked). Reported: target forwards per 100
 generated tokens (the prefill's last forward included, as `GenerationResult.target_forwards` counts),
 decode tok/s (median), mean tokens per verify round. `dspark` is the round before issue 27 (no lookup,
-no fast-forward); `dspark+ff` adds the grammar's forced runs (constrained workloads only). The cost
+no fast-forward); `dspark+ff` adds the grammar's forced runs; `both, unmasked` / `both, auto mask` draft unmasked / choose per
+request (mask_choice.py) (these three on constrained workloads only). The cost
 curve (verify forwards of 1..33 tokens and a draft block, ms) is printed first.
 """
 
@@ -37,7 +38,11 @@ VARIANTS = {
     "dspark+ff": dict(),
     "lookup": dict(lookup="only"),
     "both": dict(lookup="on"),
+    # constrained workloads only: the draft unmasked, and the per-request choice between the two
+    "both, unmasked": dict(lookup="on", mask_draft=False),
+    "both, auto mask": dict(lookup="on", mask_draft="auto"),
 }
+CONSTRAINED_ONLY = ("dspark+ff", "both, unmasked", "both, auto mask")
 
 
 def workload_requests(name: str, spec: dict, tokenizer) -> dict | None:
@@ -115,7 +120,7 @@ def main() -> None:
             print(f"\n{name}: skipped (the tokenizer has no chat template)")
             continue
         constrained = "constraint" in request or "tools" in request
-        names = [v for v in variants if constrained or v != "dspark+ff"]
+        names = [v for v in variants if constrained or v not in CONSTRAINED_ONLY]
         max_tokens = args.max_tokens or specs[name]["max_tokens"]
         runs: dict[str, list] = {v: [] for v in names}
         for _ in range(args.repeats):

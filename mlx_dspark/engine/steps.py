@@ -87,7 +87,9 @@ def make_steps(
     if speculation.verify_schedule == "confidence":
         if isinstance(proposer, DraftProposer):
             require_confidence_head(proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
-        if speculation.cost_curve is None and model.draft is not None:  # this machine's curve for the pair, measured once and cached on disk
+        if proposer is None:  # the schedule sizes draft blocks: without a draft there is nothing to size
+            speculation = dataclasses.replace(speculation, verify_schedule="fixed")
+        elif speculation.cost_curve is None:  # this machine's curve for the pair, measured once and cached on disk
             speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
     proposer = _chosen(proposer, prompt_ids, speculation, grammar)
     if proposer is None:
