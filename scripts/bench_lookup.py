@@ -7,7 +7,7 @@ Without --model it runs the trained demo pair. Per workload the variants run int
 times; greedy, so every variant must write the same tokens (checked). Reported: target forwards per 100
 generated tokens (the prefill's last forward included, as `GenerationResult.target_forwards` counts),
 decode tok/s (median), mean tokens per verify round. `dspark` is the round before issue 27 (no lookup,
-no fast-forward); `dspark+ff` adds the grammar's forced runs; `both, unmasked` / `both, auto mask` draft unmasked / choose per
+no fast-forward); `dspark+ff` adds the grammar's forced runs; `both-unmasked` / `both-automask` draft unmasked / choose per
 request (mask_choice.py) (these three on constrained workloads only). The cost
 curve (verify forwards of 1..33 tokens and a draft block, ms) is printed first.
 """
@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_dspark.api import generate
+from mlx_dspark.chat_format.turn import ToolSetup
 from mlx_dspark.cli.common import demo_pair
 from mlx_dspark.engine.constraints import Constraint, ToolCallShape
 from mlx_dspark.engine.decode import prefill
@@ -39,10 +40,10 @@ VARIANTS = {
     "lookup": dict(lookup="only"),
     "both": dict(lookup="on"),
     # constrained workloads only: the draft unmasked, and the per-request choice between the two
-    "both, unmasked": dict(lookup="on", mask_draft=False),
-    "both, auto mask": dict(lookup="on", mask_draft="auto"),
+    "both-unmasked": dict(lookup="on", mask_draft=False),
+    "both-automask": dict(lookup="on", mask_draft="auto"),
 }
-CONSTRAINED_ONLY = ("dspark+ff", "both, unmasked", "both, auto mask")
+CONSTRAINED_ONLY = ("dspark+ff", "both-unmasked", "both-automask")
 
 
 def workload_requests(name: str, spec: dict, tokenizer) -> dict | None:
@@ -57,9 +58,12 @@ def workload_requests(name: str, spec: dict, tokenizer) -> dict | None:
 
     if "messages" in spec:
         messages = [{**m, "content": filled(m["content"])} for m in spec["messages"]]
-        if getattr(tokenizer, "chat_template", None):
+        try:  # a chat template whose calls are JSON (the demo pair's)
+            ToolSetup.of([spec["tool"]], "required", parallel=False).constraint(tokenizer)
             return dict(prompt=messages, tools=[spec["tool"]], tool_choice="required", parallel_tool_calls=False)
-        # no chat template (the scaled pair's tiny tokenizer): the same forced call over the raw user text
+        except ValueError:
+            pass
+        # none (the scaled pair's tiny tokenizer): the same forced call (Qwen3's syntax) over the raw user text
         function = spec["tool"]["function"]
         schema = {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": function["parameters"]},
                   "required": ["name", "arguments"], "additionalProperties": False}

@@ -21,9 +21,10 @@ import mlx.core as mx
 
 from mlx_dspark.engine.propose import Proposal
 
-# Longest first; measured on benchmarks/workloads (RESULTS.md section 13): 1-grams match too often in
-# code (every `(`), so the shortest match that proposes is a 2-gram.
-DEFAULT_NGRAM_SIZES = (4, 3, 2)
+# Measured on benchmarks/workloads (RESULTS.md section 13): the longest indexed n-gram picks the copy
+# site (its most recent occurrence), the backward extension gives the match length; 1-grams propose too
+# often beside a draft, so the shortest match that proposes is a 2-gram.
+DEFAULT_NGRAM_SIZES = (8, 4, 2)
 LOOKUP_MAX_TOKENS = 32  # the most tokens one lookup proposal holds (the verify width is one more)
 
 
