@@ -30,7 +30,10 @@ class Proposal:
 
 class Proposer(Protocol):
     """A proposer whose `takes_logits_hook` is true accepts `logits_hook=` in `propose` (the round's
-    penalties / bias / grammar mask for its draft positions); others propose unprocessed (still lossless)."""
+    penalties / bias / grammar mask for its draft positions); others propose unprocessed (still lossless).
+    Optional: `commit(tokens)` receives each round's committed tokens (the prefill's token first; lookup
+    indexes them), and `takes_room` = True makes the round pass `room=`, the most tokens a block may hold
+    (max_tokens left, the caches' rollback), to a proposer that sizes its own blocks (choose.Chooser)."""
 
     tap_ids: Sequence[int]
     block_size: int  # the most draft tokens one proposal can hold
