@@ -129,6 +129,8 @@ def stream_generate(
     verify_schedule: str = _SPECULATION.verify_schedule,
     cost_curve: CostCurve | None = _SPECULATION.cost_curve,
     mask_draft: bool = _SPECULATION.mask_draft,
+    lookup: str = _SPECULATION.lookup,
+    fast_forward: bool = _SPECULATION.fast_forward,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
@@ -154,6 +156,8 @@ def stream_generate(
     carries its text read as `content`, `reasoning` and `tool_calls` (the tokenizer's tool parser);
     `tool_choice` "required" or {"type": "function", "function": {"name": ...}} forces a call
     (constrained decoding), "none" offers no tools.
+    `lookup` "on" adds prompt-lookup drafts beside the draft, "only" without it; `fast_forward` verifies
+    a constraint's forced runs in the round's block (engine/choose.py).
     """
     built = GenerationOptions(
         max_tokens=max_tokens,
@@ -178,6 +182,8 @@ def stream_generate(
             verify_schedule=verify_schedule,
             cost_curve=cost_curve,
             mask_draft=mask_draft,
+            lookup=lookup,
+            fast_forward=fast_forward,
         ),
     )
     if options is None:
@@ -356,9 +362,13 @@ class ResultCollector:
         )
 
 
-def make_prompt_cache(model: Any, *, max_snapshots: int = 4, snapshot_margin: int = 16) -> PromptCache:
-    """A prompt cache for `model`'s target (and draft): pass it to every turn of one conversation."""
-    return PromptCache(model.target, model.draft, max_snapshots=max_snapshots, snapshot_margin=snapshot_margin)
+def make_prompt_cache(
+    model: Any, *, max_snapshots: int = 4, snapshot_margin: int = 16, max_rollback: int | None = None
+) -> PromptCache:
+    """A prompt cache for `model`'s target (and draft): pass it to every turn of one conversation.
+    `max_rollback` (None: 8) bounds the lookup blocks (`lookup="on"`): give lookup.LOOKUP_MAX_TOKENS."""
+    return PromptCache(model.target, model.draft, max_snapshots=max_snapshots, snapshot_margin=snapshot_margin,
+                       max_rollback=max_rollback)
 
 
 def generate(
@@ -392,6 +402,8 @@ def generate(
     verify_schedule: str = _SPECULATION.verify_schedule,
     cost_curve: CostCurve | None = _SPECULATION.cost_curve,
     mask_draft: bool = _SPECULATION.mask_draft,
+    lookup: str = _SPECULATION.lookup,
+    fast_forward: bool = _SPECULATION.fast_forward,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     chat_template_kwargs: dict | None = None,
@@ -434,6 +446,8 @@ def generate(
         verify_schedule=verify_schedule,
         cost_curve=cost_curve,
         mask_draft=mask_draft,
+        lookup=lookup,
+        fast_forward=fast_forward,
         stop=stop,
         stop_token_ids=stop_token_ids,
         chat_template_kwargs=chat_template_kwargs,

@@ -110,6 +110,7 @@ def main(
     confidence_threshold: flags.ConfidenceThreshold = flags.SPECULATION.confidence_threshold,
     max_draft_tokens: flags.MaxDraftTokens = flags.SPECULATION.max_draft_tokens,
     verify_schedule: flags.VerifySchedule = flags.SPECULATION.verify_schedule,
+    lookup: flags.Lookup = flags.SPECULATION.lookup,
     cost_curve_file: flags.CostCurveFile = None,
     max_context: flags.MaxContext = None,
     repeats: int = typer.Option(1, "--repeats", help="Timed repeats per prompt and mode (medians)."),
@@ -147,6 +148,9 @@ def main(
     from mlx_dspark.bench import session
     from mlx_dspark.bench.runner import RunSettings
 
+    if draft == flags.LOOKUP_DRAFT:
+        fail("--draft lookup: the benchmark measures a DSpark draft against plain decoding; use --lookup on or only "
+             "(beside the loaded draft), or scripts/bench_lookup.py for lookup without a draft")
     draft = flags.resolve_draft(model, draft, no_draft=False)
     if model is None:
         try:

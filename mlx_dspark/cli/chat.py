@@ -21,6 +21,7 @@ from typing import Any, Iterator, Optional
 import typer
 
 from mlx_dspark.cli import common as flags
+from mlx_dspark.engine.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.api import GenerationResult, ResultCollector, StepResponse, encode_prompt, make_prompt_cache, stream_generate
 from mlx_dspark.chat_format.turn import OutputCollector, ToolSetup
 from mlx_dspark.cli.common import fail, flag_errors
@@ -45,7 +46,9 @@ class ChatSession:
 
     def reset(self) -> None:
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
-        self.prompt_cache = make_prompt_cache(self.model)
+        # lookup blocks are longer than a draft block: caches that roll a whole one back
+        rollback = None if self.options.speculation.lookup == "off" else LOOKUP_MAX_TOKENS
+        self.prompt_cache = make_prompt_cache(self.model, max_rollback=rollback)
         self.last: GenerationResult | None = None
 
     def say(self, text: str) -> Iterator[StepResponse]:
@@ -147,6 +150,8 @@ def chat(
     seed: flags.Seed = flags.SAMPLING.seed,
     draft_sampling: flags.DraftSampling = flags.SPECULATION.draft_sampling,
     no_draft: flags.NoDraft = False,
+    lookup: flags.Lookup = flags.SPECULATION.lookup,
+    no_fast_forward: flags.NoFastForward = False,
     confidence_threshold: flags.ConfidenceThreshold = flags.SPECULATION.confidence_threshold,
     p_min: flags.PMin = flags.SPECULATION.p_min,
     max_draft_tokens: flags.MaxDraftTokens = flags.SPECULATION.max_draft_tokens,
@@ -173,6 +178,7 @@ def chat(
             fail(str(err))
         model, draft, dtype = str(demo.target), draft or str(demo.draft), demo.dtype
         typer.echo(f"[mlx_dspark] {demo.note}", err=True)
+    draft = flags.draft_path(draft)  # `--draft lookup`: the target alone, lookup drafts
     try:
         pair = load(model, draft=None if no_draft else draft, quantize=quantize, dtype=dtype)
     except (ValueError, FileNotFoundError, OSError) as err:

@@ -24,6 +24,7 @@ from mlx_dspark.engine.constraints import Constraint, ConstraintError
 from mlx_dspark.engine.options import (
     DEFAULT_OPTIONS,
     DRAFT_SAMPLING_MODES,
+    LOOKUP_MODES,
     GenerationOptions,
     OptionError,
     SamplingOptions,
@@ -65,6 +66,8 @@ FLAGS = {
     "penalty_last_n": "--penalty-last-n",
     "logit_bias": "--logit-bias",
     "mask_draft": "--no-mask-draft",
+    "lookup": "--lookup",
+    "fast_forward": "--no-fast-forward",
 }
 CONSTRAINT_FLAGS = {"json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar", "tokenizer": "--model"}
 
@@ -111,6 +114,20 @@ CostCurveFile = Annotated[
     typer.Option("--cost-curve-file", help="cost_curve.json from `python -m mlx_dspark.benchmark --cost-curve` for --verify-schedule confidence."),
 ]
 NoDraft = Annotated[bool, typer.Option("--no-draft", help="Plain target decoding (the baseline).")]
+# `--draft lookup`: no DSpark draft, prompt-lookup drafts alone (any target gets some speedup on text
+# that repeats its context); `--lookup on` adds them beside a DSpark draft
+LOOKUP_DRAFT = "lookup"
+Lookup = Annotated[
+    str,
+    typer.Option(
+        "--lookup",
+        help=f"Prompt-lookup drafts: {' | '.join(LOOKUP_MODES)}. on: beside the DSpark draft, the round verifies the "
+        "better block; only: without the draft (as --draft lookup).",
+    ),
+]
+NoFastForward = Annotated[
+    bool, typer.Option("--no-fast-forward", help="With a constraint: do not verify the grammar's forced runs in the round's block.")
+]
 ChatTemplateArgs = Annotated[
     Optional[str],
     typer.Option("--chat-template-args", help="JSON object for the chat template, e.g. '{\"enable_thinking\": false}'."),
@@ -161,7 +178,7 @@ KvBits = Annotated[Optional[int], typer.Option("--kv-bits", help="Quantize the t
 MODEL_HELP = "Target: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
 DRAFT_HELP = (
     "DSpark draft: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf; "
-    "'auto': the published draft of a known --model (any quantization of it)."
+    "'auto': the published draft of a known --model (any quantization of it); 'lookup': no draft, prompt-lookup drafts alone."
 )
 DraftTapIds = Annotated[
     Optional[str],
@@ -276,8 +293,21 @@ def generation_options(flags: Mapping[str, Any], *, max_tokens: int) -> Generati
             verify_schedule=flags.get("verify_schedule", SPECULATION.verify_schedule),
             cost_curve=cost_curve,
             mask_draft=not flags.get("no_mask_draft", False),
+            lookup=lookup_mode(flags),
+            fast_forward=not flags.get("no_fast_forward", False),
         ),
     )
+
+
+def lookup_mode(flags: Mapping[str, Any]) -> str:
+    """--lookup, where `--draft lookup` (no DSpark draft) turns "off" into "on"."""
+    mode = flags.get("lookup", SPECULATION.lookup)
+    return "on" if flags.get("draft") == LOOKUP_DRAFT and mode == "off" else mode
+
+
+def draft_path(draft: Optional[str]) -> Optional[str]:
+    """The --draft to load: none for `--draft lookup`."""
+    return None if draft == LOOKUP_DRAFT else draft
 
 
 def parse_logit_bias(text: Optional[str]) -> dict:

@@ -73,6 +73,8 @@ def generate(
     regex: flags.Regex = None,
     grammar: flags.Grammar = None,
     no_mask_draft: flags.NoMaskDraft = False,
+    lookup: flags.Lookup = flags.SPECULATION.lookup,
+    no_fast_forward: flags.NoFastForward = False,
     chat_template_args: flags.ChatTemplateArgs = None,
     chat_template: Optional[bool] = typer.Option(
         None, "--chat-template/--no-chat-template",
@@ -117,6 +119,7 @@ def generate(
         prompt = demo.prompt if prompt is None else prompt
         form = "through the chat template" if chat_template else "raw text"
         typer.echo(f"[mlx_dspark] {demo.note}; prompt ({form}): {prompt!r}", err=True)
+    draft = flags.draft_path(draft)  # `--draft lookup`: the target alone, lookup drafts (options.speculation.lookup)
     try:
         speculative = draft is not None and not no_draft
         pair = load(
@@ -172,7 +175,7 @@ def generate(
                     "peak_memory_gb": result.peak_memory_gb,
                     "acceptance_lengths": result.acceptance_lengths,
                     "mean_acceptance_length": result.mean_acceptance_length,
-                    "speculative": pair.draft is not None and not no_draft,
+                    "speculative": (pair.draft is not None or options.speculation.lookup != "off") and not no_draft,
                     "target_forwards": result.target_forwards,
                     **({} if plain is None else {"plain": _comparison(result, plain, greedy=options.sampling.greedy)}),
                 }

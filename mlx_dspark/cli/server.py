@@ -56,6 +56,8 @@ def serve(
     min_p: flags.MinP = flags.SAMPLING.min_p,
     draft_sampling: flags.DraftSampling = flags.SPECULATION.draft_sampling,
     no_draft: flags.NoDraft = False,
+    lookup: flags.Lookup = flags.SPECULATION.lookup,
+    no_fast_forward: flags.NoFastForward = False,
     confidence_threshold: flags.ConfidenceThreshold = flags.SPECULATION.confidence_threshold,
     p_min: flags.PMin = flags.SPECULATION.p_min,
     max_draft_tokens: flags.MaxDraftTokens = flags.SPECULATION.max_draft_tokens,
@@ -134,6 +136,7 @@ def serve(
             fail(str(err))
         typer.echo(f"[mlx_dspark] {demo.note}; its small chat template renders tools (its replies stay code-like)", err=True)
         model, draft, dtype = str(demo.target), draft or str(demo.draft), demo.dtype
+    draft = flags.draft_path(draft)  # `--draft lookup`: the target alone, lookup drafts
     speculative = draft is not None and not no_draft
     loader = functools.partial(
         load, model, draft=draft if speculative else None, dtype=dtype, quantize=quantize,

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.accept import accept_greedy, accept_sampled
-from mlx_dspark.models.cache import trim_caches
+from mlx_dspark.models.cache import rollback_limit, trim_caches
 from mlx_dspark.models.finite import check_finite_logits
 from mlx_dspark.engine.logits_processing import LogitsProcessor
 from mlx_dspark.engine.options import PREFILL_STEP_SIZE, SpeculationOptions
@@ -98,7 +98,9 @@ def prefill_cached(
     The prefill pauses where the prompt cache wants snapshots (near the prompt's end).
     """
     prompt = list(prompt)
-    start = prompt_cache.resume(target, prompt, proposer=proposer)
+    # A proposer that reads only tokens (lookup alone) keeps no state in the cache: it resumes like plain decoding.
+    stateless = proposer is not None and not proposer.tap_ids and getattr(proposer, "context", None) is None
+    start = prompt_cache.resume(target, prompt, proposer=None if stateless else proposer)
     for end in prompt_cache.prefill_stops(start, len(prompt)):
         chunk = prompt[start:end]
         logits = prefill(
@@ -189,32 +191,38 @@ def speculative_steps(
     lease, cache = prompt_cache.lease, prompt_cache.target_cache
     processor = processor or LogitsProcessor.passthrough()
     hook = processor.draft_hook() if getattr(proposer, "takes_logits_hook", False) else None
+    # A proposer that sizes its own blocks (choose.Chooser: lookup, forced runs) gets the room a round
+    # has: what max_tokens leaves and what the target caches can roll back.
+    takes_room = getattr(proposer, "takes_room", False)
+    rollback = rollback_limit(cache)
     anchor, logprobs = _draw(sampler, processor, logits[None], mx.zeros((0,), mx.int32))
     anchor = anchor.astype(mx.int32).reshape(1)
     mx.eval(anchor, *logprobs)
     anchor_id = int(anchor.item())
     position = len(prompt)  # the anchor's position; caches hold 0 .. position - 1
     emitted = 1
-    processor.commit([anchor_id])
+    _commit(processor, proposer, [anchor_id])
     yield Round(tokens=[anchor_id], logprobs=processor.read_logprobs(logprobs, [anchor_id]))
 
     while True:
         _check_cancel(cancel)
         prompt_cache.claim(lease)
-        num_tokens = draft_length
-        if max_tokens is not None:
-            num_tokens = max(0, min(num_tokens, max_tokens - emitted - 1))
+        room = rollback if max_tokens is None else max(0, min(rollback, max_tokens - emitted - 1))
+        num_tokens = min(draft_length, room)
         proposal = None
-        if num_tokens:
+        if num_tokens or (takes_room and room):
             extra = {} if hook is None else {"logits_hook": hook}
+            extra.update({"room": room} if takes_room else {})
             proposal = proposer.propose(anchor, position=position, num_tokens=num_tokens, **extra)
         if proposal is not None:
             # Start the draft on the device while the host builds the verify graph.
             mx.async_eval(proposal.tokens)
+        width = proposal.tokens.shape[1] if takes_room and proposal is not None else num_tokens
         draft_tokens, draft_probs = _admitted(
-            proposal, num_tokens, p_min=speculation.p_min, threshold=speculation.confidence_threshold, schedule=schedule
+            proposal, width, p_min=speculation.p_min, threshold=speculation.confidence_threshold, schedule=schedule
         )
-        draft_tokens, draft_probs = processor.admit(draft_tokens, draft_probs, hooked=hook is not None)
+        hooked = hook is not None and (proposal is None or proposal.hooked)
+        draft_tokens, draft_probs = processor.admit(draft_tokens, draft_probs, hooked=hooked)
         num_draft = draft_tokens.shape[0]
 
         verify_input = mx.concatenate([anchor, draft_tokens]).reshape(1, num_draft + 1)
@@ -230,11 +238,12 @@ def speculative_steps(
         mx.eval(acceptance.accepted, acceptance.tokens, *logprobs)  # the round's one host read
         accepted = int(acceptance.accepted.item())
         committed = acceptance.tokens[: accepted + 1].tolist()
-        processor.commit(committed)
+        _commit(processor, proposer, committed)
 
         # Roll back: the target caches keep positions 0 .. position + accepted.
         trim_caches(cache, num_draft - accepted)
-        proposer.extend(features[:, : accepted + 1])
+        if features is not None:  # a proposer without tapped layers (lookup alone) takes no features
+            proposer.extend(features[:, : accepted + 1])
         anchor = acceptance.tokens[accepted : accepted + 1]
         position += accepted + 1
         emitted += accepted + 1
@@ -246,6 +255,12 @@ def speculative_steps(
         )
 
 
+def _commit(processor: LogitsProcessor, proposer: Proposer, tokens: list[int]) -> None:
+    processor.commit(tokens)
+    if hasattr(proposer, "commit"):  # the optional hook of proposers that read the committed tokens (lookup)
+        proposer.commit(tokens)
+
+
 def _admitted(
     proposal: Proposal | None, num_tokens: int, *, p_min: float, threshold: float, schedule: CostCurve | None
 ) -> tuple[mx.array, mx.array | None]:
@@ -255,6 +270,8 @@ def _admitted(
     """
     if proposal is None or num_tokens == 0:
         return mx.zeros((0,), mx.int32), None
+    if proposal.source != "draft":
+        schedule = None  # a lookup or forced block comes sized by its chooser (choose.py)
     tokens = proposal.tokens[0, :num_tokens].astype(mx.int32)
     draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[0, :num_tokens]
     keep = None

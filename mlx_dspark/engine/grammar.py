@@ -27,6 +27,7 @@ class GrammarState:
         self._executor = llguidance.LLExecutor(num_threads=1)
         self._cache: dict[tuple[int, ...], np.ndarray] = {}  # draft prefix -> mask row, this round only
         self._stopped: dict[tuple[int, ...], bool] = {}  # draft prefix -> the grammar has ended after it
+        self._forced: list[int] | None = None  # the forced run after the committed tokens, once per round
         self.masks_computed = 0  # for the benchmark's overhead figures
         self.host_seconds = 0.0  # time spent in mask() / masks() / valid_prefix / commit, likewise
 
@@ -44,6 +45,7 @@ class GrammarState:
         """Advance over committed tokens (all legal: they were drawn from masked distributions)."""
         self._cache.clear()
         self._stopped.clear()
+        self._forced = None
         for token in tokens:
             if self.matcher.is_stopped():
                 return  # an end-of-sequence token after the grammar's end: the generation stops here
@@ -54,6 +56,15 @@ class GrammarState:
     def finished(self) -> bool:
         """The grammar has ended: only an end-of-sequence token may follow."""
         return self.matcher.is_stopped()
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces after the committed ones: llguidance's fast-forward tokens (the
+        canonical tokenisation of the only bytes that may follow), [] when there is a choice or it ended."""
+        if self._forced is None:
+            started = time.perf_counter()
+            self._forced = [] if self.matcher.is_stopped() else [int(t) for t in self.matcher.compute_ff_tokens()]
+            self.host_seconds += time.perf_counter() - started
+        return self._forced
 
     # -- masks beyond the committed state ------------------------------------------------------------
 
@@ -117,6 +128,11 @@ class GrammarState:
             for token in self.eos_ids:
                 row[token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
         return row
+
+
+def allow_only(logits: mx.array, token: int) -> mx.array:
+    """logits (n, V) with -inf everywhere but at `token` (a forced position)."""
+    return mx.where(mx.arange(logits.shape[-1]) == token, logits, mx.array(-mx.inf, logits.dtype))
 
 
 def apply_masks(logits: mx.array, masks: np.ndarray) -> mx.array:

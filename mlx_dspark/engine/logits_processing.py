@@ -12,7 +12,8 @@ Penalties count the last `penalty_last_n` tokens of the sequence, prompt include
 rule); repetition_penalty divides a positive logit (multiplies a negative one) of every token present.
 Penalties and bias are device work inside the lazy graph. The grammar mask is host work: the verify
 masks are computed after the verify forward is launched, so they overlap it; masked drafting costs one
-host read per draft position (the next draft position's mask needs the drawn token).
+host read per draft position (the next draft position's mask needs the drawn token), except inside the
+grammar's forced run (`GrammarState.forced`), where the only legal token is drawn without a read.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dspark.engine import logprobs as logprobs_mod
-from mlx_dspark.engine.grammar import GrammarState, apply_masks
+from mlx_dspark.engine.grammar import GrammarState, allow_only, apply_masks
+from mlx_dspark.engine.mask_choice import MaskChoice
 from mlx_dspark.engine.options import OptionError, SamplingOptions
 
 # (logits (B, V) of draft position k, the drawn draft tokens x(1..k-1) as (B,) arrays) -> processed
@@ -39,14 +41,16 @@ class LogitsProcessor:
         history: Sequence[int],
         sampling: SamplingOptions | None = None,
         grammar: GrammarState | None = None,
-        mask_draft: bool = True,
+        mask_draft: bool | str = True,
         logprobs: int | None = None,
     ) -> None:
-        """`history`: the prompt; `logprobs`: None or how many top alternatives each token reports."""
+        """`history`: the prompt; `logprobs`: None or how many top alternatives each token reports;
+        `mask_draft`: True, False or "auto" (mask_choice.py: per round, the faster of the two)."""
         self.vocab_size = vocab_size
         self.history = list(history)
         self.grammar = grammar
-        self.mask_draft = mask_draft
+        self.mask_choice = MaskChoice() if mask_draft == "auto" and grammar is not None else None
+        self._mask_draft = bool(mask_draft)
         self.logprobs = logprobs
         self.bias = None
         self.penalties = None
@@ -60,6 +64,11 @@ class LogitsProcessor:
         if sampling is not None and sampling.has_penalties:
             self.penalties = sampling
         self.changes_logits = self.bias is not None or self.penalties is not None or grammar is not None
+
+    @property
+    def mask_draft(self) -> bool:
+        """Whether this round's draft is masked (fixed between the round's proposal and its commit)."""
+        return self._mask_draft if self.mask_choice is None else self.mask_choice.masked
 
     @classmethod
     def passthrough(cls) -> "LogitsProcessor":
@@ -125,20 +134,26 @@ class LogitsProcessor:
         """The draft's processing (None when nothing changes logits): penalties, bias, and the mask if masking."""
         if not self.changes_logits:
             return None
-        masked = self.grammar is not None and self.mask_draft
         drawn: list[int] = []  # host copies of this proposal's draft tokens so far (masked drafting only)
+        forced: list[int] = []  # the grammar's forced run this round: drawn without a host read
 
         def hook(logits: mx.array, drafted: list) -> mx.array | None:
             pending = mx.concatenate([t.reshape(-1) for t in drafted]) if drafted else mx.zeros((0,), mx.int32)
             out = self._device_rows(logits, pending, logits.shape[0])
-            if not masked:
+            if self.grammar is None or not self.mask_draft:
                 return out
             if not drafted:
                 drawn.clear()  # a new proposal
+                # a grammar that cannot tell its forced run (a test's stand-in) forces nothing
+                forced[:] = self.grammar.forced() if hasattr(self.grammar, "forced") else []
+            elif len(drafted) <= len(forced):
+                drawn.append(forced[len(drafted) - 1])  # allowed alone at its position: no read needed
             else:
-                drawn.append(int(drafted[-1].item()))  # the host read per draft position
+                drawn.append(int(drafted[-1].item()))  # the host read per unforced draft position
                 if drawn[-1] in self.grammar.eos_ids:
                     return None
+            if len(drawn) < len(forced):
+                return allow_only(out, forced[len(drawn)])
             if self.grammar.ends_after(drawn):
                 return None  # only an end-of-sequence token can follow: the target's bonus gives it
             return apply_masks(out, self.grammar.mask(drawn)[None])
@@ -168,6 +183,8 @@ class LogitsProcessor:
             del self.history[: -self.penalties.penalty_last_n]
         if self.grammar is not None:
             self.grammar.commit(tokens)
+        if self.mask_choice is not None:
+            self.mask_choice.observe(len(tokens))
 
     def logprob_arrays(self, processed: mx.array, tokens: mx.array) -> tuple[mx.array, ...]:
         """Lazy logprob arrays of `tokens` under the processed rows; () when logprobs are off."""

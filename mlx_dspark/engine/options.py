@@ -18,6 +18,9 @@ from mlx_dspark.engine.sample import Sampler
 from mlx_dspark.engine.schedule import VERIFY_SCHEDULES, CostCurve
 
 DRAFT_SAMPLING_MODES = ("greedy", "sample")
+# "off"; "on": lookup continuations beside the DSpark draft (alone when the model has none), the round
+# verifies the better block (choose.py); "only": lookup alone, the draft left unused
+LOOKUP_MODES = ("off", "on", "only")
 PREFILL_STEP_SIZE = 512  # prompt tokens per prefill forward: bounds the memory of long prompts
 SEED_MAX = 2**64 - 1  # MLX seeds its generator with an unsigned 64-bit integer
 MAX_LOGPROBS = 20  # the most alternatives a step reports per token (OpenAI's top_logprobs limit)
@@ -122,20 +125,29 @@ class SpeculationOptions:
     verify_schedule: str = "fixed"
     cost_curve: CostCurve | None = None  # for "confidence"; None = this machine's, measured once and cached
     # With a constraint: the draft proposes from its grammar-masked distribution (True; one host read per
-    # draft position) or unmasked, its proposal cut at the first token the grammar forbids (False)
-    mask_draft: bool = True
+    # draft position) or unmasked, its proposal cut at the first token the grammar forbids (False), or
+    # per round the faster of the two as measured during the request ("auto", mask_choice.py)
+    mask_draft: bool | str = True
+    # Prompt lookup (lookup.py, choose.py): propose what followed the last tokens earlier in the context
+    lookup: str = "off"
+    # With a constraint: verify the grammar's forced runs (its only continuation) in the round's block
+    fast_forward: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.speculative, bool):
             raise OptionError("speculative", self.speculative, "true or false")
+        if self.lookup not in LOOKUP_MODES:
+            raise OptionError("lookup", self.lookup, f"one of {', '.join(LOOKUP_MODES)}")
+        if not isinstance(self.fast_forward, bool):
+            raise OptionError("fast_forward", self.fast_forward, "true or false")
         if self.draft_sampling not in DRAFT_SAMPLING_MODES:
             raise OptionError("draft_sampling", self.draft_sampling, f"one of {', '.join(DRAFT_SAMPLING_MODES)}")
         _check_fraction("p_min", self.p_min)
         _check_fraction("confidence_threshold", self.confidence_threshold)
         if self.max_draft_tokens is not None and not (_is_int(self.max_draft_tokens) and self.max_draft_tokens >= 1):
             raise OptionError("max_draft_tokens", self.max_draft_tokens, "an integer >= 1, or none for the draft's block size")
-        if not isinstance(self.mask_draft, bool):
-            raise OptionError("mask_draft", self.mask_draft, "true or false")
+        if not (isinstance(self.mask_draft, bool) or self.mask_draft == "auto"):
+            raise OptionError("mask_draft", self.mask_draft, "true, false or \"auto\"")
         if self.verify_schedule not in VERIFY_SCHEDULES:
             raise OptionError("verify_schedule", self.verify_schedule, f"one of {', '.join(VERIFY_SCHEDULES)}")
         if self.cost_curve is not None and not isinstance(self.cost_curve, CostCurve):

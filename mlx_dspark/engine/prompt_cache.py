@@ -93,7 +93,10 @@ class PromptCache:
     `cached_tokens` (what the latest resume reused).
     """
 
-    def __init__(self, target: Any, draft: Any = None, *, max_snapshots: int = 4, snapshot_margin: int = 16):
+    def __init__(self, target: Any, draft: Any = None, *, max_snapshots: int = 4, snapshot_margin: int = 16,
+                 max_rollback: int | None = None):
+        """`max_rollback`: how far the target's sliding caches can roll back after a round (None: the
+        target's default, 8); lookup blocks (choose.py) verify up to that many tokens."""
         if not isinstance(max_snapshots, int) or max_snapshots < 0:
             raise ValueError(f"max_snapshots must be an integer >= 0, got {max_snapshots!r}")
         if not isinstance(snapshot_margin, int) or snapshot_margin < 0:
@@ -102,7 +105,8 @@ class PromptCache:
         self.draft = draft
         self.max_snapshots = max_snapshots
         self.snapshot_margin = snapshot_margin
-        self.target_cache: list[Any] = target.make_cache()
+        self._cache_options = {} if max_rollback is None else {"max_rollback": max_rollback}
+        self.target_cache: list[Any] = target.make_cache(**self._cache_options)
         self.draft_context: list[Any] | None = None if draft is None else draft.make_cache()
         self.cached_tokens = 0  # prompt tokens the latest resume reused
         self._tokens: list[int] = []
@@ -252,7 +256,7 @@ class PromptCache:
         self._snapshots = [s for s in self._snapshots if s.position <= start]
 
     def _reset(self) -> None:
-        self.target_cache = self.target.make_cache()
+        self.target_cache = self.target.make_cache(**self._cache_options)
         for ctx in self.draft_context or []:
             ctx.restore((None, None, 0))  # in place: the proposer holds this list
         self._tokens = []

@@ -22,11 +22,18 @@ class Proposal:
     draft_probs: mx.array | None = None  # (1, K, V) distributions drawn from; None = greedy (one-hot)
     token_probs: mx.array | None = None  # (1, K) top draft probability at each position (before a draw), for p_min
     confidence: mx.array | None = None  # (1, K) confidence head outputs c(k)
+    # drafted through the round's logits hook (penalties, bias, grammar mask); False: a proposal the
+    # grammar has not seen (a lookup continuation), which the round validates before verifying
+    hooked: bool = True
+    source: str = "draft"  # "draft", or "lookup" / "forced" (choose.py): sized by their chooser, not scheduled
 
 
 class Proposer(Protocol):
     """A proposer whose `takes_logits_hook` is true accepts `logits_hook=` in `propose` (the round's
-    penalties / bias / grammar mask for its draft positions); others propose unprocessed (still lossless)."""
+    penalties / bias / grammar mask for its draft positions); others propose unprocessed (still lossless).
+    Optional: `commit(tokens)` receives each round's committed tokens (the prefill's token first; lookup
+    indexes them), and `takes_room` = True makes the round pass `room=`, the most tokens a block may hold
+    (max_tokens left, the caches' rollback), to a proposer that sizes its own blocks (choose.Chooser)."""
 
     tap_ids: Sequence[int]
     block_size: int  # the most draft tokens one proposal can hold

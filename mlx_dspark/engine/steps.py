@@ -10,10 +10,12 @@ import dataclasses
 import threading
 from typing import Any, Iterator
 
+from mlx_dspark.engine.choose import Chooser, RoundCost
 from mlx_dspark.engine.constraints import compile_constraint
 from mlx_dspark.engine.cost_probe import cost_curve_for
 from mlx_dspark.engine.decode import Round, plain_steps, speculative_steps
 from mlx_dspark.engine.grammar import GrammarState
+from mlx_dspark.engine.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.engine.logits_processing import LogitsProcessor
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
@@ -64,7 +66,11 @@ def make_steps(
     if not speculation.speculative:
         return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
                            prefill_step_size=step_size, cancel=cancel, processor=processor)
-    if proposer is None and model.draft is not None:
+    lookup = speculation.lookup
+    if lookup != "off" and prompt_cache is None:
+        # caches that roll back a whole lookup block (rejected tokens of a LOOKUP_MAX_TOKENS block)
+        prompt_cache = PromptCache(model.target, max_snapshots=0, max_rollback=LOOKUP_MAX_TOKENS)
+    if proposer is None and model.draft is not None and lookup != "only":
         proposer = DraftProposer(
             model.draft,
             model.target,
@@ -72,9 +78,6 @@ def make_steps(
             temperature=max(sampling.temperature, 1e-6),
             context=None if prompt_cache is None else prompt_cache.draft_context,
         )
-    if proposer is None:
-        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
-                           prefill_step_size=step_size, cancel=cancel, processor=processor)
     if speculation.confidence_threshold > 0 and isinstance(proposer, DraftProposer):
         # as llama-server refuses --spec-draft-p-min > 0 for a DSpark draft without a confidence head
         require_confidence_head(
@@ -84,8 +87,14 @@ def make_steps(
     if speculation.verify_schedule == "confidence":
         if isinstance(proposer, DraftProposer):
             require_confidence_head(proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
-        if speculation.cost_curve is None:  # this machine's curve for the pair, measured once and cached on disk
+        if proposer is None:  # the schedule sizes draft blocks: without a draft there is nothing to size
+            speculation = dataclasses.replace(speculation, verify_schedule="fixed")
+        elif speculation.cost_curve is None:  # this machine's curve for the pair, measured once and cached on disk
             speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
+    proposer = _chosen(proposer, prompt_ids, speculation, grammar)
+    if proposer is None:
+        return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
+                           prefill_step_size=step_size, cancel=cancel, processor=processor)
     return speculative_steps(
         model.target,
         proposer,
@@ -100,3 +109,17 @@ def make_steps(
     )
 
 
+
+
+def _chosen(draft: Proposer | None, prompt_ids: list[int], speculation: Any, grammar: GrammarState | None) -> Proposer | None:
+    """The draft alone, or a Chooser (choose.py) when lookup is on or a grammar's forced runs can be verified."""
+    forced = grammar if grammar is not None and speculation.fast_forward else None
+    if speculation.lookup == "off" and forced is None:
+        return draft
+    if speculation.lookup == "only":
+        draft = None
+    curve = speculation.cost_curve
+    return Chooser.build(
+        draft=draft, context=prompt_ids, lookup=speculation.lookup != "off", grammar=forced,
+        cost=None if curve is None else RoundCost.from_curve(curve),
+    )  # fmt: skip

@@ -217,3 +217,9 @@ def trim_caches(caches: Sequence[Any], n: int) -> int:
     for cache in caches:
         cache.trim(n)
     return n
+
+
+def rollback_limit(caches: Sequence[Any], *, unbounded: int = 1 << 30) -> int:
+    """The most positions `trim_caches` can roll back right after an update (a speculative round's
+    rejected drafts): the smallest `max_rollback` among the caches; `unbounded` when none has one."""
+    return min([int(c.max_rollback) for c in caches if getattr(c, "max_rollback", None) is not None] or [unbounded])
