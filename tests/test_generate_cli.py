@@ -216,8 +216,8 @@ def test_without_a_model_it_runs_the_shipped_demo_pair_on_its_python_prompt():
 
 
 def test_a_missing_demo_pair_is_one_clear_line(monkeypatch, tmp_path):
-    from mlx_dspark.cli import common as cli_common
-    monkeypatch.setattr(cli_common, "DEMO_DIR", tmp_path / "demo")
+    from mlx_dspark.cli import demo
+    monkeypatch.setattr(demo, "DEMO_DIR", tmp_path / "demo")
     result = run_cli("--max-tokens", "4")
     assert result.exit_code == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Iterator, Mapping, NoReturn, Optional
 
 import typer
 
+from mlx_dspark.cli.demo import DEMO_PROMPT, demo_pair  # noqa: F401  (re-exported: the commands' default)
 from mlx_dspark.engine.constraints import Constraint, ConstraintError
 from mlx_dspark.engine.options import (
     DEFAULT_OPTIONS,
@@ -36,13 +37,6 @@ from mlx_dspark.engine.schedule import CostCurve
 # The flags' defaults are the options' own.
 SAMPLING, SPECULATION = DEFAULT_OPTIONS.sampling, DEFAULT_OPTIONS.speculation
 
-# The trained demo pair shipped in the package (scripts/train_demo_pair.py; benchmarks/RESULTS.md section 7).
-DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
-# Stored float16 to stay small (5 MB); loaded float32: exact for float16 weights, fast on every backend
-# (MLX's float16 matmuls are very slow on Linux CPUs), and the dtype its acceptance was measured in.
-DEMO_DTYPE = "float32"
-# Its target learned Python source only (no chat template): a raw-text prompt, the start of a method.
-DEMO_PROMPT = "class Request:\n    def __init__(self, url, data=None):\n        self.url = url\n        "
 
 # The flag that sets each option field, for error lines (a command may name max_tokens differently).
 FLAGS = {
@@ -424,29 +418,3 @@ def check_quantize(bits: Optional[int]) -> None:
     """`--quantize`, checked before the (slow) load with the loader's own list of bit widths."""
     if bits is not None and bits not in Q_BITS:
         raise ValueError(f"--quantize must be one of {', '.join(map(str, Q_BITS))}, got {bits}")
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoPair:
-    """What a command runs when no `--model` is given."""
-
-    target: Path
-    draft: Path
-    dtype: str = DEMO_DTYPE
-    prompt: str = DEMO_PROMPT
-    note: str = (
-        f"no --model given: the demo pair in {DEMO_DIR} (a 1.4M-parameter qwen3 target trained on Python's "
-        "standard library and its DSpark draft; it writes Python-like text)"
-    )
-
-
-def demo_pair() -> DemoPair:
-    """The trained demo pair shipped in mlx_dspark/demo/; FileNotFoundError naming the fix when it is absent."""
-    target, draft = DEMO_DIR / "target", DEMO_DIR / "draft"
-    missing = [str(d / "config.json") for d in (target, draft) if not (d / "config.json").is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"the demo pair is not installed ({', '.join(missing)} missing): reinstall mlx_dspark with its package "
-            "data, rebuild it with `python scripts/train_demo_pair.py --out mlx_dspark/demo`, or pass --model"
-        )
-    return DemoPair(target=target, draft=draft)
