@@ -83,6 +83,18 @@ class GenerationResult:
     def rounds(self) -> int:
         return len(self.acceptance_lengths)
 
+    @property
+    def draft_lengths(self) -> dict[int, int]:
+        """Drafts verified per round -> rounds (0: a parked round, the target alone; draft_length.py)."""
+        return length_histogram(self.proposal_lengths)
+
+
+def length_histogram(proposal_lengths: Sequence[int]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for n in proposal_lengths:
+        counts[n] = counts.get(n, 0) + 1
+    return dict(sorted(counts.items()))
+
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
     """How many trailing characters could still grow into a stop string (so are not shown yet)."""
@@ -125,7 +137,7 @@ def stream_generate(
     speculative: bool = _SPECULATION.speculative,
     confidence_threshold: float = _SPECULATION.confidence_threshold,
     p_min: float = _SPECULATION.p_min,
-    max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
+    max_draft_tokens: int | str | None = _SPECULATION.max_draft_tokens,
     verify_schedule: str = _SPECULATION.verify_schedule,
     cost_curve: CostCurve | None = _SPECULATION.cost_curve,
     mask_draft: bool = _SPECULATION.mask_draft,
@@ -374,7 +386,7 @@ def generate(
     speculative: bool = _SPECULATION.speculative,
     confidence_threshold: float = _SPECULATION.confidence_threshold,
     p_min: float = _SPECULATION.p_min,
-    max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
+    max_draft_tokens: int | str | None = _SPECULATION.max_draft_tokens,
     verify_schedule: str = _SPECULATION.verify_schedule,
     cost_curve: CostCurve | None = _SPECULATION.cost_curve,
     mask_draft: bool = _SPECULATION.mask_draft,

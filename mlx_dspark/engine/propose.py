@@ -13,6 +13,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import mlx.core as mx
 
+LAZY_CONTEXT_LIMIT = 64  # context positions appended without a proposal before they are evaluated
+
 
 @dataclass
 class Proposal:
@@ -56,13 +58,21 @@ class DraftProposer:
         # block_size - 1 when its anchor row yields no draft (a bonus-anchor packaging).
         self.block_size = int(draft.num_drafts)
         self.context = draft.make_cache() if context is None else context
+        self._lazy = 0  # positions appended since the context was last evaluated
 
     def extend(self, features: mx.array) -> None:
         self.draft.append_context(features, self.context)
+        # A proposal evaluates the context; rounds without one (a parked draft length, draft_length.py)
+        # leave it lazy: evaluate now and then so the graph stays short however long the draft rests.
+        self._lazy += features.shape[1]
+        if self._lazy >= LAZY_CONTEXT_LIMIT:
+            mx.async_eval(*(a for c in self.context for a in (c.keys, c.values) if a is not None))
+            self._lazy = 0
 
     def propose(
         self, anchor: mx.array, *, position: int, num_tokens: int, logits_hook: Callable | None = None
     ) -> Proposal:
+        self._lazy = 0
         out = self.draft.propose(
             anchor,
             self.context,

@@ -81,11 +81,16 @@ def make_steps(
             proposer.draft, source=getattr(model, "draft_path", None) or "the draft",
             need=f"confidence_threshold {speculation.confidence_threshold}", fix="set it to 0",
         )  # fmt: skip
-    if speculation.verify_schedule == "confidence":
-        if isinstance(proposer, DraftProposer):
-            require_confidence_head(proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
-        if speculation.cost_curve is None:  # this machine's curve for the pair, measured once and cached on disk
-            speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
+    if speculation.verify_schedule == "confidence" and isinstance(proposer, DraftProposer):
+        require_confidence_head(proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
+    if (speculation.verify_schedule == "confidence" or speculation.auto_length) and speculation.cost_curve is None:
+        if model.draft is None:
+            raise ValueError(
+                "this pair's cost curve (for max_draft_tokens 'auto' or verify_schedule 'confidence') is measured with its "
+                "draft, and it has none: give cost_curve= or a fixed max_draft_tokens"
+            )
+        # this machine's curve for the pair, measured once and cached on disk
+        speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
     return speculative_steps(
         model.target,
         proposer,
