@@ -7,6 +7,7 @@ import itertools
 import json
 import random
 from collections import Counter
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -204,3 +205,52 @@ def test_sampled_distribution_is_unchanged_when_the_length_changes_between_round
     assert chi_square_p_value(counts.reshape(-1), exact.reshape(-1)) > MIN_P_VALUE
     for observed, expected in zip(marginals(counts), marginals(exact)):
         assert chi_square_p_value(observed, expected) > MIN_P_VALUE
+
+
+def test_the_server_takes_max_draft_tokens_per_request_and_reports_what_the_policy_did(tiny_spark_pair):
+    from tests.test_server import MESSAGES, call, pair_loader, running_server
+
+    with running_server(pair_loader(tiny_spark_pair)) as srv:  # the defaults: auto
+        status, _, auto = call(srv, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 12})
+        status2, _, capped = call(srv, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 12, "max_draft_tokens": 2})
+        status3, _, bad = call(srv, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_draft_tokens": "many"})
+    assert status == status2 == 200 and status3 == 400 and bad["error"]["param"] == "max_draft_tokens"
+    for body in (auto, capped):
+        stats = body["dspark"]
+        assert sum(stats["draft_lengths"].values()) == stats["rounds"]
+        assert stats["rounds_parked"] == stats["draft_lengths"].get("0", 0)
+    assert max(int(n) for n in capped["dspark"]["draft_lengths"]) <= 2
+    assert auto["choices"][0]["message"]["content"] == capped["choices"][0]["message"]["content"]  # greedy: lossless
+
+
+def test_calibrate_prints_the_curve_break_even_and_auto_s_start(tiny_spark_pair, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from mlx_dspark.cli.calibrate import app
+    from mlx_dspark.engine import cost_probe
+
+    monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(tmp_path))
+    target, draft = tiny_spark_pair
+    result = CliRunner().invoke(app, ["--model", str(target), "--draft", str(draft), "--dtype", "float32", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["cache_file"].startswith(str(tmp_path)) and Path(data["cache_file"]).is_file()
+    (row,) = data["depths"]  # the conftest's synthetic flat curve: one depth, drafts free
+    assert row["auto_start_length"] == 7 and set(row["break_even_acceptance"]) == {str(n) for n in range(1, 8)}
+    assert row["break_even_acceptance"]["1"] < 1e-6  # a free draft on a flat curve pays at any acceptance
+    text = CliRunner().invoke(app, ["--model", str(target), "--draft", str(draft), "--dtype", "float32"]).output
+    assert "auto starts at 7 drafts per round" in text and data["cache_file"] in text
+
+
+def test_parked_rounds_batch_the_draft_context_and_a_prompt_cache_stays_whole(tiny_spark_pair):
+    pair = mlx_dspark.load(*tiny_spark_pair)
+    cache = mlx_dspark.make_prompt_cache(pair)
+    prompt = "def add(a, b):"
+    first = mlx_dspark.generate(pair, prompt, max_tokens=45, cost_curve=LINEAR, prompt_cache=cache)  # parked throughout
+    assert set(first.proposal_lengths) == {0}
+    assert all(ctx.offset == len(cache.tokens) for ctx in cache.draft_context)  # flushed when the generation ended
+    follow_up = prompt + first.text + "\n"
+    warm = mlx_dspark.generate(pair, follow_up, max_tokens=20, max_draft_tokens=7, prompt_cache=cache)
+    cold = mlx_dspark.generate(pair, follow_up, max_tokens=20, max_draft_tokens=7)
+    assert warm.cached_tokens > 0 and warm.tokens == cold.tokens
+    assert warm.acceptance_lengths == cold.acceptance_lengths  # the resumed draft context proposes as a cold one

@@ -34,7 +34,8 @@ def cost_cache_dir() -> Path:
     return Path(os.environ[COST_DIR_ENV]) if os.environ.get(COST_DIR_ENV) else COST_CACHE_DIR
 
 
-def _machine() -> dict:
+def machine() -> dict:
+    """What the costs depend on besides the pair: host, device, MLX version, BLAS."""
     from importlib.metadata import version
 
     maps = Path("/proc/self/maps")
@@ -63,7 +64,7 @@ def cache_key(model: Any) -> str:
         "target_config": model.target_config,
         "draft_config": model.draft_config,
         "dtypes": dtypes,
-        "machine": _machine(),
+        "machine": machine(),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
 

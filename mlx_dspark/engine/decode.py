@@ -206,7 +206,7 @@ def speculative_steps(
     while True:
         _check_cancel(cancel)
         prompt_cache.claim(lease)
-        num_tokens = draft_length.next_length(position=position)
+        num_tokens = length = draft_length.next_length(position=position)  # 0: parked, the target alone
         if max_tokens is not None:
             num_tokens = max(0, min(num_tokens, max_tokens - emitted - 1))
         proposal = None
@@ -240,7 +240,7 @@ def speculative_steps(
 
         # Roll back: the target caches keep positions 0 .. position + accepted.
         trim_caches(cache, num_draft - accepted)
-        proposer.extend(features[:, : accepted + 1])
+        (proposer.extend if length else getattr(proposer, "extend_later", proposer.extend))(features[:, : accepted + 1])
         anchor = acceptance.tokens[accepted : accepted + 1]
         position += accepted + 1
         emitted += accepted + 1

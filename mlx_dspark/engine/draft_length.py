@@ -121,7 +121,7 @@ class AutoLength:
         self.parked_rounds = 0
         self._due = 0  # rounds until the next choice
         self._interval = probe_every  # parked rounds between probes (doubles while probes lose)
-        self._until_probe = probe_every
+        self._until_probe = 1  # parked by the prior alone: look at the real acceptance in the first round
         self._hopeless = False
 
     def start_length(self, position: int = 0) -> int:
@@ -140,8 +140,6 @@ class AutoLength:
         if self._hopeless or self._until_probe > 0:
             self.parked_rounds += 1
             return 0
-        self._interval = min(2 * self._interval, self.max_probe_every)  # back off while probes lose
-        self._until_probe = self._interval
         self._due = 0  # choose again right after the probe's observation
         return self.probe_length
 
@@ -149,10 +147,13 @@ class AutoLength:
         self.lengths[proposed] += 1
         if proposed == 0:
             return
-        if self.parked and accepted > 0:  # a probe was accepted: probe again at once, it may be time to leave
-            self._interval, self._until_probe = self.probe_every, 1
+        probe = self.parked
+        if probe:  # back off while probes find nothing; probe at the base rate while they find something
+            self._interval = self.probe_every if accepted else min(2 * self._interval, self.max_probe_every)
+            self._until_probe = self._interval
         for k in range(min(accepted + 1, proposed, self.cap)):
-            self._update(k, 1.0 if k < accepted else 0.0)
+            # a probe's sample weighs more: the estimates it corrects are as old as the park
+            self._update(k, 1.0 if k < accepted else 0.0, weight=2.5 if probe else 1.0)
         if confidence is not None and accepted + 1 < proposed:
             # positions after the first rejection: the draft's own estimate of q(k) (one small host read)
             for k, c in enumerate(confidence[0, accepted + 1 : proposed].tolist(), start=accepted + 1):
@@ -164,7 +165,7 @@ class AutoLength:
                 self.acceptance[k] = self.acceptance[deepest]
 
     def _update(self, k: int, value: float, *, weight: float = 1.0) -> None:
-        rate = self.smoothing * weight if self.observed[k] else 0.5 * weight  # the first sample moves the prior halfway
+        rate = min(1.0, self.smoothing * weight) if self.observed[k] else 0.5  # the first sample moves the prior halfway
         self.acceptance[k] += rate * (value - self.acceptance[k])
         self.observed[k] = True
 

@@ -91,7 +91,7 @@ def make_steps(
             )
         # this machine's curve for the pair, measured once and cached on disk
         speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
-    return speculative_steps(
+    return _flushed(proposer, speculative_steps(
         model.target,
         proposer,
         prompt_ids,
@@ -102,6 +102,15 @@ def make_steps(
         prefill_step_size=step_size,
         cancel=cancel,
         processor=processor,
-    )
+    ))
+
+
+def _flushed(proposer: Proposer, steps: Iterator[Round]) -> Iterator[Round]:
+    """The steps; when they end (stopped, cancelled, closed), the draft context takes the positions its
+    proposer batches (propose.DraftProposer.extend), so a prompt cache holding it stays whole."""
+    try:
+        yield from steps
+    finally:
+        getattr(proposer, "flush", lambda: None)()
 
 
