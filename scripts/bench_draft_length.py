@@ -4,7 +4,8 @@ PAIR_DIR holds `target/` and `draft/` (scripts/make_scaled_spark_pair.py). Three
   (a) a cost-curve file where verify(n) = n x verify(1) (speculation can never pay), the real draft's
       own (random-weight: near-zero) acceptance: auto must park, within 3% of plain; fixed 7 far below;
   (b) this machine's measured curve, controlled acceptance length 4.55 (bench/controlled.py): auto >= fixed 7;
-  (c) the same curve at controlled acceptance 1.5: auto >= plain within 3%.
+  (c) the same curve at controlled acceptance 1.5: auto >= plain within 3%;
+  natural: the measured curve and the draft's own acceptance (the demo pair: `mlx_dspark/demo`).
 Every mode of a scenario runs in rotating order per repeat; medians of tok/s and ratios are printed
 with the cost curve. Run it as BENCHMARKING.md says: float32 with
 `LD_PRELOAD=libopenblas.so.0 OPENBLAS_NUM_THREADS=1`.
@@ -98,19 +99,24 @@ def main(
     max_tokens: int = typer.Option(128, "--max-tokens"),
     repeats: int = typer.Option(5, "--repeats"),
     out: Path = typer.Option(Path("benchmarks/results/draft_length.json"), "--out"),
+    scenarios: str = typer.Option("a,b,c", "--scenarios", help="a, b, c (above) and natural: the measured curve, the draft's own acceptance."),
+    prompt: str = typer.Option("def main(argv):\n    return parse(argv) + 1\n", "--prompt", help="Raw text, tiled to --context tokens."),
 ) -> None:
     loaded = load(str(pair / "target"), draft=str(pair / "draft"), dtype="float32")
     model = prepare_model(loaded, RunSettings(ignore_eos=True))
-    ids = tiled_prompt(model.tokenizer.encode("def main(argv):\n    return parse(argv) + 1\n"), context)
+    encoded = model.tokenizer.encode(prompt)
+    ids = encoded if len(encoded) >= context else tiled_prompt(encoded, context)
     reference = greedy_reference(model.target, ids, max_tokens + 16)
     load_before = loadavg()
-    measured = measure_cost_curve(model.target, model.draft, context=context, deep_context=4 * context)
+    measured = measure_cost_curve(model.target, model.draft, context=context, deep_context=4 * context, repeats=5)
     linear = CostCurve(draft_ms=measured.draft_ms, verify_ms=[measured.verify_ms[0] * n for n in range(1, 9)], source="verify(n) = n x verify(1)")
     print(f"measured curve at {measured.context}: {describe(measured)}")
     print(f"  at {measured.deep.context}: {describe(measured.deep)}")
     print(f"linear curve: {describe(linear)}")
     results = {}
-    for name, curve, tau in (("a_linear_file", linear, None), ("b_tau_4.55", measured, 4.55), ("c_tau_1.5", measured, 1.5)):
+    chosen = {"a": ("a_linear_file", linear, None), "b": ("b_tau_4.55", measured, 4.55), "c": ("c_tau_1.5", measured, 1.5),
+              "natural": ("natural", measured, None)}
+    for name, curve, tau in (chosen[key] for key in scenarios.split(",")):
         row = scenario(model, ids, reference, curve=curve, tau=tau, max_tokens=max_tokens, repeats=repeats)
         results[name] = row
         m = row["median_tps"]
