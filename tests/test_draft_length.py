@@ -254,3 +254,9 @@ def test_parked_rounds_batch_the_draft_context_and_a_prompt_cache_stays_whole(ti
     cold = mlx_dspark.generate(pair, follow_up, max_tokens=20, max_draft_tokens=7)
     assert warm.cached_tokens > 0 and warm.tokens == cold.tokens
     assert warm.acceptance_lengths == cold.acceptance_lengths  # the resumed draft context proposes as a cold one
+
+
+def test_auto_parked_by_its_prior_probes_at_once_and_drafts_when_the_draft_is_good():
+    pessimistic = AutoLength(GENTLE, 7, prior=0.05)
+    lengths = run(pessimistic, lambda i, length: length, 20)
+    assert lengths[0] == pessimistic.probe_length and lengths[-5:] == [7] * 5

@@ -121,7 +121,7 @@ class AutoLength:
         self.parked_rounds = 0
         self._due = 0  # rounds until the next choice
         self._interval = probe_every  # parked rounds between probes (doubles while probes lose)
-        self._until_probe = 1  # parked by the prior alone: look at the real acceptance in the first round
+        self._until_probe = self._interval
         self._hopeless = False
 
     def start_length(self, position: int = 0) -> int:
@@ -185,8 +185,9 @@ class AutoLength:
                 self.parked, self.length, self._interval = False, best, self.probe_every
                 self._until_probe = self._interval
         elif by_length[best] <= plain:
+            # parked by the prior alone (the first choice): look at the real acceptance in the next round
+            self._until_probe = self._interval if self.length else 1
             self.parked, self.length = True, 0
-            self._until_probe = self._interval
         elif self.length == 0 or by_length[best] > by_length[self.length] * (1 + self.margin):
             self.length = best
 
