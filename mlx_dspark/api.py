@@ -160,6 +160,9 @@ def stream_generate(
     model work otherwise. `cancel`, a `threading.Event` another thread may set, stops the generation
     between prefill chunks (of `prefill_step_size` tokens) or rounds: the stream raises
     `GenerationCancelled`.
+    `max_draft_tokens="auto"` (the default) chooses each round's draft length from `cost_curve`, or else
+    this machine's curve for the pair (measured once, cached on disk), and the acceptance seen so far,
+    drafting nothing while no length pays (engine/draft_length.py); an integer is a fixed cap.
     `verify_schedule="confidence"` needs a draft with a confidence head (an error otherwise) and uses
     `cost_curve`, or else this machine's curve for the pair (schedule.py: measured once, cached on disk).
     `tools` (OpenAI function tools) are rendered by the chat template; the last step of a chat prompt

@@ -260,3 +260,12 @@ def test_auto_parked_by_its_prior_probes_at_once_and_drafts_when_the_draft_is_go
     pessimistic = AutoLength(GENTLE, 7, prior=0.05)
     lengths = run(pessimistic, lambda i, length: length, 20)
     assert lengths[0] == pessimistic.probe_length and lengths[-5:] == [7] * 5
+
+
+def test_auto_composes_with_the_confidence_schedule_and_stays_lossless(tiny_spark_pair):
+    pair = mlx_dspark.load(*tiny_spark_pair)
+    prompt = "def add(a, b):"
+    plain = mlx_dspark.generate(pair, prompt, max_tokens=30, speculative=False)
+    both = mlx_dspark.generate(pair, prompt, max_tokens=30, verify_schedule="confidence", cost_curve=GENTLE)
+    assert both.tokens == plain.tokens
+    assert max(both.proposal_lengths) <= 7
