@@ -81,5 +81,5 @@ def synthetic_cost_curves(tmp_path_factory, monkeypatch):
     cache = tmp_path_factory.getbasetemp() / "cost-curves"
     monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(cache))
     monkeypatch.setattr(
-        cost_probe, "measure_cost_curve", lambda target, draft: CostCurve.flat(max_width=int(draft.num_drafts) + 1, draft_ms=0.0)
+        cost_probe, "measure_cost_curve", lambda target, draft: CostCurve.flat(max_width=int(getattr(draft, "num_drafts", 7)) + 1, draft_ms=0.0)
     )

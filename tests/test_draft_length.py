@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark
+from mlx_dspark.engine.cost_probe import measure_cost_curve  # bound at import: the real one (conftest patches the module's)
 from mlx_dspark.engine.decode import plain_steps, speculative_steps
 from mlx_dspark.engine.draft_length import AutoLength, FixedLength, break_even, expected_tokens, make_draft_length, rates
 from mlx_dspark.engine.options import OptionError, SpeculationOptions
@@ -269,3 +270,11 @@ def test_auto_composes_with_the_confidence_schedule_and_stays_lossless(tiny_spar
     both = mlx_dspark.generate(pair, prompt, max_tokens=30, verify_schedule="confidence", cost_curve=GENTLE)
     assert both.tokens == plain.tokens
     assert max(both.proposal_lengths) <= 7
+
+
+def test_the_first_use_curve_has_two_depths_and_a_target_alone_gets_one_too(tiny_spark_pair):
+    pair = mlx_dspark.load(*tiny_spark_pair)
+    curve = measure_cost_curve(pair.target, pair.draft, context=24, deep_context=48, repeats=1)
+    assert (curve.context, curve.deep.context, curve.max_width, curve.deep.max_width) == (24, 48, 8, 8)
+    alone = measure_cost_curve(pair.target, None, context=24, deep_context=None, repeats=1)  # lookup proposers
+    assert alone.draft_ms == 0.0 and alone.max_width == 8 and alone.deep is None

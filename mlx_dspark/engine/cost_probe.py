@@ -26,6 +26,7 @@ from mlx_dspark.models.cache import trim_caches
 COST_CACHE_DIR = Path.home() / ".cache" / "mlx_dspark" / "cost"
 COST_DIR_ENV = "MLX_DSPARK_COST_DIR"  # where the curves are cached instead, when set
 SHALLOW_CONTEXT, DEEP_CONTEXT = 256, 1024  # the two depths a first-use measurement times
+DEFAULT_BLOCK = 7  # verify widths 1..8 for a pair without a DSpark draft
 
 
 def cost_cache_dir() -> Path:
@@ -49,6 +50,10 @@ def machine() -> dict:
     }
 
 
+def _taps(proposer: DraftProposer | None) -> tuple:
+    return () if proposer is None else proposer.tap_ids
+
+
 def cache_key(model: Any) -> str:
     """A hash of what the costs depend on: the pair (paths, configs, weight dtypes) and the machine."""
     from mlx.utils import tree_flatten
@@ -56,6 +61,7 @@ def cache_key(model: Any) -> str:
     dtypes = {
         name: sorted({str(v.dtype) for _, v in tree_flatten(module.parameters())})
         for name, module in (("target", model.target), ("draft", model.draft))
+        if module is not None
     }
     identity = {
         "target": str(Path(model.target_path).resolve()),
@@ -109,10 +115,10 @@ def measure_cost_curve(
     Widths are interleaved in rotating order and each forward is rolled back, so the context stays put;
     the fastest of `repeats` after one untimed pass (kernel compilation, allocator growth).
     """
-    block = int(draft.num_drafts)
+    block = DEFAULT_BLOCK if draft is None else int(draft.num_drafts)
     rng = random.Random(seed)
     vocab = target.args.vocab_size
-    proposer = DraftProposer(draft, target, greedy=True, temperature=1.0)
+    proposer = None if draft is None else DraftProposer(draft, target, greedy=True, temperature=1.0)
     cache = target.make_cache()
     limit = getattr(target.args, "max_position_embeddings", None) or 1 << 30
     depths = [min(context, limit - block - 2)]
@@ -122,9 +128,9 @@ def measure_cost_curve(
     curves, reached = [], 0
     for depth in depths:
         prompt = [rng.randrange(vocab) for _ in range(depth - reached)]
-        logits = prefill(target, cache, prompt, tap_ids=proposer.tap_ids, proposer=proposer)
+        logits = prefill(target, cache, prompt, tap_ids=_taps(proposer), proposer=proposer)
         reached = depth
-        curve = _measure_at(target, proposer, cache, logits, candidates, depth=depth, repeats=repeats)
+        curve = _measure_at(target, proposer, cache, logits, candidates, block=block, depth=depth, repeats=repeats)
         curves.append(curve)
     if len(curves) == 2:
         return dataclasses.replace(curves[0], deep=curves[1])
@@ -132,9 +138,10 @@ def measure_cost_curve(
 
 
 def _measure_at(
-    target: Any, proposer: DraftProposer, cache: list, logits: mx.array, candidates: mx.array, *, depth: int, repeats: int
+    target: Any, proposer: DraftProposer | None, cache: list, logits: mx.array, candidates: mx.array, *, block: int,
+    depth: int, repeats: int,
 ) -> CostCurve:
-    block = proposer.block_size
+    """One depth's curve; without a draft (a target-only pair: lookup proposers) the draft block costs 0."""
     context = depth
     anchor = mx.argmax(logits).astype(mx.int32).reshape(1)
     mx.eval(anchor)
@@ -142,21 +149,21 @@ def _measure_at(
     samples: dict[int, list[float]] = {w: [] for w in [0, *widths]}  # 0: the draft block
     for repeat in range(repeats + 1):
         rotation = repeat % len(widths)
-        for width in [0, *widths[rotation:], *widths[:rotation]]:
+        for width in [*([] if proposer is None else [0]), *widths[rotation:], *widths[:rotation]]:
             start = time.perf_counter()
             if width == 0:
                 out = proposer.propose(anchor, position=context, num_tokens=block)
                 mx.eval(out.tokens, *([] if out.confidence is None else [out.confidence]))
             else:
-                verify_logits, features = target(candidates[:, :width], cache=cache, tap_ids=proposer.tap_ids)
-                mx.eval(mx.argmax(verify_logits, axis=-1), features)
+                verify_logits, features = target(candidates[:, :width], cache=cache, tap_ids=_taps(proposer))
+                mx.eval(mx.argmax(verify_logits, axis=-1), *([] if features is None else [features]))
                 trim_caches(cache, width)
             if repeat:
                 samples[width].append(1000 * (time.perf_counter() - start))
     # The fastest of the interleaved repeats: load from other processes only ever adds time, so on a
     # busy machine the minimum is closer to the forwards' own cost than the median.
     return CostCurve.from_measurements(
-        draft_ms=min(samples[0]),
+        draft_ms=min(samples[0]) if samples[0] else 0.0,
         verify_ms=[min(samples[w]) for w in widths],
         source="measured at first use",
     ).with_context(depth)

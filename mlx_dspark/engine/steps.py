@@ -84,11 +84,6 @@ def make_steps(
     if speculation.verify_schedule == "confidence" and isinstance(proposer, DraftProposer):
         require_confidence_head(proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
     if (speculation.verify_schedule == "confidence" or speculation.auto_length) and speculation.cost_curve is None:
-        if model.draft is None:
-            raise ValueError(
-                "this pair's cost curve (for max_draft_tokens 'auto' or verify_schedule 'confidence') is measured with its "
-                "draft, and it has none: give cost_curve= or a fixed max_draft_tokens"
-            )
         # this machine's curve for the pair, measured once and cached on disk
         speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
     return _flushed(proposer, speculative_steps(
