@@ -120,7 +120,7 @@ class AutoLength:
         self.lengths: Counter[int] = Counter()  # verified drafts per round -> rounds
         self.parked_rounds = 0
         self._due = 0  # rounds until the next choice
-        self._interval = probe_every  # parked rounds between probes (doubles while probes lose)
+        self._interval = probe_every  # parked rounds between probes (doubles after each that leaves it parked)
         self._until_probe = self._interval
         self._hopeless = False
 
@@ -148,8 +148,8 @@ class AutoLength:
         if proposed == 0:
             return
         probe = self.parked
-        if probe:  # back off while probes find nothing; probe at the base rate while they find something
-            self._interval = self.probe_every if accepted else min(2 * self._interval, self.max_probe_every)
+        if probe:  # back off while probes do not show a paying length (leaving the park resets the interval)
+            self._interval = min(2 * self._interval, self.max_probe_every)
             self._until_probe = self._interval
         for k in range(min(accepted + 1, proposed, self.cap)):
             # a probe's sample weighs more: the estimates it corrects are as old as the park
