@@ -24,7 +24,7 @@ from mlx_dspark.engine.grammar import GrammarState
 from mlx_dspark.engine.options import DEFAULT_OPTIONS, GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import Proposer
-from mlx_dspark.engine.results import GenerationResult, ResultCollector, StepResponse  # noqa: F401  (re-exported)
+from mlx_dspark.engine.results import GenerationResult, ResultCollector, StepResponse, length_histogram  # noqa: F401  (re-exported)
 from mlx_dspark.engine.schedule import CostCurve
 from mlx_dspark.engine.steps import compile_request, make_steps
 
@@ -70,7 +70,7 @@ def stream_generate(
     speculative: bool = _SPECULATION.speculative,
     confidence_threshold: float = _SPECULATION.confidence_threshold,
     p_min: float = _SPECULATION.p_min,
-    max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
+    max_draft_tokens: int | str | None = _SPECULATION.max_draft_tokens,
     verify_schedule: str = _SPECULATION.verify_schedule,
     cost_curve: CostCurve | None = _SPECULATION.cost_curve,
     mask_draft: bool = _SPECULATION.mask_draft,
@@ -95,6 +95,9 @@ def stream_generate(
     model work otherwise. `cancel`, a `threading.Event` another thread may set, stops the generation
     between prefill chunks (of `prefill_step_size` tokens) or rounds: the stream raises
     `GenerationCancelled`.
+    `max_draft_tokens="auto"` (the default) chooses each round's draft length from `cost_curve`, or else
+    this machine's curve for the pair (measured once, cached on disk), and the acceptance seen so far,
+    drafting nothing while no length pays (engine/draft_length.py); an integer is a fixed cap.
     `verify_schedule="confidence"` needs a draft with a confidence head (an error otherwise) and uses
     `cost_curve`, or else this machine's curve for the pair (schedule.py: measured once, cached on disk).
     `tools` (OpenAI function tools) are rendered by the chat template; the last step of a chat prompt
@@ -276,7 +279,7 @@ def generate(
     speculative: bool = _SPECULATION.speculative,
     confidence_threshold: float = _SPECULATION.confidence_threshold,
     p_min: float = _SPECULATION.p_min,
-    max_draft_tokens: int | None = _SPECULATION.max_draft_tokens,
+    max_draft_tokens: int | str | None = _SPECULATION.max_draft_tokens,
     verify_schedule: str = _SPECULATION.verify_schedule,
     cost_curve: CostCurve | None = _SPECULATION.cost_curve,
     mask_draft: bool = _SPECULATION.mask_draft,

@@ -67,3 +67,19 @@ def shared_fixtures() -> Path:
     if not path.is_dir():
         pytest.skip(f"shared reference fixtures not found at {path} (the folder beside the repo checkout)")
     return path
+
+
+@pytest.fixture(autouse=True)
+def synthetic_cost_curves(tmp_path_factory, monkeypatch):
+    """Tests never time anything: a pair's cost curve (for the default `max_draft_tokens="auto"`) is a flat
+    synthetic one (every verify width costs the same, drafts are free: auto proposes full blocks while any
+    draft is accepted), cached in a per-session directory instead of ~/.cache (also for CLI subprocesses,
+    which inherit $MLX_DSPARK_COST_DIR but measure the tiny pairs for real)."""
+    from mlx_dspark.engine import cost_probe
+    from mlx_dspark.engine.schedule import CostCurve
+
+    cache = tmp_path_factory.getbasetemp() / "cost-curves"
+    monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(cache))
+    monkeypatch.setattr(
+        cost_probe, "measure_cost_curve", lambda target, draft: CostCurve.flat(max_width=int(getattr(draft, "num_drafts", 7)) + 1, draft_ms=0.0)
+    )

@@ -31,7 +31,7 @@ FORBIDDEN = {
 ENTRY_POINTS = {
     "mlx_dspark.generate", "mlx_dspark.server", "mlx_dspark.chat", "mlx_dspark.benchmark",
     "mlx_dspark.convert", "mlx_dspark.train.__main__", "mlx_dspark.train.calibrate", "mlx_dspark.export.__main__",
-    "mlx_dspark.train.regenerate", "mlx_dspark.rank_vocab",
+    "mlx_dspark.train.regenerate", "mlx_dspark.rank_vocab", "mlx_dspark.calibrate.__main__",
 }  # fmt: skip
 TOP_LEVEL_LIMIT = 8
 LINE_LIMIT = 450

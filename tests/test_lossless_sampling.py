@@ -210,7 +210,7 @@ def test_p_min_with_sampled_drafting_matches_the_exact_target_distribution(targe
     cut = 0
     for _ in range(RUNS):
         proposer = DraftProposer(draft, target, greedy=False, temperature=sampler.temperature)
-        steps = speculative_steps(target, proposer, PROMPT, sampler=sampler, speculation=SpeculationOptions(p_min=0.3))
+        steps = speculative_steps(target, proposer, PROMPT, sampler=sampler, speculation=SpeculationOptions(p_min=0.3, max_draft_tokens=None))
         tokens: list[int] = []
         for step in steps:
             tokens.extend(step.tokens)

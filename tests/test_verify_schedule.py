@@ -169,9 +169,11 @@ def test_speculation_options_validate_the_schedule_and_the_curve_width():
         SpeculationOptions(verify_schedule="adaptive")
     with pytest.raises(OptionError, match="cost_curve must be a schedule.CostCurve"):
         SpeculationOptions(cost_curve={"verify_ms": [1.0]})
-    short = SpeculationOptions(verify_schedule="confidence", cost_curve=CostCurve.flat(max_width=4))
+    short = SpeculationOptions(verify_schedule="confidence", cost_curve=CostCurve.flat(max_width=4), max_draft_tokens=None)
     with pytest.raises(OptionError, match="widths 1..8"):
         short.draft_length(7)
+    # auto stays within the widths its curve covers (draft_length.AutoLength caps itself)
+    assert dataclasses.replace(short, max_draft_tokens="auto").draft_length(7) == 7
     assert dataclasses.replace(short, max_draft_tokens=3).draft_length(7) == 3  # the cap also caps the curve needed
 
 
@@ -245,7 +247,7 @@ class ConfidentRandomDraft(RandomDraftProposer):
 
 
 def scheduled_runs(target, sampler, factory, *, length, seed, curve):
-    speculation = SpeculationOptions(verify_schedule="confidence", cost_curve=curve)
+    speculation = SpeculationOptions(verify_schedule="confidence", cost_curve=curve, max_draft_tokens=None)  # full blocks, cut by the schedule
     mx.random.seed(seed)
     outcomes, proposed = Counter(), Counter()
     for _ in range(RUNS):

@@ -116,7 +116,8 @@ def run_controlled(
     plain_tps: list[float] = []
     by_tau: dict[float, dict[str, list]] = {tau: {"tps": [], "lengths": [], "match": []} for tau in acceptance_lengths}
     plain_options = GenerationOptions(max_tokens=max_tokens, speculation=SpeculationOptions(speculative=False))
-    controlled_options = GenerationOptions(max_tokens=max_tokens)
+    # full blocks: the efficiency's ideal is a round of block + 1 verified tokens (auto is bench/draft_length_ab.py's)
+    controlled_options = GenerationOptions(max_tokens=max_tokens, speculation=SpeculationOptions(max_draft_tokens=None))
     load_before = loadavg()
     for repeat in range(repeats):
         for ids, reference in zip(prompts, references):

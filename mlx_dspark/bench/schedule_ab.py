@@ -104,7 +104,9 @@ def run_schedule_ab(
                     profile=profile,
                     seed=1000 * repeat + i,  # the same stream for every mode
                 )
-                speculation = SpeculationOptions(verify_schedule="fixed" if curve is None else "confidence", cost_curve=curve)
+                speculation = SpeculationOptions(
+                    verify_schedule="fixed" if curve is None else "confidence", cost_curve=curve, max_draft_tokens=None
+                )  # full blocks, cut by the schedule alone
                 result = generate(model, list(ids), options=GenerationOptions(max_tokens=max_tokens, speculation=speculation), proposer=proposer)
                 runs[name]["tps"].append(result.generation_tps)
                 runs[name]["lengths"].extend(result.acceptance_lengths)

@@ -132,6 +132,7 @@ def stats_line(result: GenerationResult) -> str:
     )
     if result.acceptance_lengths:
         line += f" | mean acceptance length {result.mean_acceptance_length:.2f}"
+        line += f" | draft lengths {result.draft_lengths}, {result.draft_lengths.get(0, 0)} rounds parked"
     return line + "]"
 
 
@@ -187,6 +188,8 @@ def chat(
         fail(f"{model} has no chat template; use `python -m mlx_dspark.generate --no-chat-template` for raw text")
 
     with flag_errors():
+        if flags.needs_cost_curve(options) and pair.draft is not None:  # the curve read (or measured) once, not per turn
+            options = flags.resolve_cost_curve(pair, options)
         session = ChatSession(pair, options=options, system=system, tools=tools)
     interactive = sys.stdin.isatty()
     typer.echo(f"[mlx_dspark] chatting with {model}: {RESET} starts over, {EXIT} or end of input quits", err=True)

@@ -22,6 +22,7 @@ import typer
 
 from mlx_dspark.cli.demo import DEMO_PROMPT, demo_pair  # noqa: F401  (re-exported: the commands' default)
 from mlx_dspark.engine.constraints import Constraint, ConstraintError
+from mlx_dspark.engine.draft_length import AUTO
 from mlx_dspark.engine.options import (
     DEFAULT_OPTIONS,
     DRAFT_SAMPLING_MODES,
@@ -90,9 +91,11 @@ ConfidenceThreshold = Annotated[
     ),
 ]
 MaxDraftTokens = Annotated[
-    Optional[int],
+    Optional[str],
     typer.Option(
-        "--max-draft-tokens", "--spec-draft-n-max", help="The most draft tokens verified per round (default: the block size)."
+        "--max-draft-tokens", "--spec-draft-n-max",
+        help="Draft tokens per round: auto (the default: chosen each few rounds from this machine's measured costs and the "
+        "acceptance seen, none while drafting does not pay) or N, a fixed cap (the model card's is the block size, 7).",
     ),
 ]
 VerifySchedule = Annotated[
@@ -283,7 +286,7 @@ def generation_options(flags: Mapping[str, Any], *, max_tokens: int) -> Generati
             draft_sampling=flags["draft_sampling"],
             p_min=flags["p_min"],
             confidence_threshold=flags["confidence_threshold"],
-            max_draft_tokens=flags["max_draft_tokens"],
+            max_draft_tokens=parse_draft_tokens(flags["max_draft_tokens"]),
             verify_schedule=flags.get("verify_schedule", SPECULATION.verify_schedule),
             cost_curve=cost_curve,
             mask_draft=not flags.get("no_mask_draft", False),
@@ -302,6 +305,16 @@ def lookup_mode(flags: Mapping[str, Any]) -> str:
 def draft_path(draft: Optional[str]) -> Optional[str]:
     """The --draft to load: none for `--draft lookup`."""
     return None if draft == LOOKUP_DRAFT else draft
+
+
+def parse_draft_tokens(text: Optional[str]) -> int | str | None:
+    """--max-draft-tokens: "auto" or an integer (checked by SpeculationOptions); absent: auto."""
+    if text is None or text == AUTO:
+        return AUTO if text is None else text
+    try:
+        return int(text)
+    except ValueError:
+        raise OptionError("max_draft_tokens", text, f"{AUTO!r} or an integer >= 1") from None
 
 
 def parse_logit_bias(text: Optional[str]) -> dict:
@@ -347,14 +360,22 @@ def constraint_from_flags(flags: Mapping[str, Any]) -> Optional[Constraint]:
         raise ConstraintError(err.field, f"{path}: {str(err).split(': ', 1)[-1]}") from None
 
 
+def needs_cost_curve(options: GenerationOptions) -> bool:
+    """Whether the options read a cost curve: `--max-draft-tokens auto` or `--verify-schedule confidence`."""
+    speculation = options.speculation
+    return speculation.speculative and (speculation.auto_length or speculation.verify_schedule == "confidence")
+
+
 def resolve_cost_curve(pair: Any, options: GenerationOptions) -> GenerationOptions:
-    """For --verify-schedule confidence: check the draft has a confidence head and fix the cost curve now
-    (the --cost-curve-file one, else this machine's: cached, or measured once here rather than in a request)."""
+    """For auto draft lengths or --verify-schedule confidence: fix the cost curve now (the --cost-curve-file
+    one, else this machine's: cached, or measured once here rather than in a request); the confidence
+    schedule also checks that the draft has a confidence head."""
     from mlx_dspark.engine.cost_probe import cost_curve_for
     from mlx_dspark.engine.schedule import require_confidence_head
 
     speculation = options.speculation
-    require_confidence_head(pair.draft, source=pair.draft_path)
+    if speculation.verify_schedule == "confidence":
+        require_confidence_head(pair.draft, source=pair.draft_path)
     curve = speculation.cost_curve or cost_curve_for(pair)
     speculation.draft_length(int(pair.draft.num_drafts))
     return dataclasses.replace(options, speculation=dataclasses.replace(speculation, cost_curve=curve))

@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 
 from mlx_dspark.cli import common as flags
-from mlx_dspark.cli.common import exit_on_interrupt, fail, flag_errors, resolve_cost_curve
+from mlx_dspark.cli.common import exit_on_interrupt, fail, flag_errors, needs_cost_curve, resolve_cost_curve
 
 app = typer.Typer(add_completion=False, help="Generate text with a target and its DSpark draft.")
 
@@ -129,10 +129,11 @@ def generate(
     except (ValueError, FileNotFoundError, OSError) as err:
         fail(str(err))
 
-    if options.speculation.verify_schedule == "confidence" and pair.draft is not None and not no_draft:
+    if needs_cost_curve(options) and pair.draft is not None and not no_draft:
         with flag_errors():  # a draft without a confidence head; the curve is measured here on first use
             options = resolve_cost_curve(pair, options)
-        typer.echo(f"[mlx_dspark] verify schedule: confidence, cost curve: {options.speculation.cost_curve.source}", err=True)
+        if options.speculation.verify_schedule == "confidence":
+            typer.echo(f"[mlx_dspark] verify schedule: confidence, cost curve: {options.speculation.cost_curve.source}", err=True)
 
     if text is None:  # no --prompt: the demo's own prompt (set above) or the default one
         text = DEFAULT_PROMPT if prompt is None else prompt
@@ -175,6 +176,7 @@ def generate(
                     "peak_memory_gb": result.peak_memory_gb,
                     "acceptance_lengths": result.acceptance_lengths,
                     "mean_acceptance_length": result.mean_acceptance_length,
+                    "draft_lengths": result.draft_lengths,
                     "speculative": (pair.draft is not None or options.speculation.lookup != "off") and not no_draft,
                     "target_forwards": result.target_forwards,
                     **({} if plain is None else {"plain": _comparison(result, plain, greedy=options.sampling.greedy)}),
@@ -190,6 +192,8 @@ def generate(
     )
     if result.acceptance_lengths:
         summary += f" | mean acceptance length {result.mean_acceptance_length:.2f} over {result.rounds} rounds"
+        lengths = ", ".join(f"{n}: {count}" for n, count in result.draft_lengths.items())
+        summary += f" | draft lengths {{{lengths}}} ({result.draft_lengths.get(0, 0)} rounds parked)"
     summary += f" | peak memory {result.peak_memory_gb:.3f} GB"
     typer.echo(summary, err=True)
     if plain is not None:

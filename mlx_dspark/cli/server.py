@@ -182,7 +182,7 @@ def run_until_interrupted(server, defaults: GenerationOptions) -> None:
             except ValueError as err:
                 server.close(wait_s=0)
                 fail(f"--max-draft-tokens: {err}")
-            if defaults.speculation.verify_schedule == "confidence":
+            if flags.needs_cost_curve(defaults) or defaults.speculation.verify_schedule == "confidence":
                 try:  # checked, and the curve measured or read from the cache, now rather than in the first request
                     flags.resolve_cost_curve(server.worker.model, defaults)
                 except ValueError as err:

@@ -1,15 +1,17 @@
-"""The verify schedule's cost curve for the loaded pair on this machine: measured once at first use
-(`measure_cost_curve`, a quick interleaved probe of verify widths and a draft block) and cached on disk
-under a key of the pair and the machine (`cost_curve_for`). Apart from `schedule.py` because it runs
-the round's own prefill and proposer: the schedule stays below `decode`, the probe above it."""
+"""The cost curve of the loaded pair on this machine (for `auto` draft lengths and the confidence
+schedule): measured once at first use (`measure_cost_curve`, a quick interleaved probe of verify widths
+and a draft block at two context depths) and cached on disk under a key of the pair and the machine
+(`cost_curve_for`), in `~/.cache/mlx_dspark/cost/` or `$MLX_DSPARK_COST_DIR`. Apart from `schedule.py`
+because it runs the round's own prefill and proposer: the schedule stays below `decode`, the probe above it."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
 import platform
 import random
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -22,9 +24,18 @@ from mlx_dspark.engine.schedule import CostCurve
 from mlx_dspark.models.cache import trim_caches
 
 COST_CACHE_DIR = Path.home() / ".cache" / "mlx_dspark" / "cost"
+COST_DIR_ENV = "MLX_DSPARK_COST_DIR"  # where the curves are cached instead, when set
+SHALLOW_CONTEXT, DEEP_CONTEXT = 256, 1024  # the two depths a first-use measurement times
+DEFAULT_BLOCK = 7  # verify widths 1..8 for a pair without a DSpark draft
 
 
-def _machine() -> dict:
+def cost_cache_dir() -> Path:
+    """Where measured curves are cached: `$MLX_DSPARK_COST_DIR`, else `~/.cache/mlx_dspark/cost`."""
+    return Path(os.environ[COST_DIR_ENV]) if os.environ.get(COST_DIR_ENV) else COST_CACHE_DIR
+
+
+def machine() -> dict:
+    """What the costs depend on besides the pair: host, device, MLX version, BLAS."""
     from importlib.metadata import version
 
     maps = Path("/proc/self/maps")
@@ -39,6 +50,10 @@ def _machine() -> dict:
     }
 
 
+def _taps(proposer: DraftProposer | None) -> tuple:
+    return () if proposer is None else proposer.tap_ids
+
+
 def cache_key(model: Any) -> str:
     """A hash of what the costs depend on: the pair (paths, configs, weight dtypes) and the machine."""
     from mlx.utils import tree_flatten
@@ -46,6 +61,7 @@ def cache_key(model: Any) -> str:
     dtypes = {
         name: sorted({str(v.dtype) for _, v in tree_flatten(module.parameters())})
         for name, module in (("target", model.target), ("draft", model.draft))
+        if module is not None
     }
     identity = {
         "target": str(Path(model.target_path).resolve()),
@@ -53,19 +69,26 @@ def cache_key(model: Any) -> str:
         "target_config": model.target_config,
         "draft_config": model.draft_config,
         "dtypes": dtypes,
-        "machine": _machine(),
+        "machine": machine(),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def cost_curve_path(model: Any, cache_dir: Path | None = None) -> Path:
+    """The file the loaded pair's curve on this machine is cached in."""
+    return (cache_dir or cost_cache_dir()) / f"{cache_key(model)}.json"
 
 
 def cost_curve_for(
     model: Any,
     *,
-    cache_dir: Path = COST_CACHE_DIR,
+    cache_dir: Path | None = None,
     measure: Callable[[Any, Any], CostCurve] | None = None,
 ) -> CostCurve:
-    """The loaded pair's curve on this machine: read from `cache_dir`, else measured (`measure`) and written there."""
-    path = cache_dir / f"{cache_key(model)}.json"
+    """The loaded pair's curve on this machine: read from `cache_dir` (default `cost_cache_dir()`), else
+    measured (`measure`, default `measure_cost_curve`) and written there."""
+    path = cost_curve_path(model, cache_dir)
+    cache_dir = path.parent
     if path.is_file():
         return CostCurve.from_file(path)
     curve = (measure or measure_cost_curve)(model.target, model.draft)
@@ -76,38 +99,71 @@ def cost_curve_for(
     return CostCurve.from_file(path)
 
 
-def measure_cost_curve(target: Any, draft: Any, *, context: int = 256, repeats: int = 3, seed: int = 0) -> CostCurve:
-    """A quick curve: verify forwards of 1..block_size + 1 tokens and a draft block at `context` positions.
+def measure_cost_curve(
+    target: Any,
+    draft: Any,
+    *,
+    context: int = SHALLOW_CONTEXT,
+    deep_context: int | None = DEEP_CONTEXT,
+    repeats: int = 3,
+    seed: int = 0,
+) -> CostCurve:
+    """A quick curve: verify forwards of 1..block_size + 1 tokens and a draft block at `context` positions,
+    then again at `deep_context` (None: one depth; kept within the target's positions), so the costs
+    follow the context a generation reaches (`CostCurve.at`).
 
     Widths are interleaved in rotating order and each forward is rolled back, so the context stays put;
-    medians over `repeats` after one untimed pass (kernel compilation, allocator growth).
+    the fastest of `repeats` after one untimed pass (kernel compilation, allocator growth).
     """
-    block = int(draft.num_drafts)
+    block = DEFAULT_BLOCK if draft is None else int(draft.num_drafts)
     rng = random.Random(seed)
     vocab = target.args.vocab_size
-    proposer = DraftProposer(draft, target, greedy=True, temperature=1.0)
+    proposer = None if draft is None else DraftProposer(draft, target, greedy=True, temperature=1.0)
     cache = target.make_cache()
-    logits = prefill(target, cache, [rng.randrange(vocab) for _ in range(context)], tap_ids=proposer.tap_ids, proposer=proposer)
+    limit = getattr(target.args, "max_position_embeddings", None) or 1 << 30
+    depths = [min(context, limit - block - 2)]
+    if deep_context is not None and min(deep_context, limit - block - 2) > depths[0]:
+        depths.append(min(deep_context, limit - block - 2))
+    candidates = mx.array([[rng.randrange(vocab) for _ in range(block + 1)]], dtype=mx.int32)
+    curves, reached = [], 0
+    for depth in depths:
+        prompt = [rng.randrange(vocab) for _ in range(depth - reached)]
+        logits = prefill(target, cache, prompt, tap_ids=_taps(proposer), proposer=proposer)
+        reached = depth
+        curve = _measure_at(target, proposer, cache, logits, candidates, block=block, depth=depth, repeats=repeats)
+        curves.append(curve)
+    if len(curves) == 2:
+        return dataclasses.replace(curves[0], deep=curves[1])
+    return curves[0]
+
+
+def _measure_at(
+    target: Any, proposer: DraftProposer | None, cache: list, logits: mx.array, candidates: mx.array, *, block: int,
+    depth: int, repeats: int,
+) -> CostCurve:
+    """One depth's curve; without a draft (a target-only pair: lookup proposers) the draft block costs 0."""
+    context = depth
     anchor = mx.argmax(logits).astype(mx.int32).reshape(1)
     mx.eval(anchor)
-    candidates = mx.array([[rng.randrange(vocab) for _ in range(block + 1)]], dtype=mx.int32)
     widths = list(range(1, block + 2))
     samples: dict[int, list[float]] = {w: [] for w in [0, *widths]}  # 0: the draft block
     for repeat in range(repeats + 1):
         rotation = repeat % len(widths)
-        for width in [0, *widths[rotation:], *widths[:rotation]]:
+        for width in [*([] if proposer is None else [0]), *widths[rotation:], *widths[:rotation]]:
             start = time.perf_counter()
             if width == 0:
                 out = proposer.propose(anchor, position=context, num_tokens=block)
                 mx.eval(out.tokens, *([] if out.confidence is None else [out.confidence]))
             else:
-                verify_logits, features = target(candidates[:, :width], cache=cache, tap_ids=proposer.tap_ids)
-                mx.eval(mx.argmax(verify_logits, axis=-1), features)
+                verify_logits, features = target(candidates[:, :width], cache=cache, tap_ids=_taps(proposer))
+                mx.eval(mx.argmax(verify_logits, axis=-1), *([] if features is None else [features]))
                 trim_caches(cache, width)
             if repeat:
                 samples[width].append(1000 * (time.perf_counter() - start))
+    # The fastest of the interleaved repeats: load from other processes only ever adds time, so on a
+    # busy machine the minimum is closer to the forwards' own cost than the median.
     return CostCurve.from_measurements(
-        draft_ms=statistics.median(samples[0]),
-        verify_ms=[statistics.median(samples[w]) for w in widths],
+        draft_ms=min(samples[0]) if samples[0] else 0.0,
+        verify_ms=[min(samples[w]) for w in widths],
         source="measured at first use",
-    )
+    ).with_context(depth)

@@ -22,6 +22,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.accept import accept_greedy, accept_sampled
+from mlx_dspark.engine.draft_length import DraftLength, make_draft_length
 from mlx_dspark.models.cache import rollback_limit, trim_caches
 from mlx_dspark.models.finite import check_finite_logits
 from mlx_dspark.engine.logits_processing import LogitsProcessor
@@ -162,22 +163,26 @@ def speculative_steps(
     prompt: Sequence[int],
     *,
     sampler: Sampler,
-    speculation: SpeculationOptions = SpeculationOptions(),
+    speculation: SpeculationOptions = SpeculationOptions(max_draft_tokens=None),  # full blocks: auto needs a cost curve
     max_tokens: int | None = None,
     prefill_step_size: int = PREFILL_STEP_SIZE,
     prompt_cache: PromptCache | None = None,
     cancel: threading.Event | None = None,
     processor: LogitsProcessor | None = None,
+    draft_length: DraftLength | None = None,
 ) -> Iterator[Round]:
     """Lossless speculative decoding: yields the prefill's token, then one Round per verify forward.
 
-    A round proposes at most `speculation.max_draft_tokens` (default: the block size), cut further by
+    A round proposes `draft_length.next_length()` drafts (draft_length.py; default the policy
+    `speculation.max_draft_tokens` names: auto, or a fixed cap; 0: a target step alone), cut further by
     `p_min`, the confidence threshold and, with `verify_schedule="confidence"`, by the expected rate
     over `speculation.cost_curve` (schedule.py). `max_tokens`, when given, shortens the last proposals
     so no verify work is spent past it. `processor` processes the verify rows and the draft positions
     (logits_processing.py); acceptance uses the processed distributions.
     """
-    draft_length = speculation.draft_length(proposer.block_size)
+    if draft_length is None:
+        cap = speculation.draft_length(proposer.block_size)
+        draft_length = make_draft_length(speculation.max_draft_tokens, cap, speculation.cost_curve)
     schedule = None
     if speculation.verify_schedule == "confidence":
         if speculation.cost_curve is None:
@@ -207,8 +212,9 @@ def speculative_steps(
     while True:
         _check_cancel(cancel)
         prompt_cache.claim(lease)
+        length = draft_length.next_length(position=position)  # 0: parked, the DSpark draft stays idle
         room = rollback if max_tokens is None else max(0, min(rollback, max_tokens - emitted - 1))
-        num_tokens = min(draft_length, room)
+        num_tokens = min(length, room)
         proposal = None
         if num_tokens or (takes_room and room):
             extra = {} if hook is None else {"logits_hook": hook}
@@ -239,11 +245,14 @@ def speculative_steps(
         accepted = int(acceptance.accepted.item())
         committed = acceptance.tokens[: accepted + 1].tolist()
         _commit(processor, proposer, committed)
+        if proposal is None or proposal.source == "draft":  # lookup / forced blocks say nothing of the draft
+            draft_length.observe(proposed=num_draft, accepted=accepted, confidence=None if proposal is None else proposal.confidence)
 
         # Roll back: the target caches keep positions 0 .. position + accepted.
         trim_caches(cache, num_draft - accepted)
         if features is not None:  # a proposer without tapped layers (lookup alone) takes no features
-            proposer.extend(features[:, : accepted + 1])
+            # parked: the draft context takes the committed positions in batches (extend_later)
+            (proposer.extend if length else getattr(proposer, "extend_later", proposer.extend))(features[:, : accepted + 1])
         anchor = acceptance.tokens[accepted : accepted + 1]
         position += accepted + 1
         emitted += accepted + 1

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from mlx_dspark.engine.constraints import Constraint
+from mlx_dspark.engine.draft_length import AUTO
 from mlx_dspark.engine.sample import Sampler
 from mlx_dspark.engine.schedule import VERIFY_SCHEDULES, CostCurve
 
@@ -119,11 +120,13 @@ class SpeculationOptions:
     draft_sampling: str = "greedy"  # how the draft proposes when the target samples
     p_min: float = 0.0  # stop a proposal before the first position whose top draft probability is below it
     confidence_threshold: float = 0.0  # stop before the first token whose confidence is below it
-    max_draft_tokens: int | None = None  # the most draft tokens one round verifies; None = the block size
+    # The most draft tokens one round verifies: "auto" (draft_length.py: chosen live from this machine's cost
+    # curve and the acceptance seen, 0 where nothing pays), a fixed cap, or None for the block size
+    max_draft_tokens: int | str | None = AUTO
     # "fixed": verify every proposed draft (after the cuts above); "confidence": also stop where the expected
     # tokens per second stop rising (schedule.py), by the draft's confidences and the machine's cost curve
     verify_schedule: str = "fixed"
-    cost_curve: CostCurve | None = None  # for "confidence"; None = this machine's, measured once and cached
+    cost_curve: CostCurve | None = None  # for "confidence" and "auto"; None = this machine's, measured once and cached
     # With a constraint: the draft proposes from its grammar-masked distribution (True; one host read per
     # draft position) or unmasked, its proposal cut at the first token the grammar forbids (False), or
     # per round the faster of the two as measured during the request ("auto", mask_choice.py)
@@ -144,8 +147,10 @@ class SpeculationOptions:
             raise OptionError("draft_sampling", self.draft_sampling, f"one of {', '.join(DRAFT_SAMPLING_MODES)}")
         _check_fraction("p_min", self.p_min)
         _check_fraction("confidence_threshold", self.confidence_threshold)
-        if self.max_draft_tokens is not None and not (_is_int(self.max_draft_tokens) and self.max_draft_tokens >= 1):
-            raise OptionError("max_draft_tokens", self.max_draft_tokens, "an integer >= 1, or none for the draft's block size")
+        if self.max_draft_tokens not in (None, AUTO) and not (_is_int(self.max_draft_tokens) and self.max_draft_tokens >= 1):
+            raise OptionError(
+                "max_draft_tokens", self.max_draft_tokens, f"{AUTO!r}, an integer >= 1, or none for the draft's block size"
+            )
         if not (isinstance(self.mask_draft, bool) or self.mask_draft == "auto"):
             raise OptionError("mask_draft", self.mask_draft, "true, false or \"auto\"")
         if self.verify_schedule not in VERIFY_SCHEDULES:
@@ -153,8 +158,14 @@ class SpeculationOptions:
         if self.cost_curve is not None and not isinstance(self.cost_curve, CostCurve):
             raise OptionError("cost_curve", self.cost_curve, "a schedule.CostCurve, or none for this machine's")
 
+    @property
+    def auto_length(self) -> bool:
+        return self.max_draft_tokens == AUTO
+
     def draft_length(self, block_size: int) -> int:
-        """Draft tokens one round proposes at most, for a draft of `block_size` tokens per block."""
+        """Draft tokens one round proposes at most, for a draft of `block_size` tokens per block (auto: its cap)."""
+        if self.auto_length:
+            return block_size  # auto stays within the widths its cost curve covers
         if self.max_draft_tokens is not None and self.max_draft_tokens > block_size:
             raise OptionError("max_draft_tokens", self.max_draft_tokens, f"at most the draft's block size {block_size}")
         length = self.max_draft_tokens or block_size

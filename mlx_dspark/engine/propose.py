@@ -13,6 +13,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import mlx.core as mx
 
+PENDING_LIMIT = 32  # single committed positions batched into one context append
+
 
 @dataclass
 class Proposal:
@@ -63,13 +65,37 @@ class DraftProposer:
         # block_size - 1 when its anchor row yields no draft (a bonus-anchor packaging).
         self.block_size = int(draft.num_drafts)
         self.context = draft.make_cache() if context is None else context
+        self._pending: list[mx.array] = []  # features of single positions not in the context yet
+        self._pending_positions = 0
 
     def extend(self, features: mx.array) -> None:
+        self.flush()
         self.draft.append_context(features, self.context)
+
+    def extend_later(self, features: mx.array) -> None:
+        """A parked round's committed position (draft_length.py: no proposal): the features wait and go
+        into the context together, one draft forward for up to `PENDING_LIMIT` positions instead of one
+        each, before the next proposal or `flush()`."""
+        self._pending.append(features)
+        self._pending_positions += features.shape[1]
+        if self._pending_positions >= PENDING_LIMIT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Put the waiting positions into the context (a proposal calls it first, `steps.make_steps` when
+        a generation ends: a caller of `decode.speculative_steps` with a parked policy and a prompt cache
+        calls it when it stops)."""
+        if not self._pending:
+            return
+        features = mx.concatenate(self._pending, axis=1) if len(self._pending) > 1 else self._pending[0]
+        self._pending, self._pending_positions = [], 0
+        self.draft.append_context(features, self.context)
+        mx.async_eval(*(a for c in self.context for a in (c.keys, c.values) if a is not None))
 
     def propose(
         self, anchor: mx.array, *, position: int, num_tokens: int, logits_hook: Callable | None = None
     ) -> Proposal:
+        self.flush()
         out = self.draft.propose(
             anchor,
             self.context,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from mlx_dspark.engine.logprobs import TokenLogprob
 
@@ -65,6 +65,18 @@ class GenerationResult:
     @property
     def rounds(self) -> int:
         return len(self.acceptance_lengths)
+
+    @property
+    def draft_lengths(self) -> dict[int, int]:
+        """Drafts verified per round -> rounds (0: a parked round, the target alone; draft_length.py)."""
+        return length_histogram(self.proposal_lengths)
+
+
+def length_histogram(proposal_lengths: Sequence[int]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for n in proposal_lengths:
+        counts[n] = counts.get(n, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 class ResultCollector:

@@ -21,6 +21,7 @@ The cost curve `t_verify(n)`, n = 1 .. block_size + 1, and `t_draft` come, in th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -38,9 +39,13 @@ class CostCurve:
     draft_ms: float
     verify_ms: tuple[float, ...]  # verify_ms[n - 1]: a forward of n tokens (the anchor and n - 1 drafts)
     source: str = "given"  # where it came from, for logs and benchmark JSON
+    context: int = 0  # the context depth (positions in the caches) it was measured at
+    deep: "CostCurve | None" = None  # the same costs at a deeper context, for `at(depth)`; None: depth-free
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify_ms", tuple(float(v) for v in self.verify_ms))
+        if self.deep is not None and not (isinstance(self.deep, CostCurve) and self.deep.context > self.context):
+            raise ValueError(f"a deeper cost curve must be measured past context {self.context}, got {self.deep!r}")
         values = (self.draft_ms, *self.verify_ms)
         if not self.verify_ms or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
             raise ValueError(f"a cost curve needs finite times >= 0 for a draft block and verify widths 1.., got {values}")
@@ -58,9 +63,29 @@ class CostCurve:
         """A measured curve with its noise bumps pooled away (isotonic regression, pool adjacent violators)."""
         return cls(draft_ms=draft_ms, verify_ms=tuple(_nondecreasing(verify_ms)), source=source)
 
+    def with_context(self, context: int) -> "CostCurve":
+        return dataclasses.replace(self, context=context)
+
     @property
     def max_width(self) -> int:
         return len(self.verify_ms)
+
+    def at(self, depth: int) -> "CostCurve":
+        """The costs at context `depth`: linear in the depth between (and past) the two measured ones.
+
+        Attention reads every cached position, so a forward's cost grows about linearly with the depth;
+        below the shallow measurement the shallow costs are kept (never extrapolated towards zero).
+        """
+        if self.deep is None or depth <= self.context:
+            return self
+        widths = min(self.max_width, self.deep.max_width)
+        share = (depth - self.context) / (self.deep.context - self.context)
+        mix = lambda a, b: max(0.0, a + share * (b - a))  # noqa: E731
+        return CostCurve.from_measurements(
+            draft_ms=mix(self.draft_ms, self.deep.draft_ms),
+            verify_ms=[mix(a, b) for a, b in zip(self.verify_ms[:widths], self.deep.verify_ms[:widths])],
+            source=f"{self.source} at context {depth}",
+        )
 
     def round_ms(self, draft_tokens: int) -> float:
         """A round that verifies `draft_tokens` drafts: the draft block and a forward of 1 + that many tokens."""
@@ -72,6 +97,8 @@ class CostCurve:
             "draft_block_ms": self.draft_ms,
             "verify_ms": {str(n + 1): ms for n, ms in enumerate(self.verify_ms)},
             "source": self.source,
+            "context": self.context,
+            **({} if self.deep is None else {"deep": self.deep.to_json()}),
         }
 
     @classmethod
@@ -84,6 +111,10 @@ class CostCurve:
             raise ValueError(f"cost curve file {path} does not exist") from None
         except json.JSONDecodeError as err:
             raise ValueError(f"cost curve file {path} is not valid JSON ({err.msg} at line {err.lineno})") from None
+        return cls._from_json(data, path)
+
+    @classmethod
+    def _from_json(cls, data: Any, path: Path) -> "CostCurve":
         verify = data.get("verify_ms") if isinstance(data, dict) else None
         draft = data.get("draft_block_ms") if isinstance(data, dict) else None
         widths = sorted(int(k) for k in verify) if isinstance(verify, dict) and all(str(k).isdigit() for k in verify) else []
@@ -92,7 +123,14 @@ class CostCurve:
                 f"cost curve file {path} needs 'draft_block_ms' (a number) and 'verify_ms' ({{\"1\": ms, \"2\": ms, ...}}, "
                 "widths from 1 without gaps), as `python -m mlx_dspark.benchmark --cost-curve` writes"
             )
-        return cls.from_measurements(draft_ms=draft, verify_ms=[verify[str(w)] for w in widths], source=str(path))
+        context = data.get("context", 0)
+        if not (isinstance(context, int) and context >= 0):
+            raise ValueError(f"cost curve file {path}: 'context' must be the depth it was measured at (an integer >= 0), got {context!r}")
+        deep = None if data.get("deep") is None else cls._from_json(data["deep"], path)
+        if deep is not None and deep.context <= context:
+            raise ValueError(f"cost curve file {path}: 'deep' must be measured past context {context}, got context {deep.context}")
+        shallow = cls.from_measurements(draft_ms=draft, verify_ms=[verify[str(w)] for w in widths], source=str(path))
+        return dataclasses.replace(shallow, context=context, deep=deep)
 
 
 def _nondecreasing(values: Sequence[float]) -> list[float]:

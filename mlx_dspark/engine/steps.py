@@ -89,13 +89,15 @@ def make_steps(
             require_confidence_head(proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
         if proposer is None:  # the schedule sizes draft blocks: without a draft there is nothing to size
             speculation = dataclasses.replace(speculation, verify_schedule="fixed")
-        elif speculation.cost_curve is None:  # this machine's curve for the pair, measured once and cached on disk
-            speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
+    drafting = proposer is not None or lookup != "off" or (grammar is not None and speculation.fast_forward)
+    if drafting and (speculation.verify_schedule == "confidence" or speculation.auto_length) and speculation.cost_curve is None:
+        # this machine's curve for the pair, measured once and cached on disk
+        speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
     proposer = _chosen(proposer, prompt_ids, speculation, grammar)
     if proposer is None:
         return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
                            prefill_step_size=step_size, cancel=cancel, processor=processor)
-    return speculative_steps(
+    return _flushed(proposer, speculative_steps(
         model.target,
         proposer,
         prompt_ids,
@@ -106,9 +108,16 @@ def make_steps(
         prefill_step_size=step_size,
         cancel=cancel,
         processor=processor,
-    )
+    ))
 
 
+def _flushed(proposer: Proposer, steps: Iterator[Round]) -> Iterator[Round]:
+    """The steps; when they end (stopped, cancelled, closed), the draft context takes the positions its
+    proposer batches (propose.DraftProposer.extend), so a prompt cache holding it stays whole."""
+    try:
+        yield from steps
+    finally:
+        getattr(proposer, "flush", lambda: None)()
 
 
 def _chosen(draft: Proposer | None, prompt_ids: list[int], speculation: Any, grammar: GrammarState | None) -> Proposer | None:

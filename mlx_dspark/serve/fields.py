@@ -109,6 +109,16 @@ def sampling_extras(body: dict, options: GenerationOptions, *, vocab_size: int |
         raise APIError(400, str(err), param=err.field, code="invalid_value") from None
 
 
+def draft_tokens(body: dict, options: GenerationOptions) -> GenerationOptions:
+    """`max_draft_tokens` (an extension): "auto" (the default) or the most drafts one round verifies."""
+    value = body.get("max_draft_tokens")
+    if value is None:
+        return options
+    if not (value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)):
+        raise bad_value("max_draft_tokens", '"auto" or an integer >= 1', value)
+    return dataclasses.replace(options, speculation=dataclasses.replace(options.speculation, max_draft_tokens=value))
+
+
 def with_logprobs(options: GenerationOptions, count: int | None, *, field: str) -> GenerationOptions:
     """`count` top alternatives (0..20) beside each chosen token's logprob; None: off."""
     if count is None:

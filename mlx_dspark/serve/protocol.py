@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_dspark.api import ResultCollector
+from mlx_dspark.api import ResultCollector, length_histogram
 from mlx_dspark.chat_format.prompt import encode_prompt, fold_system_messages
 from mlx_dspark.chat_format.reasoning import REASONING_EFFORTS, has_thinking_switch, reasoning_switch
 from mlx_dspark.chat_format.turn import ToolSetup
@@ -320,7 +319,7 @@ def parse_request(
     _reject_unsupported(body)
     prompt = _messages(body) if kind == "chat" else _completion_prompt(body)
     stream, include_usage = _stream_flags(body)
-    options = fields.sampling_extras(body, request_options(body, defaults, template_kwargs))
+    options = fields.draft_tokens(body, fields.sampling_extras(body, request_options(body, defaults, template_kwargs)))
     options = fields.with_logprobs(options, fields.openai_logprobs(body, kind), field="logprobs")
     constraint, constraint_field = fields.openai_constraint(body)
     if constraint is not None:
@@ -387,6 +386,9 @@ class Tally(ResultCollector):
             "mean_acceptance_length": sum(self.acceptance_lengths) / self.rounds if self.rounds else 0.0,
             "accepted_tokens": self.accepted_tokens,
             "proposed_tokens": self.proposed_tokens,
+            # what the draft length policy did: drafts verified per round -> rounds (0: parked, the target alone)
+            "draft_lengths": {str(n): count for n, count in length_histogram(self.proposal_lengths).items()},
+            "rounds_parked": self.proposal_lengths.count(0),
             "generation_tps": round(last.generation_tps if last else 0.0, 3),
             "prompt_tps": round(last.prompt_tps if last else 0.0, 3),
             "time_to_first_token_s": round(self.first_time or 0.0, 4),

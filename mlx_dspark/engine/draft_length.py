@@ -1,0 +1,204 @@
+"""How many draft tokens each round proposes: a fixed cap, or `auto`, chosen live from this machine's costs.
+
+One policy object per generation. The round asks `next_length(position=...)` before proposing (0: the
+round runs the target alone, no draft forward) and reports `observe(proposed=..., accepted=...)` after
+its host read. Anything else that proposes (lookup drafts, batched rounds) reads its cap from the same
+object, so one choice governs every proposer.
+
+`AutoLength` models a round of l drafts as yielding `E(l) = 1 + a(1) + ... + a(l)` tokens, with
+`a(k) = q(1) * ... * q(k)` and `q(k)` the chance that position k is accepted once 1..k-1 were (a moving
+average per position of what the rounds showed; positions a round proposed but never reached take the
+draft's confidence head's c(k) where it has one), for `t_draft + t_verify(1 + l)` milliseconds of the
+cost curve at the context depth reached. It picks the l of the highest `E(l) / ms`, re-chosen every
+`every` rounds and changed only for a gain beyond `margin` (no flapping between near-equal lengths),
+and parks (length 0: plain decoding) while no length beats one target step per token. Parked, it
+probes a short draft now and then, backing off while the probes lose, and never when even perfect
+acceptance could not pay at this depth (a curve whose verify(n) grows like n).
+
+Lossless whatever it picks: the length is fixed before the round's drafts are looked at, so each round
+is an ordinary speculative block (the greedy output and the sampled distribution do not change).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Protocol, Sequence
+
+from mlx_dspark.engine.schedule import CostCurve
+
+AUTO = "auto"
+
+
+class DraftLength(Protocol):
+    """What the round (and any other proposer) asks of a length policy."""
+
+    cap: int  # the most draft tokens any round of this generation may propose
+
+    def next_length(self, *, position: int) -> int:
+        """Draft tokens for the round whose anchor sits at `position` (0: no draft, a plain target step)."""
+
+    def observe(self, *, proposed: int, accepted: int, confidence: Any = None) -> None:
+        """The round verified `proposed` drafts and accepted `accepted`; `confidence` (1, K) or None."""
+
+
+class FixedLength:
+    """Every round proposes `cap` drafts (the model card's setting: the block size)."""
+
+    parked_rounds = 0
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.lengths: Counter[int] = Counter()  # verified drafts per round -> rounds
+
+    def next_length(self, *, position: int) -> int:
+        return self.cap
+
+    def observe(self, *, proposed: int, accepted: int, confidence: Any = None) -> None:
+        self.lengths[proposed] += 1
+
+    def summary(self) -> dict:
+        return {"lengths": dict(sorted(self.lengths.items())), "parked_rounds": 0}
+
+
+def expected_tokens(acceptance: Sequence[float], length: int) -> float:
+    """E(l): tokens a round of `length` drafts commits, with conditional acceptances q(1), q(2), ..."""
+    expected, prefix = 1.0, 1.0
+    for q in acceptance[:length]:
+        prefix *= q
+        expected += prefix
+    return expected
+
+
+def rates(curve: CostCurve, acceptance: Sequence[float], cap: int) -> list[float]:
+    """Expected tokens per millisecond for lengths 0..cap (0: a plain target step, one token)."""
+    plain = 1.0 / max(curve.verify_ms[0], 1e-9)
+    return [plain] + [expected_tokens(acceptance, n) / max(curve.round_ms(n), 1e-9) for n in range(1, cap + 1)]
+
+
+def break_even(curve: CostCurve, length: int) -> float | None:
+    """The acceptance q (the same at every position) at which `length` drafts per round tie with plain
+    decoding; None when even q = 1 loses."""
+    plain = rates(curve, [1.0] * length, length)[0]
+    if rates(curve, [1.0] * length, length)[length] <= plain:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if rates(curve, [mid] * length, length)[length] <= plain else (low, mid)
+    return high
+
+
+class AutoLength:
+    """The draft length of highest expected tokens per millisecond; 0 (parked) while no length pays."""
+
+    def __init__(
+        self,
+        curve: CostCurve,
+        cap: int,
+        *,
+        prior: float = 0.6,
+        smoothing: float = 0.2,
+        every: int = 4,
+        margin: float = 0.05,
+        probe_length: int = 2,
+        probe_every: int = 8,
+        max_probe_every: int = 128,
+    ) -> None:
+        if cap < 1:
+            raise ValueError(f"an auto draft length needs a cap >= 1, got {cap}")
+        self.curve = curve
+        self.cap = min(cap, curve.max_width - 1)
+        if self.cap < 1:
+            raise ValueError(f"cost curve {curve.source} covers verify width 1 only: auto needs widths 1..{cap + 1}")
+        self.acceptance = [prior] * self.cap  # q(k), k = 1..cap
+        self.observed = [False] * self.cap
+        self.smoothing, self.every, self.margin = smoothing, every, margin
+        self.probe_length = min(probe_length, self.cap)
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self.length = 0
+        self.parked = False
+        self.lengths: Counter[int] = Counter()  # verified drafts per round -> rounds
+        self.parked_rounds = 0
+        self._due = 0  # rounds until the next choice
+        self._interval = probe_every  # parked rounds between probes (doubles after each that leaves it parked)
+        self._until_probe = self._interval
+        self._hopeless = False
+
+    def start_length(self, position: int = 0) -> int:
+        """The length the first round would take at context `position` (the prior acceptance)."""
+        best, pays = self._best(self.curve.at(position))
+        return best if pays else 0
+
+    def next_length(self, *, position: int) -> int:
+        if self._due <= 0:
+            self._choose(self.curve.at(position))
+            self._due = self.every
+        self._due -= 1
+        if not self.parked:
+            return self.length
+        self._until_probe -= 1
+        if self._hopeless or self._until_probe > 0:
+            self.parked_rounds += 1
+            return 0
+        self._due = 0  # choose again right after the probe's observation
+        return self.probe_length
+
+    def observe(self, *, proposed: int, accepted: int, confidence: Any = None) -> None:
+        self.lengths[proposed] += 1
+        if proposed == 0:
+            return
+        probe = self.parked
+        if probe:  # back off while probes do not show a paying length (leaving the park resets the interval)
+            self._interval = min(2 * self._interval, self.max_probe_every)
+            self._until_probe = self._interval
+        for k in range(min(accepted + 1, proposed, self.cap)):
+            # a probe's sample weighs more: the estimates it corrects are as old as the park
+            self._update(k, 1.0 if k < accepted else 0.0, weight=2.5 if probe else 1.0)
+        if confidence is not None and accepted + 1 < proposed:
+            # positions after the first rejection: the draft's own estimate of q(k) (one small host read)
+            for k, c in enumerate(confidence[0, accepted + 1 : proposed].tolist(), start=accepted + 1):
+                if k < self.cap:
+                    self._update(k, float(c), weight=0.5)
+        deepest = max((k for k in range(self.cap) if self.observed[k]), default=None)
+        if deepest is not None:  # never-reached positions follow the deepest one seen, not the prior
+            for k in range(deepest + 1, self.cap):
+                self.acceptance[k] = self.acceptance[deepest]
+
+    def _update(self, k: int, value: float, *, weight: float = 1.0) -> None:
+        rate = min(1.0, self.smoothing * weight) if self.observed[k] else 0.5  # the first sample moves the prior halfway
+        self.acceptance[k] += rate * (value - self.acceptance[k])
+        self.observed[k] = True
+
+    def _best(self, curve: CostCurve) -> tuple[int, bool]:
+        """The best length (ties: the shorter) and whether it beats plain decoding."""
+        by_length = rates(curve, self.acceptance, self.cap)
+        best = max(range(1, self.cap + 1), key=lambda n: (by_length[n], -n))
+        return best, by_length[best] > by_length[0]
+
+    def _choose(self, curve: CostCurve) -> None:
+        by_length = rates(curve, self.acceptance, self.cap)
+        best, _ = self._best(curve)
+        plain = by_length[0]
+        self._hopeless = max(rates(curve, [1.0] * self.cap, self.cap)[1:]) <= plain  # no probe could pay
+        if self.parked:
+            if by_length[best] > plain * (1 + self.margin):  # leave the park only for a clear gain
+                self.parked, self.length, self._interval = False, best, self.probe_every
+                self._until_probe = self._interval
+        elif by_length[best] <= plain:
+            # parked by the prior alone (the first choice): look at the real acceptance in the next round
+            self._until_probe = self._interval if self.length else 1
+            self.parked, self.length = True, 0
+        elif self.length == 0 or by_length[best] > by_length[self.length] * (1 + self.margin):
+            self.length = best
+
+    def summary(self) -> dict:
+        return {"lengths": dict(sorted(self.lengths.items())), "parked_rounds": self.parked_rounds}
+
+
+def make_draft_length(max_draft_tokens: int | str | None, block_size: int, curve: CostCurve | None) -> DraftLength:
+    """The policy `SpeculationOptions.max_draft_tokens` asks for: `auto` (over `curve`) or a fixed cap."""
+    if max_draft_tokens != AUTO:
+        return FixedLength(max_draft_tokens or block_size)
+    if curve is None:
+        raise ValueError("max_draft_tokens 'auto' needs speculation.cost_curve (api.stream_generate fills in this machine's)")
+    return AutoLength(curve, block_size)
