@@ -146,6 +146,12 @@ def generate(
     else:
         request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
+    plain_options = dataclasses.replace(options, speculation=dataclasses.replace(options.speculation, speculative=False))
+    if compare:  # warm both paths first (kernels, the cost curve): the first run in a process pays for them
+        with flag_errors():
+            for warm in (options, plain_options):
+                for _ in stream_generate(pair, request, options=dataclasses.replace(warm, max_tokens=8)):
+                    pass
     collector = ResultCollector()
     with flag_errors():  # a prompt or a --max-draft-tokens the loaded pair cannot take
         for step in stream_generate(pair, request, options=options):
@@ -156,7 +162,6 @@ def generate(
     result = collector.result()
     plain = None
     if compare:  # the baseline on the same prompt and options: plain decoding with the target alone
-        plain_options = dataclasses.replace(options, speculation=dataclasses.replace(options.speculation, speculative=False))
         plain_collector = ResultCollector()
         with flag_errors():
             for step in stream_generate(pair, request, options=plain_options):
