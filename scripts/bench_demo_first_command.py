@@ -4,9 +4,9 @@ Run as is (bundled BLAS) and with `LD_PRELOAD=libopenblas.so.0 OPENBLAS_NUM_THRE
 import statistics
 
 import mlx_dspark
+from mlx_dspark.cli.demo import demo_pair
 
 REPEATS = 6
-from mlx_dspark.cli.demo import demo_pair
 d = demo_pair()
 m = mlx_dspark.load(str(d.target), draft=str(d.draft), dtype=d.dtype)
 runs = {"plain": [], "auto": [], "fixed7": []}
