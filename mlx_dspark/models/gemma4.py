@@ -28,6 +28,7 @@ from mlx_lm.models.rope_utils import ProportionalRoPE
 
 from mlx_dspark.models.base import FamilyAttention, RoPE, args_from_config, gelu
 from mlx_dspark.models.layer_types import FULL_ATTENTION, check_layer_types
+from mlx_dspark.models.qwen3 import MLP  # noqa: F401  (the same gated MLP; `args.activation()` picks GELU-tanh)
 
 # Tensors that all mark a draft layer of this family (qwen3-style layers have only the first).
 DRAFT_MARKS = ("self_attn.q_proj.weight", "pre_feedforward_layernorm.weight")
@@ -181,16 +182,4 @@ class Attention(FamilyAttention):
     def output(self, out: mx.array, x: mx.array) -> mx.array:
         B, _, L, _ = out.shape
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-        self.act = args.activation()
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
