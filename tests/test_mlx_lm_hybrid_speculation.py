@@ -225,3 +225,26 @@ def test_probe_refuses_a_head_the_draft_could_not_share(tmp_path):
     model = mlx_lm_target.from_config(config, model_class=Model)
     with pytest.raises(ValueError, match="model_type 'llama'.*plain head product"):
         mlx_lm_target.probe_target(model)
+
+
+def test_server_answers_a_chat_with_tools_on_a_hybrid_as_the_api_does(tmp_path):
+    """qwen3_5 (GatedDeltaNet hybrid) behind the server: a chat with tools, speculative, as `generate`."""
+    from mlx_dspark.api import encode_prompt
+    from mlx_dspark.testing.tiny_tokenizer import tools_chat_template, write_chat_template
+    from tests.test_server import call, pair_loader, running_server
+    from tests.test_server_agents import HISTORY, WEATHER
+
+    target = write_target(tmp_path, "qwen3_5")
+    write_chat_template(target, tools_chat_template())  # Qwen3's <tool_call> JSON format (mlx-lm's json_tools)
+    draft = write_draft_for(tmp_path / "draft", target_path=target)
+    with running_server(pair_loader((target, draft))) as server:
+        body = {"model": "tiny-spark", "messages": HISTORY, "tools": [WEATHER], "max_tokens": 24}
+        status, _, reply = call(server, "POST", "/v1/chat/completions", body)
+        want = mlx_dspark.generate(server.worker.model, HISTORY, tools=[WEATHER], max_tokens=24)
+    assert status == 200, reply
+    tokenizer = server.worker.model.tokenizer
+    prompt = encode_prompt(tokenizer, HISTORY, tools=[WEATHER])
+    assert reply["usage"]["prompt_tokens"] == len(prompt) > len(encode_prompt(tokenizer, HISTORY))
+    assert reply["usage"]["completion_tokens"] == len(want.tokens) and want.rounds > 0
+    assert (reply["choices"][0]["message"]["content"] or "") == (want.content or "")
+    assert want.tokens == mlx_lm_greedy(target, prompt, 24)[: len(want.tokens)]

@@ -28,10 +28,17 @@ def random_prompt(vocab_size: int, length: int, *, seed: int) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(length)]
 
 
+def _cache_arrays(c: Any) -> list:
+    """A cache's arrays: keys / values, or (a hybrid's recurrent caches, mlx-lm's CacheList) its state."""
+    if hasattr(c, "caches"):
+        return [a for inner in c.caches for a in _cache_arrays(inner)]
+    if hasattr(c, "keys"):
+        return [a for a in (c.keys, c.values) if a is not None]
+    return [a for a in getattr(c, "cache", ()) if isinstance(a, mx.array)]
+
+
 def _eval_caches(cache: list, context: list) -> None:
-    arrays = [c.keys for c in cache if c.keys is not None] + [c.values for c in cache if c.values is not None]
-    arrays += [c.keys for c in context if c.keys is not None] + [c.values for c in context if c.values is not None]
-    mx.eval(arrays)
+    mx.eval([a for c in [*cache, *context] for a in _cache_arrays(c)])
 
 
 def _timed(build, *, outputs) -> tuple[float, float]:

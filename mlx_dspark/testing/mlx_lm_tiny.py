@@ -150,11 +150,14 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
 
 
-def write_draft_for(path: str | Path, *, target_path: str | Path, seed: int = 0, **options: Any) -> Path:
+def write_draft_for(
+    path: str | Path, *, target_path: str | Path, seed: int = 0, draft_sizes: dict[str, Any] | None = None, **options: Any
+) -> Path:
     """A random qwen3-layer DSpark draft (`testing/tiny.write_tiny_draft`) for any tiny target written here,
     hybrids under a multimodal wrapper included: the draft's config is a copy of the target's text fields
     with default RoPE (the draft's own layers), without the shared embedding / head (the draft uses the
-    target's). `options` go to `write_tiny_draft`."""
+    target's). `draft_sizes` replace the draft's own sizes (head_dim 32, intermediate_size 256); `options`
+    go to `write_tiny_draft`."""
     from mlx_dspark.testing.tiny import write_tiny_draft
 
     target_path, path = Path(target_path), Path(path)
@@ -174,5 +177,6 @@ def write_draft_for(path: str | Path, *, target_path: str | Path, seed: int = 0,
         rms_norm_eps=text.get("rms_norm_eps") or 1e-6, num_attention_heads=text.get("num_attention_heads") or 4,
         num_key_value_heads=text.get("num_key_value_heads") or 2, torch_dtype="float32",
     )  # fmt: skip
+    draft_config.update(draft_sizes or {})
     _write_json(base / "config.json", dict(sorted(draft_config.items())))
     return write_tiny_draft(path, target_path=base, layer_family="qwen3", seed=seed, include_shared=False, **options)
