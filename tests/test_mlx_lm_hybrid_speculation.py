@@ -90,11 +90,11 @@ def test_the_windowed_caches_wrap_and_a_rollback_across_the_wrap_is_exact(tmp_pa
     assert mx.allclose(logits[:, -1], fresh[:, -1], atol=1e-4).item()
 
 
-def test_prompt_cache_serves_speculative_turns_on_a_hybrid_exactly(tmp_path):
-    """qwen3_5 through `mlx_dspark.generate(..., prompt_cache=)`: every turn equals a cold run and reports
-    the reused prefix (the recurrent state comes from the live caches or a snapshot)."""
-    target = write_target(tmp_path, "qwen3_5")
-    draft = write_draft_for(tmp_path / "draft", target_path=target)
+@pytest.mark.parametrize("pair", ["gemma4_text", "lfm2", "nemotron_h", "qwen3_5"], indirect=True)  # qwen3_5_moe: as qwen3_5's caches
+def test_prompt_cache_serves_speculative_turns_on_hybrid_and_windowed_targets_exactly(pair):
+    """Through `mlx_dspark.generate(..., prompt_cache=)`: every turn equals a cold run and mlx-lm's generate
+    and reports the reused prefix (recurrent / rotating states from the live caches or a snapshot)."""
+    _, target, draft = pair
     loaded = prepare_model(mlx_dspark.load(str(target), str(draft)), RunSettings(ignore_eos=True))
     cache = mlx_dspark.make_prompt_cache(loaded)
     prompt = list(PROMPT)
@@ -248,3 +248,20 @@ def test_server_answers_a_chat_with_tools_on_a_hybrid_as_the_api_does(tmp_path):
     assert reply["usage"]["completion_tokens"] == len(want.tokens) and want.rounds > 0
     assert (reply["choices"][0]["message"]["content"] or "") == (want.content or "")
     assert want.tokens == mlx_lm_greedy(target, prompt, 24)[: len(want.tokens)]
+
+
+@pytest.mark.parametrize("pair", ["qwen3_5", "gemma4_text"], indirect=True)
+def test_a_gguf_draft_on_hybrid_and_windowed_targets_runs_as_its_safetensors_and_is_lossless(pair, tmp_path):
+    """The draft as llama.cpp's converter writes it (dflash GGUF, no shared copies: it uses the target's)."""
+    from mlx_dspark.testing.gguf_writer import write_gguf_draft
+
+    _, target, draft = pair
+    gguf = write_gguf_draft(draft, tmp_path / "draft.gguf", target_path=target, include_shared=False)
+    from_gguf = prepare_model(mlx_dspark.load(str(target), draft=str(gguf)), RunSettings(ignore_eos=True))
+    from_safetensors = prepare_model(mlx_dspark.load(str(target), str(draft)), RunSettings(ignore_eos=True))
+    assert from_gguf.draft_path == gguf
+    runs = [mlx_dspark.generate(p, PROMPT, max_tokens=40) for p in (from_gguf, from_safetensors)]
+    assert runs[0].tokens == runs[1].tokens == mlx_lm_greedy(target, PROMPT, 40)
+    assert runs[0].acceptance_lengths == runs[1].acceptance_lengths and runs[0].rounds > 0
+    reference, result = injected_run(from_gguf, target, PROMPT, 60)
+    assert result.tokens == reference[:60]
