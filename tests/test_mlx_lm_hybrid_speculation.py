@@ -210,21 +210,25 @@ def test_gemma4_target_shares_its_raw_table_and_head_with_a_deepspec_gemma4_draf
     assert plain_draft.tokens == reference[:40]
 
 
-def test_probe_refuses_a_head_the_draft_could_not_share(tmp_path):
-    """The probe checks that the plain head product (what a draft shares) ranks tokens as the model's
-    logits do: a model whose head is not its `lm_head` is refused."""
+def test_a_head_that_is_not_the_plain_product_is_shared_as_mlx_lms_own(tmp_path):
+    """The probe checks that the plain head product (lm_head / tied table) ranks tokens as the model's
+    logits do; a model whose head is something else (internlm2's `output`, talkie's gained array) shares
+    mlx-lm's own head code with its draft instead. A model whose plain head is its head keeps it."""
     from mlx_lm.models import llama
 
     class Model(llama.Model):  # logits from a head other than lm_head
         def __call__(self, inputs, cache=None, input_embeddings=None):
-            out = self.model(inputs, cache, input_embeddings)
-            return -self.lm_head(out)
+            return -self.lm_head(self.model(inputs, cache, input_embeddings))
 
     config = json.loads((write_tiny_mlx_lm_target(tmp_path / "t", family="llama") / "config.json").read_text())
-    mx.random.seed(0)
-    model = mlx_lm_target.from_config(config, model_class=Model)
-    with pytest.raises(ValueError, match="model_type 'llama'.*plain head product"):
+    h = mx.random.normal((1, 3, config["hidden_size"]))
+    for model_class, own in ((Model, True), (llama.Model, False)):
+        mx.random.seed(0)
+        model = mlx_lm_target.from_config(config, model_class=model_class)
         mlx_lm_target.probe_target(model)
+        assert model.head_is_models_own is own
+        expected = -model.lm_head(h) if own else model.lm_head(h)
+        assert mx.allclose(model.lm_head_logits(h), expected, atol=1e-5).item()
 
 
 def test_server_answers_a_chat_with_tools_on_a_hybrid_as_the_api_does(tmp_path):

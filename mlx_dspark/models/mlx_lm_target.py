@@ -39,7 +39,7 @@ from mlx_dspark.models.base import check_tap_ids, gather_taps
 from mlx_dspark.models.rollback import RollbackCaches, recording
 
 # Names of our contract that an mlx-lm model must not already use for something of its own.
-CONTRACT_NAMES = ("embed", "lm_head_logits", "model_head_logits", "embedding", "output_head", "layer_types", "kv_bits", "mlx_lm_model_type")
+CONTRACT_NAMES = ("embed", "lm_head_logits", "model_head_logits", "head_is_models_own", "embedding", "output_head", "layer_types", "kv_bits", "mlx_lm_model_type")
 
 
 class Capture:
@@ -177,9 +177,15 @@ class MLXLMTarget:
         block embeddings, Gemma's sqrt(hidden), applies it itself, as DeepSpec's drafts do)."""
         return self.embedding(ids)
 
+    head_is_models_own = False  # set by `probe_target` when no plain head product is the model's head
+
     def lm_head_logits(self, h: mx.array) -> mx.array:
         """The plain head product of final-normed hidden states: the untied head, else the tied table
-        (`as_linear`). No family softcap / logit scale: a draft family applies its own (`cap_logits`)."""
+        (`as_linear`). No family softcap / logit scale: a draft family applies its own (`cap_logits`).
+        A model whose head is neither (internlm2's `output`, talkie's gained array: the probe finds out)
+        gets mlx-lm's own head code instead."""
+        if self.head_is_models_own:
+            return self.model_head_logits(h)
         head = self.output_head
         return self.embedding.as_linear(h) if head is None else head(h)
 
@@ -338,10 +344,12 @@ def _probe_problems(model: MLXLMTarget, ids: mx.array, reference: mx.array) -> l
         problems.append(f"its backbone returns {None if final is None else tuple(final.shape)}, not the final hidden state")
     elif not _same(model.model_head_logits(final), reference):
         problems.append("its logits are not a function of the final hidden state alone (mlx-lm's head on it differs)")
-    elif not _same(mx.argmax(model.lm_head_logits(final), axis=-1), mx.argmax(reference, axis=-1)):
-        # what a draft shares: the plain head product ranks tokens as the model's logits do (softcaps and
-        # logit scales are monotone), so the head found is the model's own
-        problems.append("its plain head product (lm_head / tied table) does not rank tokens as its logits do")
+    else:
+        # what a draft shares: the plain head product, if it ranks tokens as the model's logits do (softcaps
+        # and logit scales are monotone: the head found is the model's own); else mlx-lm's head code
+        model.head_is_models_own = False
+        plain = model.lm_head_logits(final)
+        model.head_is_models_own = plain.shape != reference.shape or not _same(mx.argmax(plain, axis=-1), mx.argmax(reference, axis=-1))
     if not _same(logits, reference):
         problems.append("the recorded forward's logits differ from its own __call__")
     if problems:
