@@ -269,3 +269,18 @@ def test_a_gguf_draft_on_hybrid_and_windowed_targets_runs_as_its_safetensors_and
     assert runs[0].acceptance_lengths == runs[1].acceptance_lengths and runs[0].rounds > 0
     reference, result = injected_run(from_gguf, target, PROMPT, 60)
     assert result.tokens == reference[:60]
+
+
+def test_the_confidence_schedule_and_its_cost_probe_run_on_a_hybrid(tmp_path):
+    """The cost curve times width-1 steps too: on a hybrid those are restored from copies (a width-1
+    forward is never recorded for rollback); the schedule's output stays mlx-lm's."""
+    from mlx_dspark.bench.cost import CostProbe
+    from mlx_dspark.engine.cost_probe import measure_cost_curve
+
+    target = write_target(tmp_path, "qwen3_5")
+    loaded = prepare_model(mlx_dspark.load(str(target), str(write_draft_for(tmp_path / "draft", target_path=target))), RunSettings(ignore_eos=True))
+    curve = measure_cost_curve(loaded.target, loaded.draft, context=24, repeats=1)
+    probe = CostProbe(loaded, context=24)
+    probe.decode(), probe.verify(1), probe.verify(3)
+    result = mlx_dspark.generate(loaded, PROMPT, max_tokens=40, verify_schedule="confidence", cost_curve=curve)
+    assert result.tokens == mlx_lm_greedy(target, PROMPT, 40) and result.rounds > 0

@@ -20,6 +20,7 @@ from mlx_dspark.engine.decode import prefill
 from mlx_dspark.engine.propose import DraftProposer
 from mlx_dspark.engine.schedule import CostCurve
 from mlx_dspark.models.cache import trim_caches
+from mlx_dspark.models.rollback import restore_caches, snapshot_caches
 
 COST_CACHE_DIR = Path.home() / ".cache" / "mlx_dspark" / "cost"
 
@@ -101,9 +102,16 @@ def measure_cost_curve(target: Any, draft: Any, *, context: int = 256, repeats: 
                 out = proposer.propose(anchor, position=context, num_tokens=block)
                 mx.eval(out.tokens, *([] if out.confidence is None else [out.confidence]))
             else:
+                saved = snapshot_caches(cache) if width == 1 else None  # a hybrid's width-1 step is not recorded
+                if saved is not None:
+                    mx.eval([a for s in saved for a in s.arrays()])
+                    start = time.perf_counter()
                 verify_logits, features = target(candidates[:, :width], cache=cache, tap_ids=proposer.tap_ids)
                 mx.eval(mx.argmax(verify_logits, axis=-1), features)
-                trim_caches(cache, width)
+                if saved is None:
+                    trim_caches(cache, width)
+                else:
+                    restore_caches(cache, saved)
             if repeat:
                 samples[width].append(1000 * (time.perf_counter() - start))
     return CostCurve.from_measurements(
