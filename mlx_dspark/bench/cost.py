@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from mlx_dspark.engine.accept import accept_greedy
 from mlx_dspark.models.cache import trim_caches
+from mlx_dspark.models.rollback import restore_caches, snapshot_caches
 from mlx_dspark.engine.decode import plain_steps, prefill
 from mlx_dspark.engine.propose import DraftProposer
 from mlx_dspark.engine.sample import Sampler
@@ -28,10 +29,17 @@ def random_prompt(vocab_size: int, length: int, *, seed: int) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(length)]
 
 
+def _cache_arrays(c: Any) -> list:
+    """A cache's arrays: keys / values, or (a hybrid's recurrent caches, mlx-lm's CacheList) its state."""
+    if hasattr(c, "caches"):
+        return [a for inner in c.caches for a in _cache_arrays(inner)]
+    if hasattr(c, "keys"):
+        return [a for a in (c.keys, c.values) if a is not None]
+    return [a for a in getattr(c, "cache", ()) if isinstance(a, mx.array)]
+
+
 def _eval_caches(cache: list, context: list) -> None:
-    arrays = [c.keys for c in cache if c.keys is not None] + [c.values for c in cache if c.values is not None]
-    arrays += [c.keys for c in context if c.keys is not None] + [c.values for c in context if c.values is not None]
-    mx.eval(arrays)
+    mx.eval([a for c in [*cache, *context] for a in _cache_arrays(c)])
 
 
 def _timed(build, *, outputs) -> tuple[float, float]:
@@ -88,9 +96,16 @@ class CostProbe:
             out, _ = self.target(self.candidates[:, :width], cache=self.cache, tap_ids=self.proposer.tap_ids)
             return accept_greedy(draft_tokens=self.candidates[0, 1:width], target_logits=out[0])
 
+        saved = snapshot_caches(self.cache) if width == 1 else None  # a hybrid's width-1 step is not recorded
         timing = _timed(build, outputs=lambda a: [a.accepted, a.tokens])
-        trim_caches(self.cache, width)
+        self._undo(width, saved)
         return timing
+
+    def _undo(self, width: int, saved: Any) -> None:
+        if saved is None:
+            trim_caches(self.cache, width)
+        else:
+            restore_caches(self.cache, saved)
 
     def decode(self) -> tuple[float, float]:
         """One plain decode step (no taps), unpipelined."""
@@ -99,8 +114,9 @@ class CostProbe:
             out, _ = self.target(self.candidates[:, :1], cache=self.cache)
             return mx.argmax(out[0, -1])
 
+        saved = snapshot_caches(self.cache)
         timing = _timed(build, outputs=lambda t: [t])
-        trim_caches(self.cache, 1)
+        self._undo(1, saved)
         return timing
 
     def draft_block(self) -> tuple[float, float]:

@@ -10,8 +10,14 @@ boundaries, the same way for every family:
   subclass of its own class whose `__call__` calls the original and records (no library code changes;
   parameter paths are untouched, so loading and quantization see the checkpoint's names);
 - the module the model calls for its hidden states (its backbone: the module holding the layer list,
-  under a multimodal wrapper's language model too) records its output (the final normed hidden state) and, for `lm_head_logits(h)`, returns the given
-  `h` so that mlx-lm's own head code (tied / untied head, softcap, logit scaling) computes the logits.
+    under a multimodal wrapper's language model too) records its output (the final normed hidden state) and,
+  for `model_head_logits(h)`, returns the given `h` so that mlx-lm's own head code (tied / untied head,
+  softcap, logit scaling) computes the logits.
+
+What a draft shares (`embed`, `lm_head_logits`) are the raw table operations: the embedding table's rows
+and the plain head product. Family scales and softcaps belong to the draft's family, which applies its own
+(DeepSpec's gemma4 draft scales its block embeddings by sqrt(hidden) and soft-caps its logits itself, on
+copies of the target's raw table and head).
 
 `probe_target` runs at load: a model whose forward cannot be taken apart this way (a layer not called
 exactly once, a layer output that is not a hidden state, a head that is not a function of the final
@@ -30,13 +36,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_dspark.models.base import check_tap_ids, gather_taps
+from mlx_dspark.models.rollback import RollbackCaches, recording
 
 # Names of our contract that an mlx-lm model must not already use for something of its own.
-CONTRACT_NAMES = ("embed", "lm_head_logits", "embedding", "output_head", "layer_types", "kv_bits", "mlx_lm_model_type")
-
-
-class _StopAtFirstLayer(Exception):
-    """Raised inside layer 0 by `embed`: the embedding output is that layer's input (nothing else runs)."""
+CONTRACT_NAMES = ("embed", "lm_head_logits", "model_head_logits", "head_is_models_own", "embedding", "output_head", "layer_types", "kv_bits", "mlx_lm_model_type")
 
 
 class Capture:
@@ -45,7 +48,7 @@ class Capture:
 
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
-        self.mode = "off"  # "off" | "forward" | "embed" | "head"
+        self.mode = "off"  # "off" | "forward" | "head"
         self.tap_ids: tuple[int, ...] = ()
         self.last_only = False
         self.taps: dict[int, mx.array] = {}
@@ -53,7 +56,6 @@ class Capture:
         self.bad_output: Optional[str] = None
         self.final: Optional[mx.array] = None  # the backbone's output (the final normed hidden state)
         self.head_input: Optional[mx.array] = None
-        self.embedding: Optional[mx.array] = None
 
     def start(self, mode: str, *, tap_ids: tuple[int, ...] = (), last_only: bool = False) -> None:
         self.mode, self.tap_ids, self.last_only = mode, tap_ids, last_only
@@ -63,12 +65,8 @@ class Capture:
         index = layer._dspark_index
         if self.mode == "off":
             return type(layer).__mro__[1].__call__(layer, *args, **kwargs)
-        if index == 0:
-            if self.mode == "embed":
-                self.embedding = args[0]
-                raise _StopAtFirstLayer
-            if -1 in self.tap_ids:
-                self.taps[-1] = args[0]
+        if index == 0 and -1 in self.tap_ids:
+            self.taps[-1] = args[0]
         self.calls[index] += 1
         out = type(layer).__mro__[1].__call__(layer, *args, **kwargs)
         hidden = out[0] if isinstance(out, tuple) else out  # some families return (h, shared K/V, ...)
@@ -163,29 +161,37 @@ class MLXLMTarget:
             return None
         return next((m for p, m in self.named_modules() if p == "lm_head" or p.endswith(".lm_head")), None)
 
-    def make_cache(self, *, max_rollback: int = 8) -> list[Any]:
-        """mlx-lm's own caches for the model (its `make_cache`, else `make_prompt_cache`'s KV caches)."""
+    def make_cache(self, *, max_rollback: int = 8) -> RollbackCaches:
+        """mlx-lm's own caches for the model (its `make_cache`, else `make_prompt_cache`'s KV caches), in a
+        `RollbackCaches`: every forward through it is recorded, so that `trim_caches` rolls back any kind
+        exactly (recurrent states, rotating windows). A verify is at most `max_record` (64) positions wide."""
         own = getattr(super(), "make_cache", None)
-        return own() if own is not None else make_prompt_cache(SimpleNamespace(layers=self.layers))
+        return RollbackCaches(own() if own is not None else make_prompt_cache(SimpleNamespace(layers=self.layers)))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         own = getattr(super(), "sanitize", None)
         return own(weights) if own is not None else weights
 
     def embed(self, ids: mx.array) -> mx.array:
-        """The embedding output layer 0 receives (mlx-lm's scales applied), by mlx-lm's own code."""
-        self._capture.start("embed")
-        try:
-            super().__call__(ids)  # mlx-lm's own call, stopped as layer 0 is entered
-        except _StopAtFirstLayer:
-            embedded, self._capture.embedding = self._capture.embedding, None
-            return embedded
-        finally:
-            self._capture.start("off")
-        self._refuse("its layer 0 was never called")
+        """The raw rows of the input embedding table (no family scale: a draft family that scales its
+        block embeddings, Gemma's sqrt(hidden), applies it itself, as DeepSpec's drafts do)."""
+        return self.embedding(ids)
+
+    head_is_models_own = False  # set by `probe_target` when no plain head product is the model's head
 
     def lm_head_logits(self, h: mx.array) -> mx.array:
-        """Logits of final-normed hidden states by mlx-lm's own head code (tied, untied, softcapped)."""
+        """The plain head product of final-normed hidden states: the untied head, else the tied table
+        (`as_linear`). No family softcap / logit scale: a draft family applies its own (`cap_logits`).
+        A model whose head is neither (internlm2's `output`, talkie's gained array: the probe finds out)
+        gets mlx-lm's own head code instead."""
+        if self.head_is_models_own:
+            return self.model_head_logits(h)
+        head = self.output_head
+        return self.embedding.as_linear(h) if head is None else head(h)
+
+    def model_head_logits(self, h: mx.array) -> mx.array:
+        """Logits of final-normed hidden states by mlx-lm's own head code (softcap, logit scale included):
+        what the target's own forward computes from them."""
         self._capture.start("head")
         self._capture.head_input = h
         try:
@@ -206,7 +212,10 @@ class MLXLMTarget:
         capture = self._capture
         capture.start("forward", tap_ids=tap_ids, last_only=last_only)
         try:
-            logits = super().__call__(inputs, cache=cache)
+            # `recording` swaps the backbone's layer list for stand-ins that record the call for rollback
+            # and then call the (recording-subclassed) layer itself, so the capture still sees each layer once.
+            with recording(self, cache):
+                logits = super().__call__(inputs, cache=cache)
             taps = capture.taps
         finally:
             capture.start("off")
@@ -333,14 +342,21 @@ def _probe_problems(model: MLXLMTarget, ids: mx.array, reference: mx.array) -> l
         problems.append(f"tapped outputs are not (1, {length}, {hidden}) hidden states: {shapes}")
     if final is None or tuple(final.shape) != (1, length, hidden):
         problems.append(f"its backbone returns {None if final is None else tuple(final.shape)}, not the final hidden state")
-    elif not _same(model.lm_head_logits(final), reference):
+    elif not _same(model.model_head_logits(final), reference):
         problems.append("its logits are not a function of the final hidden state alone (mlx-lm's head on it differs)")
+    else:
+        # what a draft shares: the plain head product, if it ranks tokens as the model's logits do (softcaps
+        # and logit scales are monotone: the head found is the model's own); else mlx-lm's head code
+        model.head_is_models_own = False
+        plain = model.lm_head_logits(final)
+        model.head_is_models_own = plain.shape != reference.shape or not _same(mx.argmax(plain, axis=-1), mx.argmax(reference, axis=-1))
     if not _same(logits, reference):
         problems.append("the recorded forward's logits differ from its own __call__")
     if problems:
         return problems
-    if not _same(model.embed(ids), recorded[-1]):
-        problems.append("its embedding output is not layer 0's input")
+    rows = model.embed(ids)
+    if tuple(rows.shape) != (1, length, hidden):
+        problems.append(f"its input embedding gives {tuple(rows.shape)}, not the table's (1, {length}, {hidden}) rows")
     last, _ = model(ids, last_only=True)
     if not mx.allclose(last, reference[:, -1:], rtol=1e-5, atol=1e-5).item():
         problems.append("the last position's logits alone differ from the full forward's")

@@ -24,6 +24,8 @@ MLX_LM_FAMILIES = ("llama", "gemma4_text", "qwen3_moe")
 # parameter names, which its `sanitize` leaves as they are): their HF layouts differ in ways only
 # mlx-lm's sanitize knows (norm offsets, conv axes).
 HYBRID_FAMILIES = ("qwen3_5", "lfm2", "nemotron_h")
+# A MoE hybrid (GatedDeltaNet + attention, MoE MLPs with a shared expert), mlx-lm's layout too.
+MOE_HYBRID_FAMILIES = ("qwen3_5_moe",)
 
 
 def _base(ids: dict[str, Any]) -> dict[str, Any]:
@@ -66,12 +68,16 @@ def tiny_mlx_lm_config(family: str, ids: dict[str, Any], **overrides: Any) -> di
         config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu", rope_theta=10000.0,
                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                       moe_intermediate_size=128, norm_topk_prob=True, tie_word_embeddings=False, rope_scaling=None)  # fmt: skip
-    elif family == "qwen3_5":  # 2 GatedDeltaNet + 2 full-attention layers, under the multimodal wrapper
+    elif family in ("qwen3_5", "qwen3_5_moe"):  # 2 GatedDeltaNet + 2 full-attention layers, under the multimodal wrapper
         text = {k: config.pop(k) for k in list(config) if k not in ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "torch_dtype")}
         text.update(model_type="qwen3_5_text", linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
                     linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=2, tie_word_embeddings=False,
                     rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0, "partial_rotary_factor": 0.25})  # fmt: skip
-        config.update(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5", text_config=text, tie_word_embeddings=False)
+        if family == "qwen3_5_moe":
+            text.update(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                        moe_intermediate_size=64, shared_expert_intermediate_size=64)  # fmt: skip
+        architecture = "Qwen3_5MoeForConditionalGeneration" if family == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"
+        config.update(architectures=[architecture], model_type=family, text_config=text, tie_word_embeddings=False)
     elif family == "lfm2":  # short convolutions + attention
         config.update(architectures=["Lfm2ForCausalLM"], model_type="lfm2", norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
                       block_dim=128, block_multiple_of=32, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
@@ -83,7 +89,7 @@ def tiny_mlx_lm_config(family: str, ids: dict[str, Any], **overrides: Any) -> di
                       layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, tie_word_embeddings=False,
                       layers_block_type=["mamba", "mlp", "attention", "mlp"])  # fmt: skip
     else:
-        raise ValueError(f"family {family!r} is not one of {MLX_LM_FAMILIES + HYBRID_FAMILIES}")
+        raise ValueError(f"family {family!r} is not one of {MLX_LM_FAMILIES + HYBRID_FAMILIES + MOE_HYBRID_FAMILIES}")
     config.update(overrides)
     return dict(sorted(config.items()))
 
@@ -142,3 +148,35 @@ def write_tiny_mlx_lm_target(path: str | Path, *, family: str, seed: int = 0, **
 
 def read_config(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+
+
+def write_draft_for(
+    path: str | Path, *, target_path: str | Path, seed: int = 0, draft_sizes: dict[str, Any] | None = None, **options: Any
+) -> Path:
+    """A random qwen3-layer DSpark draft (`testing/tiny.write_tiny_draft`) for any tiny target written here,
+    hybrids under a multimodal wrapper included: the draft's config is a copy of the target's text fields
+    with default RoPE (the draft's own layers), without the shared embedding / head (the draft uses the
+    target's). `draft_sizes` replace the draft's own sizes (head_dim 32, intermediate_size 256); `options`
+    go to `write_tiny_draft`."""
+    from mlx_dspark.testing.tiny import write_tiny_draft
+
+    target_path, path = Path(target_path), Path(path)
+    config = read_config(target_path)
+    text = dict(config.get("text_config") or config)
+    base = path.parent / f"{path.name}.target-text"  # what the draft's config is copied from
+    base.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (target_path / name).exists():
+            (base / name).write_bytes((target_path / name).read_bytes())
+    fields = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+              "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+    draft_config = {k: text.get(k, config.get(k)) for k in fields}
+    draft_config.update(
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu", rope_theta=10000.0, head_dim=32,
+        intermediate_size=256, num_hidden_layers=text.get("num_hidden_layers", len(text.get("layers_block_type", []))),
+        rms_norm_eps=text.get("rms_norm_eps") or 1e-6, num_attention_heads=text.get("num_attention_heads") or 4,
+        num_key_value_heads=text.get("num_key_value_heads") or 2, torch_dtype="float32",
+    )  # fmt: skip
+    draft_config.update(draft_sizes or {})
+    _write_json(base / "config.json", dict(sorted(draft_config.items())))
+    return write_tiny_draft(path, target_path=base, layer_family="qwen3", seed=seed, include_shared=False, **options)
