@@ -56,6 +56,23 @@ class PackedLayerCache:
         return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 
+PACKED_DRAFT_FAMILIES = ("qwen3", "spark2_5")  # pre-norm draft layers, the residual path written out below
+
+
+def packing_problem(model: Any) -> Optional[str]:
+    """Why a loaded pair cannot run packed (continuous batching), or None: the packed forwards follow our
+    own target families' layer loop and the pre-norm draft layers, nothing else."""
+    from mlx_dspark.models.target import TargetModel
+
+    if not isinstance(model.target, TargetModel):
+        kind = getattr(model.target, "mlx_lm_model_type", type(model.target).__name__)
+        return f"the target (model_type {kind!r}) runs through mlx-lm's own model class, which packed forwards do not cover"
+    draft = model.draft
+    if draft is not None and draft.args.family not in PACKED_DRAFT_FAMILIES:
+        return f"the draft's layer family {draft.args.family!r} is not packed (only {', '.join(PACKED_DRAFT_FAMILIES)})"
+    return None
+
+
 def packed_target_forward(
     target: Any,
     tokens: Sequence[int] | mx.array,
