@@ -19,6 +19,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 import mlx_dspark
 from mlx_dspark.bench.runner import RunSettings, prepare_model
+from mlx_dspark.engine.cost_probe import measure_cost_curve as REAL_MEASURE_COST_CURVE  # bound before conftest's patch
 from mlx_dspark.engine.decode import speculative_steps
 from mlx_dspark.engine.propose import DraftProposer
 from mlx_dspark.engine.sample import Sampler
@@ -275,11 +276,10 @@ def test_the_confidence_schedule_and_its_cost_probe_run_on_a_hybrid(tmp_path):
     """The cost curve times width-1 steps too: on a hybrid those are restored from copies (a width-1
     forward is never recorded for rollback); the schedule's output stays mlx-lm's."""
     from mlx_dspark.bench.cost import CostProbe
-    from mlx_dspark.engine.cost_probe import measure_cost_curve
 
     target = write_target(tmp_path, "qwen3_5")
     loaded = prepare_model(mlx_dspark.load(str(target), str(write_draft_for(tmp_path / "draft", target_path=target))), RunSettings(ignore_eos=True))
-    curve = measure_cost_curve(loaded.target, loaded.draft, context=24, repeats=1)
+    curve = REAL_MEASURE_COST_CURVE(loaded.target, loaded.draft, context=24, repeats=1)  # the real one, not conftest's stand-in
     probe = CostProbe(loaded, context=24)
     probe.decode(), probe.verify(1), probe.verify(3)
     result = mlx_dspark.generate(loaded, PROMPT, max_tokens=40, verify_schedule="confidence", cost_curve=curve)

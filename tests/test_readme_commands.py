@@ -72,10 +72,16 @@ def test_the_first_command_reports_its_draft_lengths_and_the_fixed_length_line_i
     assert seen, first_command.stderr
     fixed = _run([*_first_command(), "--max-draft-tokens", "7"])
     assert fixed.returncode == 0, fixed.stderr
+    pattern = r"(\d+) target forwards for 256 tokens \| mean acceptance length ([\d.]+) over (\d+) rounds"
     forwards = _claimed(r"`(\d+) target forwards for 256 tokens` and `mean acceptance length ([\d.]+) over (\d+) rounds`")
-    line = re.search(r"(\d+) target forwards for 256 tokens \| mean acceptance length ([\d.]+) over (\d+) rounds", fixed.stderr)
+    line = re.search(pattern, fixed.stderr)
     assert line and line.groups() == forwards.groups(), (fixed.stderr, forwards[0])
     assert fixed.stdout == first_command.stdout  # lossless: the same text at any draft length
+    no_lookup = _run([*_first_command(), "--max-draft-tokens", "7", "--lookup", "off"])
+    claimed = _claimed(r"`--lookup off` as well: `(\d+) target forwards for 256 tokens`, `([\d.]+) over (\d+) rounds`")
+    line = re.search(pattern, no_lookup.stderr)
+    assert line and line.groups() == claimed.groups(), (no_lookup.stderr, claimed[0])
+    assert no_lookup.stdout == first_command.stdout
 
 
 def test_the_first_command_writes_the_python_like_text_the_readme_shows(first_command):

@@ -192,8 +192,8 @@ def test_confidence_schedule_greedy_equals_plain_greedy(pair, prompt):
     steep = mlx_dspark.generate(pair, prompt, max_tokens=60, verify_schedule="confidence", cost_curve=STEEP)
     assert steep.tokens == plain.tokens
     assert steep.text == plain.text
-    capped = mlx_dspark.generate(
-        pair, prompt, max_tokens=60, verify_schedule="confidence", cost_curve=FLAT, max_draft_tokens=3
+    capped = mlx_dspark.generate(  # the cap bounds DSpark blocks; lookup blocks (on by default) are sized by their match
+        pair, prompt, max_tokens=60, verify_schedule="confidence", cost_curve=FLAT, max_draft_tokens=3, lookup="off"
     )
     assert capped.tokens == plain.tokens
     assert max(capped.proposal_lengths) <= 3  # the per-round maximum is respected

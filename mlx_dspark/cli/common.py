@@ -112,14 +112,14 @@ CostCurveFile = Annotated[
 ]
 NoDraft = Annotated[bool, typer.Option("--no-draft", help="Plain target decoding (the baseline).")]
 # `--draft lookup`: no DSpark draft, prompt-lookup drafts alone (any target gets some speedup on text
-# that repeats its context); `--lookup on` adds them beside a DSpark draft
+# that repeats its context); `--lookup on` (the default) adds them beside a DSpark draft
 LOOKUP_DRAFT = "lookup"
 Lookup = Annotated[
     str,
     typer.Option(
         "--lookup",
         help=f"Prompt-lookup drafts: {' | '.join(LOOKUP_MODES)}. on: beside the DSpark draft, the round verifies the "
-        "better block; only: without the draft (as --draft lookup).",
+        "better block (the default); off: DSpark blocks only; only: without the draft (as --draft lookup).",
     ),
 ]
 NoFastForward = Annotated[
