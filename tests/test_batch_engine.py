@@ -150,3 +150,21 @@ def test_draft_caps_follow_the_batch_width():
     knee = cost_curve_cap({1: 10.0, 16: 12.0, 64: 48.0}, {1: 3.0, 8: 4.0}, acceptance=0.8, block_size=7)
     caps = [knee(w) for w in (1, 2, 4, 8)]
     assert caps == sorted(caps, reverse=True) and caps[0] >= 5 and caps[-1] <= 1, caps
+
+
+def test_each_row_takes_its_length_from_its_own_auto_policy(pair):
+    """A row's drafts come from its own draft-length policy within the width's cap: on a curve where
+    every verify row costs a whole step (verify(n) = n x verify(1)) auto parks that row (it shares the
+    forward as a plain row), a fixed row keeps drafting, and both equal their solo runs."""
+    linear = CostCurve(draft_ms=1.0, verify_ms=[10.0 * n for n in range(1, 9)])
+    parked = GenerationOptions(max_tokens=24, speculation=SpeculationOptions(cost_curve=linear))
+    fixed = GenerationOptions(max_tokens=24, speculation=SpeculationOptions(max_draft_tokens=4))
+    requests = [(PROMPTS[1], parked), (PROMPTS[1], fixed)]
+    rows = [BatchRow(pair, prompt, options) for prompt, options in requests]
+    while any(row.emitted < row.options.max_tokens for row in rows):
+        batch_round(pair, rows, draft_cap=row_budget_cap(16))
+    assert rows[0].proposed == 0 and rows[0].length.summary()["parked_rounds"] > 0
+    assert rows[1].proposed > 0
+    for row, (prompt, options) in zip(rows, requests):
+        tokens = [t for r in row.rounds for t in r.tokens][: options.max_tokens]
+        assert tokens == mlx_dspark.generate(pair, prompt, options=options).tokens

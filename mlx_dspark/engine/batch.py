@@ -35,6 +35,7 @@ import numpy as np
 from mlx_dspark.engine.accept import accept_greedy, accept_sampled
 from mlx_dspark.engine.cost_probe import cost_curve_for
 from mlx_dspark.engine.decode import Round, _admitted
+from mlx_dspark.engine.draft_length import DraftLength, make_draft_length
 from mlx_dspark.engine.grammar import GrammarState
 from mlx_dspark.engine.logits_processing import LogitsProcessor
 from mlx_dspark.engine.options import GenerationOptions
@@ -137,8 +138,13 @@ class BatchRow:
                 temperature=max(self.sampler.temperature, 1e-6),
                 context=self.prompt_cache.draft_context,
             )
+        self.length: DraftLength | None = None  # the row's own length policy (auto: its acceptance, the curve)
         if self.proposer is not None:
             self.max_draft = self.speculation.draft_length(self.proposer.block_size)
+            curve = self.speculation.cost_curve
+            if self.speculation.auto_length and curve is None:
+                curve = cost_curve_for(model)  # this machine's single-request curve, measured once and cached
+            self.length = make_draft_length(self.speculation.max_draft_tokens, self.max_draft, curve)
         self.schedule = None  # the cost curve a confidence-scheduled row cuts its proposals with
         if self.proposer is not None and self.speculation.verify_schedule == "confidence":
             require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
@@ -185,10 +191,11 @@ class BatchRow:
             mx.random.seed(int(self._seeds.integers(2**32)))
 
     def _draft_budget(self, cap: int) -> int:
+        """This round's drafts: the row's policy (auto: 0 while parked) within the batch width's cap."""
         if self.proposer is None or self.anchor is None:
             return 0
         left = self.options.max_tokens - self.emitted - 1
-        return max(0, min(self.max_draft, cap, left))
+        return max(0, min(self.length.next_length(position=self.position), cap, left))
 
 
 def _row_proposal(proposal: Proposal, i: int) -> Proposal:
@@ -320,6 +327,7 @@ def _commit(plan: _Plan) -> None:
     row.processor.commit(committed)
     trim_caches(row.prompt_cache.target_cache, num_draft - accepted)  # the row's own rollback
     if row.proposer is not None:
+        row.length.observe(proposed=num_draft, accepted=accepted)
         row.proposer.extend(plan.features[:, : accepted + 1])
         row.proposed += num_draft
         row.accepted += accepted

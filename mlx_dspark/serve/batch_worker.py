@@ -6,7 +6,8 @@ is prefilled in chunks inside the following rounds, so running streams keep flow
 whose client left (their caches stay valid and go back to the pool), and hands each job the
 StepResponses of its rounds (`api.stream_rounds`: the stop rules of a single request). Every request
 keeps its own sampling settings, seed, penalties, logit_bias, logprobs, constraint (JSON schema, forced
-tool call), verify schedule and prompt cache. The draft length of a round is `draft_cap(width)`, given from outside (default: `row_budget_cap`).
+tool call), verify schedule and prompt cache. A row's draft length is its own policy's (`auto`: parked
+while drafting does not pay) within `draft_cap(width)`, given from outside (default: `row_budget_cap`).
 """
 
 from __future__ import annotations
