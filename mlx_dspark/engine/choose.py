@@ -129,6 +129,15 @@ class Chooser:
         if self.draft is not None and features is not None:
             self.draft.extend(features)
 
+    def extend_later(self, features: mx.array | None) -> None:
+        """A round with the draft parked: its context appends wait and go in together (propose.py)."""
+        if self.draft is not None and features is not None:
+            getattr(self.draft, "extend_later", self.draft.extend)(features)
+
+    def flush(self) -> None:
+        if self.draft is not None:
+            getattr(self.draft, "flush", lambda: None)()
+
     def commit(self, tokens: Sequence[int]) -> None:
         """The committed tokens of a round (accepted drafts, then the bonus): index them, learn the rates."""
         if self.index is not None:
