@@ -88,6 +88,12 @@ def encode_prompt(
     raise ValueError("prompt must be a string, a list of token ids, or a list of chat messages")
 
 
+def is_template_error(err: BaseException) -> bool:
+    """Whether rendering failed in the chat template itself (jinja's errors, its `raise_exception`, a
+    ValueError of the tokenizer's): the request's fault, not ours."""
+    return isinstance(err, ValueError) or type(err).__module__.startswith("jinja2")
+
+
 def fold_system_messages(messages: Any) -> list[dict] | None:
     """Chat messages with every system message joined into one leading system message (None: nothing to fold)."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mlx_dspark.chat_format.prompt import is_template_error
 from mlx_dspark.chat_format.tools import ToolChoice
 
 from mlx_dspark.engine.context import ContextLengthError, context_length, fit_max_tokens
@@ -58,7 +59,7 @@ def admit(worker: Any, request: GenerationRequest) -> list[int]:
     except Exception as err:  # noqa: BLE001  (the template's own errors: jinja's, ValueErrors)
         if isinstance(err, ValueError) and getattr(err, "field", None):  # a tool / reasoning field
             raise APIError(400, str(err), param=err.field, code="invalid_value") from None
-        if isinstance(err, ValueError) or type(err).__module__.startswith("jinja2"):
+        if is_template_error(err):
             raise APIError(400, str(err), code="invalid_prompt") from None
         raise
     return ids

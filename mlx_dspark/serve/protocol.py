@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_dspark.api import ResultCollector, length_histogram
-from mlx_dspark.chat_format.prompt import encode_prompt, fold_system_messages
+from mlx_dspark.chat_format.prompt import encode_prompt, fold_system_messages, is_template_error
 from mlx_dspark.chat_format.reasoning import REASONING_EFFORTS, has_thinking_switch, reasoning_switch
 from mlx_dspark.chat_format.turn import ToolSetup
 from mlx_dspark.engine.options import GenerationOptions, OptionError
@@ -101,8 +101,8 @@ class GenerationRequest:
                                    tools=self.tools.offered)
         try:
             return encode(self.prompt)
-        except Exception:  # noqa: BLE001  (a template's own error: retried once without mid-conversation system turns)
-            folded = fold_system_messages(self.prompt)
+        except Exception as err:  # noqa: BLE001  (only a template's own error is retried, without mid-conversation system turns)
+            folded = fold_system_messages(self.prompt) if is_template_error(err) else None
             if folded is None:
                 raise
             self.warnings.append("the chat template refuses system messages after the first turn: they were joined "

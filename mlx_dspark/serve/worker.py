@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from mlx_dspark.api import ContextLengthError, GenerationCancelled, StepResponse, stream_generate
+from mlx_dspark.chat_format.prompt import is_template_error
 from mlx_dspark.chat_format.turn import OutputCollector
 from mlx_dspark.models.finite import NonFiniteError
 from mlx_dspark.serve.cache_pool import PromptCacheBudget, PromptCachePool
@@ -104,7 +105,7 @@ def fail_job(job: Job, err: Exception) -> bool:
         job.events.put(APIError(400, str(err), param=request.constraint_field, code="invalid_value"))
     elif isinstance(err, ValueError) and getattr(err, "field", None):  # a tool / reasoning field
         job.events.put(APIError(400, str(err), param=err.field, code="invalid_value"))
-    elif isinstance(err, ValueError) or type(err).__module__.startswith("jinja2"):
+    elif is_template_error(err):
         job.events.put(APIError(400, str(err), code="invalid_prompt"))
     else:
         log.exception("generation failed", exc_info=err)
