@@ -35,7 +35,8 @@ from mlx_dspark.bench.controlled import AcceptanceSchedule, greedy_reference  # 
 from mlx_dspark.bench.stats import loadavg, median  # noqa: E402
 from mlx_dspark.engine.decode import plain_steps, speculative_steps  # noqa: E402
 from mlx_dspark.engine.sample import Sampler  # noqa: E402
-from mlx_dspark.engine.batch import BatchRow, batch_round, cost_curve_cap  # noqa: E402
+from mlx_dspark.engine.batch import BatchRow, batch_round  # noqa: E402
+from mlx_dspark.engine.batch_length import cost_curve_cap  # noqa: E402
 from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions  # noqa: E402
 from mlx_dspark.engine.prompt_cache import PromptCache  # noqa: E402
 from mlx_dspark.engine.propose import DraftProposer, Proposal  # noqa: E402

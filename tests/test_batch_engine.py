@@ -13,7 +13,8 @@ import pytest
 
 import mlx_dspark
 from mlx_dspark.api import stream_rounds
-from mlx_dspark.engine.batch import BatchRow, batch_round, cost_curve_cap, row_budget_cap
+from mlx_dspark.engine.batch import BatchRow, batch_round
+from mlx_dspark.engine.batch_length import PROBE_EVERY, PROBE_LENGTH, BatchCost, cost_curve_cap, row_budget_cap
 from mlx_dspark.engine.constraints import Constraint
 from mlx_dspark.engine.options import GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.engine.schedule import CostCurve
@@ -168,3 +169,33 @@ def test_each_row_takes_its_length_from_its_own_auto_policy(pair):
     for row, (prompt, options) in zip(rows, requests):
         tokens = [t for r in row.rounds for t in r.tokens][: options.max_tokens]
         assert tokens == mlx_dspark.generate(pair, prompt, options=options).tokens
+
+
+def test_auto_rows_take_their_lengths_from_the_batch_plan(pair):
+    """With the machine's packed costs given, the auto rows' lengths are the batch's plan: rows that cost
+    nothing draft every round, rows that cost a whole step each park (probing now and
+    then); a fixed row keeps its own length; every row equals its solo run."""
+    block = pair.draft.num_drafts
+    free = BatchCost(rows_ms={1: 10.0, 8: 10.0, 128: 10.0}, sequences_ms={2: 10.0, 4: 10.0}, draft_ms={1: 0.0, 4: 0.0})
+    linear = BatchCost(rows_ms={1: 10.0, 128: 1280.0}, sequences_ms={2: 20.0, 4: 40.0}, draft_ms={1: 1.0, 4: 1.0})
+    requests = [(PROMPTS[1], GenerationOptions(max_tokens=22)), (PROMPTS[0], GenerationOptions(max_tokens=18)),
+                (PROMPTS[2], GenerationOptions(max_tokens=12, speculation=SpeculationOptions(max_draft_tokens=3)))]  # fmt: skip
+    for cost in (free, linear):
+        rows = [BatchRow(pair, prompt, options) for prompt, options in requests]
+        while any(row.emitted < row.options.max_tokens for row in rows):
+            batch_round(pair, [r for r in rows if r.emitted < r.options.max_tokens], cost=cost)
+        for row, (prompt, options) in zip(rows, requests):
+            rounds = list(row.rounds)
+            tokens = [t for r in rounds for t in r.tokens][: options.max_tokens]
+            assert tokens == mlx_dspark.generate(pair, prompt, options=options).tokens
+            lengths = [r.proposed for r in rounds[1:]]  # after the prompt's round
+            if row.planned and cost is free:
+                # (drafts whose expected gain is below float precision, a^k < 1e-16, are not added)
+                assert max(lengths) == block and min(lengths[:-2]) >= 1, lengths
+            elif row.planned:
+                drafted = [n for n in lengths if n]
+                assert row.probes.counts["parked_rounds"] > 0 and len(drafted) <= len(lengths) // PROBE_EVERY + 1, lengths
+                assert drafted and max(drafted) <= PROBE_LENGTH, lengths  # probes only (shorter: max_tokens)
+            else:
+                emitted = [sum(len(r.tokens) for r in rounds[: k + 1]) for k in range(len(rounds) - 1)]
+                assert lengths == [min(3, options.max_tokens - e - 1) for e in emitted]  # its own fixed length

@@ -3,10 +3,12 @@
 A `BatchRow` is one request: its own prompt cache (target caches and draft context), sampler, logits
 processor, proposer state and RNG. `batch_round(model, rows, ...)` runs, for all rows at once:
 1. **Propose**: the rows that draft get one packed draft block forward (`models/packed.py`); the heads
-   run per row for sampled drafting (each row's own seed) and together for greedy drafting. The draft
-   length of the round is `draft_cap(width)`, a function of the batch width given by the caller (a
-   fixed cap, a cost curve's choice, or a controller's), cut per row by its `max_draft_tokens`, its
-   `max_tokens` and its p_min / confidence threshold / confidence-schedule cuts (one host read each).
+   run per row for sampled drafting (each row's own seed) and together for greedy drafting. Each row's
+   draft length: with this machine's packed costs (`cost`, engine/batch_length.py), the `auto` rows'
+   lengths are planned together for the most tokens per millisecond of the whole round (a row may be
+   parked: a plain row in the forward); fixed-length and seeded sampled rows take their own policy's;
+   all within the caller's `draft_cap(width)` when given, and cut per row by its `max_tokens` and its
+   p_min / confidence threshold / confidence-schedule cuts (one host read each).
 2. **Verify**: one packed target forward over every row's segment: `[anchor, x1..xl]` for a drafting
    row, `[anchor]` for a plain or parked one, and the next chunk (at most `prefill_chunk` tokens) of a
    newcomer's prompt, so running streams keep flowing while it prefills.
@@ -33,9 +35,10 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dspark.engine.accept import accept_greedy, accept_sampled
+from mlx_dspark.engine.batch_length import BatchCost, Probes, RowDemand, plan_lengths
 from mlx_dspark.engine.cost_probe import cost_curve_for
 from mlx_dspark.engine.decode import Round, _admitted
-from mlx_dspark.engine.draft_length import DraftLength, make_draft_length
+from mlx_dspark.engine.draft_length import AutoLength, DraftLength, make_draft_length
 from mlx_dspark.engine.grammar import GrammarState
 from mlx_dspark.engine.logits_processing import LogitsProcessor
 from mlx_dspark.engine.options import GenerationOptions
@@ -48,51 +51,6 @@ from mlx_dspark.models.finite import check_finite_logits
 from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward
 
 PREFILL_CHUNK = 128  # prompt tokens a newcomer adds to one round
-
-
-def row_budget_cap(rows: int = 16, *, block_size: int = 7) -> Callable[[int], int]:
-    """A fixed draft cap per batch width: keep the packed verify within about `rows` rows
-    (`width * (l + 1) <= rows`), and at least 1 draft token per row, at most `block_size`."""
-
-    def cap(width: int) -> int:
-        return max(1, min(block_size, rows // max(width, 1) - 1))
-
-    return cap
-
-
-def _interpolate(points: dict[int, float], x: int) -> float:
-    """Piecewise-linear through measured (rows -> ms) points, extended linearly past the last two."""
-    xs = sorted(points)
-    if x in points:
-        return points[x]
-    if len(xs) == 1:
-        return points[xs[0]] * x / xs[0]
-    lo = max([k for k in xs if k < x], default=xs[0])
-    hi = min([k for k in xs if k > x], default=xs[-1])
-    if lo == hi:  # outside the measured range: the nearest segment's slope
-        lo, hi = (xs[0], xs[1]) if x < xs[0] else (xs[-2], xs[-1])
-    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
-
-
-def cost_curve_cap(
-    forward_ms: dict[int, float], draft_ms: dict[int, float], *, acceptance: float, block_size: int
-) -> Callable[[int], int]:
-    """The draft length per batch width from measured costs: for `width` rows, the l in 0..block_size
-    that maximises `width * E(l) / (t_draft(width) + t_forward(width * (l + 1)))`, with
-    `E(l) = 1 + a + .. + a^l` for a per-token acceptance `a` (l = 0: plain rows, no draft forward).
-    `forward_ms[n]`: a packed target forward of n rows; `draft_ms[w]`: a packed draft block of w rows."""
-    if not 0.0 <= acceptance < 1.0:
-        raise ValueError(f"acceptance (per draft token) must be in [0, 1), got {acceptance}")
-
-    def cap(width: int) -> int:
-        def rate(length: int) -> float:
-            expected = sum(acceptance**k for k in range(length + 1))
-            cost = _interpolate(forward_ms, width * (length + 1)) + (_interpolate(draft_ms, width) if length else 0.0)
-            return width * expected / cost
-
-        return max(range(block_size + 1), key=rate)
-
-    return cap
 
 
 class BatchRow:
@@ -145,6 +103,11 @@ class BatchRow:
             if self.speculation.auto_length and curve is None:
                 curve = cost_curve_for(model)  # this machine's single-request curve, measured once and cached
             self.length = make_draft_length(self.speculation.max_draft_tokens, self.max_draft, curve)
+        # The batch plans this row's lengths with the others' (batch_length.plan_lengths) when its policy
+        # is auto, unless it is a seeded sampled row: its draws then follow its own lengths alone, so its
+        # reply does not depend on what else the batch runs.
+        self.planned = isinstance(self.length, AutoLength) and (self.sampler.greedy or self.sampler.seed is None)
+        self.probes = Probes()
         self.schedule = None  # the cost curve a confidence-scheduled row cuts its proposals with
         if self.proposer is not None and self.speculation.verify_schedule == "confidence":
             require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
@@ -194,8 +157,26 @@ class BatchRow:
         """This round's drafts: the row's policy (auto: 0 while parked) within the batch width's cap."""
         if self.proposer is None or self.anchor is None:
             return 0
-        left = self.options.max_tokens - self.emitted - 1
-        return max(0, min(self.length.next_length(position=self.position), cap, left))
+        return max(0, min(self.length.next_length(position=self.position), cap, self._room(cap)))
+
+    def _room(self, cap: int) -> int:
+        return max(0, min(cap, self.options.max_tokens - self.emitted - 1))
+
+    def _prefill_end(self, prefill_chunk: int) -> int:
+        return min(self.prefilled + prefill_chunk, next(s for s in self._stops if s > self.prefilled))
+
+    def _demand(self, cap: int, prefill_chunk: int) -> RowDemand:
+        """What this row brings to the round's plan (batch_length.RowDemand)."""
+        if self.prefilling:
+            end = self._prefill_end(prefill_chunk)
+            return RowDemand(rows=end - self.prefilled, tokens=end == len(self.prompt))
+        if self.proposer is None:
+            return RowDemand()
+        if not self.planned:  # its own policy's length, as the plan's floor
+            length = self._draft_budget(cap)
+            return RowDemand(floor=length, acceptance=getattr(self.length, "acceptance", [self.acceptance or 0.6] * length))
+        room = self._room(cap)
+        return RowDemand(floor=min(self.probes.floor(), room), acceptance=self.length.acceptance, cap=room)
 
 
 def _row_proposal(proposal: Proposal, i: int) -> Proposal:
@@ -256,7 +237,7 @@ class _Plan:
 
 def _plan(row: BatchRow, proposal: Proposal | None, budget: int, prefill_chunk: int) -> _Plan:
     if row.prefilling:
-        end = min(row.prefilled + prefill_chunk, next(s for s in row._stops if s > row.prefilled))
+        end = row._prefill_end(prefill_chunk)
         return _Plan(row, mx.array(row.prompt[row.prefilled : end], dtype=mx.int32), end=end)
     row.prompt_cache.claim(row.lease)
     speculation = row.speculation
@@ -340,14 +321,34 @@ def _commit(plan: _Plan) -> None:
     ))  # fmt: skip
 
 
+def draft_budgets(rows: Sequence[BatchRow], cap: int, cost: BatchCost | None, prefill_chunk: int) -> list[int]:
+    """Each row's drafts this round: with `cost`, one plan for the batch (batch_length.plan_lengths) over
+    the auto rows, the others at their own policy's length; without, every row at its own policy's."""
+    if cost is None:
+        return [r._draft_budget(cap) for r in rows]
+    demands = [r._demand(cap, prefill_chunk) for r in rows]
+    lengths = plan_lengths(cost, demands)
+    for row, demand, length in zip(rows, demands, lengths):
+        if row.planned and not row.prefilling:
+            row.probes.record(length, probe=bool(demand.floor) and length == demand.floor)
+    return lengths
+
+
 def batch_round(
-    model: Any, rows: Sequence[BatchRow], *, draft_cap: Callable[[int], int] | int, prefill_chunk: int = PREFILL_CHUNK
+    model: Any,
+    rows: Sequence[BatchRow],
+    *,
+    draft_cap: Callable[[int], int] | int | None = None,
+    cost: BatchCost | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> None:
-    """Advance every row by one target forward (see the module docstring); each row gets at most one Round."""
+    """Advance every row by one target forward (see the module docstring); each row gets at most one Round.
+    `cost`: this machine's packed costs (batch_length.batch_cost_for): auto rows' lengths are planned
+    together; `draft_cap(width)`: a cap on every row's drafts at a batch width (None: the rows' own caps)."""
     if not rows:
         return
-    cap = draft_cap(len(rows)) if callable(draft_cap) else int(draft_cap)
-    budgets = [r._draft_budget(cap) for r in rows]
+    cap = 1 << 30 if draft_cap is None else draft_cap(len(rows)) if callable(draft_cap) else int(draft_cap)
+    budgets = draft_budgets(rows, cap, cost, prefill_chunk)
     drafting = [i for i, n in enumerate(budgets) if n > 0]
     proposals: dict[int, Proposal] = {}
     if drafting:

@@ -6,8 +6,10 @@ is prefilled in chunks inside the following rounds, so running streams keep flow
 whose client left (their caches stay valid and go back to the pool), and hands each job the
 StepResponses of its rounds (`api.stream_rounds`: the stop rules of a single request). Every request
 keeps its own sampling settings, seed, penalties, logit_bias, logprobs, constraint (JSON schema, forced
-tool call), verify schedule and prompt cache. A row's draft length is its own policy's (`auto`: parked
-while drafting does not pay) within `draft_cap(width)`, given from outside (default: `row_budget_cap`).
+tool call), verify schedule and prompt cache. Draft lengths follow the batch: at load the worker reads
+(or measures once, then caches) this machine's packed-forward costs up to `max_batch` sequences
+(engine/batch_length.batch_cost_for), and every round plans the `auto` rows' lengths together over them;
+`draft_cap(width)`, when given, caps every row's drafts at a width.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any, Callable, Iterator
 
 from mlx_dspark.api import StepResponse, context_length, fit_max_tokens, stream_rounds
 from mlx_dspark.chat_format.turn import OutputCollector
-from mlx_dspark.engine.batch import PREFILL_CHUNK, BatchRow, batch_round, row_budget_cap
+from mlx_dspark.engine.batch import PREFILL_CHUNK, BatchRow, batch_round
+from mlx_dspark.engine.batch_length import BatchCost, batch_cost_for
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.steps import compile_request
 from mlx_dspark.serve.cache_pool import PromptCacheBudget
@@ -63,7 +66,8 @@ class BatchWorker(ModelWorker):
             raise ValueError(f"the batch prefill chunk must be an integer >= 1, got {prefill_chunk!r}")
         super().__init__(loader, history=history, prompt_cache=prompt_cache)
         self.max_batch = max_batch
-        self.draft_cap = draft_cap or row_budget_cap()
+        self.draft_cap = draft_cap
+        self.cost: BatchCost | None = None  # this machine's packed costs, read or measured at load
         self.prefill_chunk = prefill_chunk
         self.active: list[_Active] = []
         self.rounds = 0
@@ -107,6 +111,18 @@ class BatchWorker(ModelWorker):
             self.load_error = f"--max-batch {self.max_batch}: {problem}; serve it with --max-batch 1"
             log.error("%s", self.load_error)
             self.model, self.state = None, FAILED
+            return
+        if self.model is not None and self.model.draft is not None and self.max_batch > 1:
+            started = time.monotonic()
+            try:
+                self.cost = batch_cost_for(self.model, self.max_batch)
+            except (OSError, ValueError) as err:  # an unwritable or damaged cost cache: rows plan alone
+                log.warning("no packed-forward costs (%s): each request keeps its own draft length", err)
+                return
+            log.info("packed-forward costs up to %d requests (%s, %.1f s): verify %s ms, draft %s ms", self.max_batch,
+                     self.cost.source, time.monotonic() - started,
+                     {w: round(v[0], 1) for w, v in self.cost.verify_ms.items()},
+                     {w: round(ms, 1) for w, ms in self.cost.draft_ms.items()})  # fmt: skip
 
     def abort(self, message: str) -> None:
         super().abort(message)
@@ -172,7 +188,8 @@ class BatchWorker(ModelWorker):
         if not self.active:
             return
         try:
-            batch_round(self.model, [a.row for a in self.active], draft_cap=self.draft_cap, prefill_chunk=self.prefill_chunk)
+            batch_round(self.model, [a.row for a in self.active], draft_cap=self.draft_cap, cost=self.cost,
+                        prefill_chunk=self.prefill_chunk)  # fmt: skip
         # A failure inside the shared forward cannot be pinned on one request: all of them get the 500.
         except Exception as err:  # noqa: BLE001
             for active in list(self.active):
