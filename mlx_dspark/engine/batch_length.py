@@ -159,7 +159,7 @@ def measure_batch_cost(
     context = max(1, min(context, limit - ROW_POINTS[-1] - 2))
     caches, proposers = [], []
     for _ in range(max_batch):
-        cache = target.make_cache()
+        cache = target.make_cache(max_rollback=ROW_POINTS[-1])  # sliding layers roll back the widest forward
         proposer = DraftProposer(draft, target, greedy=True, temperature=1.0)
         logits = prefill(target, cache, [rng.randrange(vocab) for _ in range(context)], tap_ids=proposer.tap_ids, proposer=proposer)
         mx.eval(logits)
