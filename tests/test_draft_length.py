@@ -278,3 +278,23 @@ def test_the_first_use_curve_has_two_depths_and_a_target_alone_gets_one_too(tiny
     assert (curve.context, curve.deep.context, curve.max_width, curve.deep.max_width) == (24, 48, 8, 8)
     alone = measure_cost_curve(pair.target, None, context=24, deep_context=None, repeats=1)  # lookup proposers
     assert alone.draft_ms == 0.0 and alone.max_width == 8 and alone.deep is None
+
+
+def test_calibrate_shows_the_packed_costs_and_the_batch_plan(tiny_spark_pair, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from mlx_dspark.cli.calibrate import app
+    from mlx_dspark.engine import cost_probe
+
+    monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(tmp_path))
+    target, draft = tiny_spark_pair
+    args = ["--model", str(target), "--draft", str(draft), "--dtype", "float32", "--max-batch", "3"]
+    data = json.loads(CliRunner().invoke(app, [*args, "--json"]).output)
+    batch = data["batch"]
+    assert Path(batch["cache_file"]).is_file() and batch["source"] == "flat (tests)"  # the conftest's synthetic costs
+    # forwards that cost the same whatever their rows, free drafts: every request drafts its whole block
+    assert batch["plans"]["0.5"] == {"1": [7], "2": [7, 7], "3": [7, 7, 7]}
+    text = CliRunner().invoke(app, args).output
+    assert "3 at once: 7 7 7" in text and "w requests of one row each" in text
+    bad = CliRunner().invoke(app, ["--model", str(target), "--draft", str(draft), "--max-batch", "0"])
+    assert bad.exit_code == 2 and "--max-batch must be >= 1" in bad.output

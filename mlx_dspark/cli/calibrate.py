@@ -1,6 +1,8 @@
-"""`python -m mlx_dspark.calibrate [--model T --draft D] [--measure] [--careful] [--json]`: the loaded pair's
-cost curve on this machine (read from its cache, else measured and cached, as a generation's first use
-does), the break-even acceptance of each draft length, and the length `--max-draft-tokens auto` starts with."""
+"""`python -m mlx_dspark.calibrate [--model T --draft D] [--measure] [--careful] [--max-batch N] [--json]`: the
+loaded pair's cost curve on this machine (read from its cache, else measured and cached, as a generation's
+first use does), the break-even acceptance of each draft length, and the length `--max-draft-tokens auto`
+starts with; with `--max-batch N`, the packed-forward costs a server with `--max-batch N` plans with, and
+the drafts per request its plan gives at each batch width."""
 
 from __future__ import annotations
 
@@ -36,6 +38,29 @@ def report(pair, curve, path) -> dict:
             "source": curve.source, "depths": rows}  # fmt: skip
 
 
+PLAN_ACCEPTANCES = (0.5, 0.7, 0.9)  # per-position acceptances the batch table shows
+
+
+def batch_report(cost, block: int) -> dict:
+    """The packed costs and, per width and acceptance, the drafts per request the server's plan takes."""
+    from mlx_dspark.engine.batch_length import RowDemand, measured_widths, plan_lengths
+
+    widths = sorted({*measured_widths(cost.max_width), cost.max_width})
+    plans = {str(q): {str(w): plan_lengths(cost, [RowDemand(acceptance=[q] * block, cap=block)] * w) for w in widths}
+             for q in PLAN_ACCEPTANCES}  # fmt: skip
+    return {**cost.to_json(), "plans": plans}
+
+
+def format_batch(data: dict) -> list[str]:
+    table = lambda d: " ".join(f"{k}: {v:.2f}" for k, v in d.items())  # noqa: E731
+    lines = [f"packed forwards, {data['source']} at context {data['context']} (ms): one request's forward of n rows {table(data['rows_ms'])}",
+             f"  w requests of one row each: {table(data['sequences_ms'])}; draft block of w requests: {table(data['draft_ms'])}"]  # fmt: skip
+    for q, by_width in data["plans"].items():
+        plans = " | ".join(f"{w} at once: {' '.join(map(str, lengths))}" for w, lengths in by_width.items())
+        lines.append(f"  drafts per request planned at acceptance {q} per position: {plans}")
+    return lines
+
+
 def format_report(data: dict) -> str:
     m = data["machine"]
     lines = [
@@ -52,6 +77,8 @@ def format_report(data: dict) -> str:
             f"  --max-draft-tokens auto starts at {row['auto_start_length']} drafts per round"
             + (" (parked: plain decoding until acceptance shows drafting pays)" if row["auto_start_length"] == 0 else ""),
         ]
+    if data.get("batch") is not None:
+        lines += format_batch(data["batch"])
     return "\n".join(lines)
 
 
@@ -63,6 +90,8 @@ def cli(
     quantize: flags.Quantize = None,
     measure: bool = typer.Option(False, "--measure", help="Measure again even when a cached curve exists (and replace it)."),
     careful: bool = typer.Option(False, "--careful", help="With --measure: 10 interleaved repeats at contexts 512 and 4096 instead of the quick 3 at 256 and 1024."),
+    max_batch: int = typer.Option(1, "--max-batch", help="Also the packed-forward costs of up to this many requests "
+                                  "at once (what `server --max-batch N` plans draft lengths with), and the plan per width."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     from mlx_dspark.engine.cost_probe import cost_curve_for, cost_curve_path, measure_cost_curve
@@ -82,7 +111,24 @@ def cli(
         options = dict(context=512, deep_context=4096, repeats=10) if careful else {}
         curve = cost_curve_for(pair, measure=lambda target, d: measure_cost_curve(target, d, **options))
         data = report(pair, curve, path)
+        if max_batch < 1:
+            raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
+        if max_batch > 1:
+            data["batch"] = _batch(pair, max_batch, remeasure=measure)
     typer.echo(json.dumps(data, indent=2) if as_json else format_report(data))
+
+
+def _batch(pair, max_batch: int, *, remeasure: bool) -> dict:
+    from mlx_dspark.engine.batch_length import batch_cost_for, batch_cost_path
+    from mlx_dspark.models.packed import packing_problem
+
+    problem = packing_problem(pair)
+    if problem is not None:
+        raise ValueError(f"--max-batch {max_batch}: {problem}; the server serves this pair one request at a time")
+    path = batch_cost_path(pair, max_batch)
+    if remeasure and path.is_file():
+        path.unlink()
+    return {**batch_report(batch_cost_for(pair, max_batch), int(pair.draft.num_drafts)), "cache_file": str(path)}
 
 
 def main() -> None:
