@@ -176,3 +176,20 @@ def test_the_command_line_rejects_batch_flags_below_one():
     assert result.exit_code == 2 and "--max-batch must be >= 1, got 0" in result.output
     result = CliRunner().invoke(app, ["--port", "0", "--max-batch", "2", "--batch-prefill-chunk", "0"])
     assert result.exit_code == 2 and "--batch-prefill-chunk must be >= 1, got 0" in result.output
+
+
+def test_the_batch_plans_over_this_machine_s_costs_and_serves_without_them(tiny_spark_pair, monkeypatch, tmp_path):
+    from mlx_dspark.engine import batch_length, cost_probe
+
+    with running_server(pair_loader(tiny_spark_pair), defaults=GenerationOptions(max_tokens=6), max_batch=2) as srv:
+        assert srv.worker.cost is not None and srv.worker.cost.source == "flat (tests)"  # measured at load (conftest's)
+        planned = completion(srv, "Once upon")["choices"][0]["text"]
+
+    def broken(target, draft, *, max_batch):
+        raise RuntimeError("the probe failed")
+
+    monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(tmp_path))  # nothing cached: it must measure, and fails
+    monkeypatch.setattr(batch_length, "measure_batch_cost", broken)
+    with running_server(pair_loader(tiny_spark_pair), defaults=GenerationOptions(max_tokens=6), max_batch=2) as srv:
+        assert srv.worker.cost is None  # each request keeps its own draft length policy
+        assert completion(srv, "Once upon")["choices"][0]["text"] == planned

@@ -31,7 +31,7 @@ from mlx_dspark.engine.steps import compile_request
 from mlx_dspark.serve.cache_pool import PromptCacheBudget
 from mlx_dspark.serve.protocol import APIError
 from mlx_dspark.models.packed import packing_problem
-from mlx_dspark.serve.worker import _IDLE_POLL_S, FAILED, Job, ModelWorker, fail_job
+from mlx_dspark.serve.worker import _IDLE_POLL_S, Job, ModelWorker, fail_job
 
 log = logging.getLogger("mlx_dspark.server")
 
@@ -103,26 +103,26 @@ class BatchWorker(ModelWorker):
             ],
         }
 
-    def load(self) -> None:
-        """Load as the one-at-a-time worker does, then refuse a pair the packed forwards cannot run."""
-        super().load()
-        problem = None if self.model is None else packing_problem(self.model)
+    def prepare(self) -> str | None:
+        """Refuse a pair the packed forwards cannot run; read (or measure once) this machine's packed costs."""
+        problem = packing_problem(self.model)
         if problem is not None:
-            self.load_error = f"--max-batch {self.max_batch}: {problem}; serve it with --max-batch 1"
-            log.error("%s", self.load_error)
-            self.model, self.state = None, FAILED
-            return
-        if self.model is not None and self.model.draft is not None and self.max_batch > 1:
-            started = time.monotonic()
-            try:
-                self.cost = batch_cost_for(self.model, self.max_batch)
-            except (OSError, ValueError) as err:  # an unwritable or damaged cost cache: rows plan alone
-                log.warning("no packed-forward costs (%s): each request keeps its own draft length", err)
-                return
-            log.info("packed-forward costs up to %d requests (%s, %.1f s): verify %s ms, draft %s ms", self.max_batch,
-                     self.cost.source, time.monotonic() - started,
-                     {w: round(v[0], 1) for w, v in self.cost.verify_ms.items()},
-                     {w: round(ms, 1) for w, ms in self.cost.draft_ms.items()})  # fmt: skip
+            return f"--max-batch {self.max_batch}: {problem}; serve it with --max-batch 1"
+        if self.model.draft is None:
+            return None
+        started = time.monotonic()
+        try:
+            self.cost = batch_cost_for(self.model, self.max_batch)
+        # Serving goes on without the plan whatever went wrong (an unwritable or damaged cost cache, a
+        # failed measurement): each request then keeps its own draft length policy.
+        except Exception as err:  # noqa: BLE001
+            log.warning("no packed-forward costs (%s: %s): each request keeps its own draft length", type(err).__name__, err)
+            return None
+        table = lambda d: {k: round(v, 1) for k, v in d.items()}  # noqa: E731
+        log.info("packed-forward costs up to %d requests (%s, %.1f s): one request's forward of n rows %s ms, "
+                 "w requests %s ms, draft block %s ms", self.max_batch, self.cost.source, time.monotonic() - started,
+                 table(self.cost.rows_ms), table(self.cost.sequences_ms), table(self.cost.draft_ms))  # fmt: skip
+        return None
 
     def abort(self, message: str) -> None:
         super().abort(message)

@@ -191,10 +191,20 @@ class ModelWorker:
             self.state = FAILED
             self.loaded.set()
             return
+        problem = self.prepare()
+        if problem is not None:
+            log.error("%s", problem)
+            self.load_error, self.model, self.state = problem, None, FAILED
+            self.loaded.set()
+            return
         self.prompt_caches = PromptCachePool(self.model, self._cache_budget)
         self.state = READY
         self.loaded.set()
         log.info("model loaded in %.1f s", time.perf_counter() - start)
+
+    def prepare(self) -> str | None:
+        """After loading, before the worker reports ready: why it cannot serve this model (None: it can)."""
+        return None
 
     def serve_jobs(self) -> None:
         """Run submitted jobs in order on this thread until `stop()`."""
