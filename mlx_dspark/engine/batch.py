@@ -7,6 +7,10 @@ processor, proposer state and RNG. `batch_round(model, rows, ...)` runs, for all
    length of the round is `draft_cap(width)`, a function of the batch width given by the caller (a
    fixed cap, a cost curve's choice, or a controller's), cut per row by its `max_draft_tokens`, its
    `max_tokens` and its p_min / confidence threshold / confidence-schedule cuts (one host read each).
+   A row with lookup on or a grammar's forced runs to verify proposes as a single request does, through
+   its own `choose.Chooser`: `Chooser.plan` picks a lookup / forced block (no draft forward; up to 32
+   tokens, within the row's room) or the DSpark block of the row's draft length, which then comes from
+   the same packed draft forward and `Chooser.finish` completes (forced run in front, lookup tail).
 2. **Verify**: one packed target forward over every row's segment: `[anchor, x1..xl]` for a drafting
    row, `[anchor]` for a plain or parked one, and the next chunk (at most `prefill_chunk` tokens) of a
    newcomer's prompt, so running streams keep flowing while it prefills.
@@ -24,6 +28,7 @@ depend on the other rows; it reproduces at the same draft lengths, not the draws
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -33,17 +38,19 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dspark.engine.accept import accept_greedy, accept_sampled
+from mlx_dspark.engine.choose import Chooser, Plan
 from mlx_dspark.engine.cost_probe import cost_curve_for
 from mlx_dspark.engine.decode import Round, _admitted
 from mlx_dspark.engine.draft_length import DraftLength, make_draft_length
 from mlx_dspark.engine.grammar import GrammarState
 from mlx_dspark.engine.logits_processing import LogitsProcessor
+from mlx_dspark.engine.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import DraftProposer, Proposal
 from mlx_dspark.engine.schedule import require_confidence_head
-from mlx_dspark.engine.steps import make_processor
-from mlx_dspark.models.cache import trim_caches
+from mlx_dspark.engine.steps import _chosen, make_processor
+from mlx_dspark.models.cache import rollback_limit, trim_caches
 from mlx_dspark.models.finite import check_finite_logits
 from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward
 
@@ -125,12 +132,15 @@ class BatchRow:
         self.speculation = options.speculation
         self.cancel = cancel
         self.processor = make_processor(model, self.prompt, options, grammar) or LogitsProcessor.passthrough()
-        self.prompt_cache = prompt_cache or PromptCache(model.target, model.draft, max_snapshots=0)
-        self.proposer: DraftProposer | None = proposer
+        lookup = self.speculation.lookup if self.speculation.speculative else "off"
+        # as make_steps: caches that roll back a whole lookup block when the row makes its own
+        rollback = LOOKUP_MAX_TOKENS if lookup != "off" else None
+        self.prompt_cache = prompt_cache or PromptCache(model.target, model.draft, max_snapshots=0, max_rollback=rollback)
+        self.proposer: DraftProposer | None = None if lookup == "only" else proposer
         self.max_draft = 0
         if proposer is not None and proposer.context is not self.prompt_cache.draft_context:
             raise ValueError("the proposer must draft over the row's prompt cache: DraftProposer(..., context=prompt_cache.draft_context)")
-        if proposer is None and self.speculation.speculative and model.draft is not None:
+        if proposer is None and self.speculation.speculative and model.draft is not None and lookup != "only":
             self.proposer = DraftProposer(
                 model.draft,
                 model.target,
@@ -145,6 +155,12 @@ class BatchRow:
             if self.speculation.auto_length and curve is None:
                 curve = cost_curve_for(model)  # this machine's single-request curve, measured once and cached
             self.length = make_draft_length(self.speculation.max_draft_tokens, self.max_draft, curve)
+        # lookup blocks and forced runs as a single request proposes them (steps._chosen, choose.py): the
+        # Chooser decides per round, its DSpark blocks come from the batch's packed draft forward
+        self.chooser: Chooser | None = None
+        if self.speculation.speculative:
+            chosen = _chosen(self.proposer, self.prompt, self._with_curve(model), grammar)
+            self.chooser = chosen if isinstance(chosen, Chooser) else None
         self.schedule = None  # the cost curve a confidence-scheduled row cuts its proposals with
         if self.proposer is not None and self.speculation.verify_schedule == "confidence":
             require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
@@ -190,6 +206,19 @@ class BatchRow:
         if self._seeds is not None:
             mx.random.seed(int(self._seeds.integers(2**32)))
 
+    def _with_curve(self, model: Any) -> Any:
+        """The row's speculation options with the cost curve make_steps would give its Chooser."""
+        speculation = self.speculation
+        wants = speculation.auto_length or speculation.verify_schedule == "confidence"
+        if speculation.cost_curve is None and wants:
+            return dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
+        return speculation
+
+    def _room(self) -> int:
+        """The most tokens this round's block may hold: what max_tokens leaves and the caches roll back."""
+        left = self.options.max_tokens - self.emitted - 1
+        return max(0, min(rollback_limit(self.prompt_cache.target_cache), left))
+
     def _draft_budget(self, cap: int) -> int:
         """This round's drafts: the row's policy (auto: 0 while parked) within the batch width's cap."""
         if self.proposer is None or self.anchor is None:
@@ -234,6 +263,19 @@ def _propose(model: Any, rows: list[BatchRow], lengths: list[int]) -> list[Propo
     return proposals
 
 
+def _choose(rows: Sequence[BatchRow], budgets: list[int]) -> dict[int, Plan]:
+    """Each decoding row with a Chooser decides its block (choose.Chooser.plan): the DSpark block of its
+    budget, or a lookup / forced block up to its room (as decode.py: no proposal without either)."""
+    plans = {}
+    for i, row in enumerate(rows):
+        if row.chooser is None or row.prefilling:
+            continue
+        room = row._room()
+        if budgets[i] or room:
+            plans[i] = row.chooser.plan(num_tokens=min(budgets[i], room), room=room)
+    return plans
+
+
 @dataclass
 class _Plan:
     """One row's part of a round: its segment of the packed forward, then its lazy outcome."""
@@ -248,6 +290,7 @@ class _Plan:
     logprobs: tuple = ()
     features: mx.array | None = None  # (1, n, F) the row's tapped features (rows with a draft)
     first_logits: mx.array | None = None  # the prompt's last logits (1, V), checked once
+    source: str = "draft"  # the block's: "draft" (or none), "lookup" / "forced" (a Chooser's)
 
     @property
     def prefill(self) -> bool:
@@ -255,16 +298,20 @@ class _Plan:
 
 
 def _plan(row: BatchRow, proposal: Proposal | None, budget: int, prefill_chunk: int) -> _Plan:
+    """`budget`: the row's draft tokens this round; a Chooser's block comes sized by it (its width)."""
     if row.prefilling:
         end = min(row.prefilled + prefill_chunk, next(s for s in row._stops if s > row.prefilled))
         return _Plan(row, mx.array(row.prompt[row.prefilled : end], dtype=mx.int32), end=end)
     row.prompt_cache.claim(row.lease)
     speculation = row.speculation
+    if row.chooser is not None:
+        budget = 0 if proposal is None else proposal.tokens.shape[1]
     tokens, probs = _admitted(
         proposal, budget, p_min=speculation.p_min, threshold=speculation.confidence_threshold, schedule=row.schedule
     )
     tokens, probs = row.processor.admit(tokens, probs, hooked=False)
-    return _Plan(row, mx.concatenate([mx.array([row.anchor], dtype=mx.int32), tokens]), draft=tokens, draft_probs=probs)
+    return _Plan(row, mx.concatenate([mx.array([row.anchor], dtype=mx.int32), tokens]), draft=tokens, draft_probs=probs,
+                 source="draft" if proposal is None else proposal.source)
 
 
 def _head_rows(plans: list[_Plan]) -> list[int]:
@@ -293,7 +340,7 @@ def _accept(plan: _Plan, logits: mx.array) -> None:
         return
     processed = row.processor.target_logits(logits, plan.draft)
     row._random()
-    if row.proposer is None:  # plain decoding: the target's own draw
+    if row.proposer is None and row.chooser is None:  # plain decoding: the target's own draw
         plan.candidates = row.sampler.sample(processed).astype(mx.int32)
         plan.accepted = mx.array(0, mx.int32)
     elif row.sampler.greedy:
@@ -320,22 +367,28 @@ def _commit(plan: _Plan) -> None:
         first = int(plan.candidates.item())
         row.anchor, row.emitted = first, 1
         row.processor.commit([first])
+        if row.chooser is not None:
+            row.chooser.commit([first])
         row.rounds.append(Round(tokens=[first], logprobs=row.processor.read_logprobs(plan.logprobs, [first])))
         return
     accepted, num_draft = int(plan.accepted.item()), int(plan.draft.shape[0])
     committed = plan.candidates.reshape(-1)[: accepted + 1].tolist()
     row.processor.commit(committed)
+    if row.chooser is not None:
+        row.chooser.commit(committed)
     trim_caches(row.prompt_cache.target_cache, num_draft - accepted)  # the row's own rollback
     if row.proposer is not None:
-        row.length.observe(proposed=num_draft, accepted=accepted)
+        if plan.source == "draft":  # as decode.py: lookup / forced blocks say nothing of the draft
+            row.length.observe(proposed=num_draft, accepted=accepted)
         row.proposer.extend(plan.features[:, : accepted + 1])
+    if row.proposer is not None or row.chooser is not None:
         row.proposed += num_draft
         row.accepted += accepted
     row.prompt_cache.record([row.anchor, *committed[:-1]])  # the bonus, the new anchor, is not in the caches
     row.anchor = committed[-1]
     row.emitted += accepted + 1
     row.rounds.append(Round(
-        tokens=committed, proposed=num_draft, accepted=accepted, verified=row.proposer is not None,
+        tokens=committed, proposed=num_draft, accepted=accepted, verified=row.proposer is not None or row.chooser is not None,
         logprobs=row.processor.read_logprobs(plan.logprobs, committed),
     ))  # fmt: skip
 
@@ -348,12 +401,16 @@ def batch_round(
         return
     cap = draft_cap(len(rows)) if callable(draft_cap) else int(draft_cap)
     budgets = [r._draft_budget(cap) for r in rows]
-    drafting = [i for i, n in enumerate(budgets) if n > 0]
-    proposals: dict[int, Proposal] = {}
+    chosen = _choose(rows, budgets)
+    sizes = [chosen[i].draft_size if i in chosen else n for i, n in enumerate(budgets)]
+    drafting = [i for i, n in enumerate(sizes) if n > 0]
+    proposals: dict[int, Proposal | None] = {i: plan.proposal for i, plan in chosen.items()}
     if drafting:
-        made = _propose(model, [rows[i] for i in drafting], [budgets[i] for i in drafting])
-        proposals = dict(zip(drafting, made))
-        mx.async_eval([p.tokens for p in made])  # the draft runs while the host builds the verify graph
+        made = _propose(model, [rows[i] for i in drafting], [sizes[i] for i in drafting])
+        for i, proposal in zip(drafting, made):  # a Chooser's block: forced run in front, a lookup tail
+            proposals[i] = rows[i].chooser.finish(chosen[i], proposal, hooked=False) if i in chosen else proposal
+        # the draft runs while the host builds the verify graph
+        mx.async_eval([p.tokens for p in proposals.values() if p is not None])
     plans = [_plan(row, proposals.get(i), budgets[i], prefill_chunk) for i, row in enumerate(rows)]
     lengths = [int(p.segment.shape[0]) for p in plans]
     speculative = any(r.proposer is not None for r in rows)
