@@ -9,6 +9,7 @@ verifies a repetitive prompt in fewer target forwards with lookup on than off.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from types import SimpleNamespace
 
@@ -151,3 +152,30 @@ def test_sampled_rows_with_lookup_keep_the_exact_target_distribution():
     assert chi_square_p_value(counts.reshape(-1), exact.reshape(-1)) > 1e-4
     for observed, expected in zip(marginals(counts), marginals(exact)):
         assert chi_square_p_value(observed, expected) > 1e-4
+
+
+def test_server_batch_verifies_a_repeating_prompt_in_fewer_forwards_with_lookup():
+    """--max-batch 2, two concurrent requests on a repeating prompt: the same texts, fewer batch rounds
+    (one packed target forward each) with lookup on than off."""
+    demo = demo_pair()
+    prompt = REPEATING * 2
+    texts, rounds = {}, {}
+    for lookup in ("off", "on"):
+        defaults = GenerationOptions(max_tokens=48, speculation=SpeculationOptions(lookup=lookup, cost_curve=FLAT))
+        with running_server(pair_loader((demo.target, demo.draft)), defaults=defaults, max_batch=2) as srv:
+            replies: list = [None, None]
+
+            def ask(i, srv=srv, replies=replies):
+                replies[i] = call(srv, "POST", "/v1/completions", {"prompt": prompt[i:], "temperature": 0})
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert all(r is not None and r[0] == 200 for r in replies), replies
+            assert srv.worker.peak_active == 2
+            texts[lookup] = [r[2]["choices"][0]["text"] for r in replies]
+            rounds[lookup] = srv.worker.rounds
+    assert texts["on"] == texts["off"]
+    assert rounds["on"] < 0.7 * rounds["off"], rounds
