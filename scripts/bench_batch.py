@@ -148,7 +148,7 @@ def serve_batch(model, prompts, references, *, max_tokens, speculative, tau, cap
     start = time.perf_counter()
     rows, finishes, outputs = [], {}, {}
     for ids, ref in zip(prompts, references):
-        options = GenerationOptions(max_tokens=max_tokens, speculation=SpeculationOptions(speculative=speculative, max_draft_tokens=None))
+        options = GenerationOptions(max_tokens=max_tokens, speculation=SpeculationOptions(speculative=speculative, max_draft_tokens=None, lookup="off"))
         cache = PromptCache(model.target, model.draft, max_snapshots=0)
         proposer = (ControlledRowProposer(model, context=cache.draft_context, reference=ref, prompt_len=len(ids), acceptance=tau)
                     if speculative else None)  # fmt: skip

@@ -388,7 +388,8 @@ def _commit(plan: _Plan) -> None:
     row.anchor = committed[-1]
     row.emitted += accepted + 1
     row.rounds.append(Round(
-        tokens=committed, proposed=num_draft, accepted=accepted, verified=row.proposer is not None or row.chooser is not None,
+        tokens=committed, proposed=num_draft, accepted=accepted,
+        verified=row.proposer is not None or row.chooser is not None,
         logprobs=row.processor.read_logprobs(plan.logprobs, committed),
     ))  # fmt: skip
 
@@ -402,7 +403,8 @@ def batch_round(
     cap = draft_cap(len(rows)) if callable(draft_cap) else int(draft_cap)
     budgets = [r._draft_budget(cap) for r in rows]
     chosen = _choose(rows, budgets)
-    sizes = [chosen[i].draft_size if i in chosen else n for i, n in enumerate(budgets)]
+    # a row with a Chooser drafts only when its plan asks for a DSpark block (never past its room)
+    sizes = [chosen[i].draft_size if i in chosen else 0 if r.chooser else n for i, (r, n) in enumerate(zip(rows, budgets))]
     drafting = [i for i, n in enumerate(sizes) if n > 0]
     proposals: dict[int, Proposal | None] = {i: plan.proposal for i, plan in chosen.items()}
     if drafting:
