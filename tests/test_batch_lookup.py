@@ -45,7 +45,8 @@ def pair():
 
 
 def run_rows(model, requests, *, joins, cap=row_budget_cap(16)):
-    """Batch rounds as a server drives them (requests join at the given rounds): each one's tokens and row."""
+    """Batch rounds as a server drives them (requests join at the given rounds): each one's tokens and row
+    (`row.forwards`: the rounds that gave it a step, the count `target_forwards` makes for a single request)."""
     waiting = sorted(range(len(requests)), key=lambda i: joins[i])
     active, out, rows, round_no = {}, {}, {}, 0
     while waiting or active:
@@ -53,11 +54,13 @@ def run_rows(model, requests, *, joins, cap=row_budget_cap(16)):
             i = waiting.pop(0)
             prompt, options = requests[i]
             rows[i] = BatchRow(model, prompt, options, grammar=compile_request(model, options))
+            rows[i].forwards = 0
             active[i], out[i] = stream_rounds(model, prompt, rows[i].steps(), options=options), []
         batch_round(model, [rows[i] for i in active], draft_cap=cap, prefill_chunk=16)
         for i, stream in list(active.items()):
             while rows[i].rounds:
                 step = next(stream)
+                rows[i].forwards += 1
                 out[i].extend(step.tokens)
                 if step.finish_reason is not None:
                     del active[i]
@@ -96,6 +99,22 @@ def test_greedy_rows_with_lookup_and_fast_forward_equal_their_solo_runs(pair):
     assert rows[3].proposer is None and rows[3].chooser.draft is None  # lookup only: no draft forward for it
     assert rows[2].chooser.forced_tokens > 0  # the schema's forced runs were verified
     assert rows[0].accepted > 0 and rows[3].accepted > 0
+
+
+@pytest.mark.parametrize("kind", ["lookup", "schema"])
+def test_a_row_alone_takes_as_many_target_forwards_as_its_solo_run(pair, kind):
+    """Alone in the batch (the cap of width 1 is the block), a row proposes what the single request does:
+    lookup blocks, forced runs, masked drafts (the row's draft hook) -> the same forwards, the same tokens."""
+    speculation = SpeculationOptions(cost_curve=FLAT)
+    if kind == "lookup":
+        request = (pair.tokenizer.encode(REPEATING), GenerationOptions(max_tokens=60, speculation=speculation))
+    else:
+        request = (pair.tokenizer.encode("Hello"),
+                   GenerationOptions(max_tokens=60, speculation=speculation, constraint=Constraint.json_schema(SCHEMA)))
+    out, rows = run_rows(pair, [request], joins=[0])
+    solo = mlx_dspark.generate(pair, request[0], options=request[1])
+    assert out[0] == solo.tokens
+    assert rows[0].forwards == solo.target_forwards < len(solo.tokens), (rows[0].forwards, solo.target_forwards)
 
 
 def test_lookup_rows_on_a_sliding_target_verify_and_roll_back_long_blocks():

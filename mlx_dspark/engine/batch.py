@@ -232,15 +232,18 @@ def _row_proposal(proposal: Proposal, i: int) -> Proposal:
         return None if a is None else a[i : i + 1]
 
     return Proposal(tokens=proposal.tokens[i : i + 1], draft_probs=take(proposal.draft_probs),
-                    token_probs=take(proposal.token_probs), confidence=take(proposal.confidence))  # fmt: skip
+                    token_probs=take(proposal.token_probs), confidence=take(proposal.confidence), hooked=False)  # fmt: skip
 
 
 def _propose(model: Any, rows: list[BatchRow], lengths: list[int]) -> list[Proposal]:
-    """One packed draft block forward for the drafting rows; heads per sampled row, together for greedy ones."""
+    """One packed draft block forward for the drafting rows; heads together for greedy rows, per row for
+    sampled ones and for rows whose logits processing changes the draft's logits (penalties, bias, the
+    grammar's mask: the row's `draft_hook`, as a single request drafts; `hooked` proposals)."""
     anchors = mx.array([r.anchor for r in rows], dtype=mx.int32)
     block = packed_block_hidden(model.draft, anchors, [r.proposer.context for r in rows], target=model.target)
     proposals: list[Proposal | None] = [None] * len(rows)
-    greedy = [i for i, r in enumerate(rows) if r.proposer.greedy]
+    hooks = [r.processor.draft_hook() for r in rows]
+    greedy = [i for i, r in enumerate(rows) if r.proposer.greedy and hooks[i] is None]
     if greedy:
         index = mx.array(greedy, dtype=mx.int32)
         together = model.draft.propose_from_block(
@@ -251,15 +254,18 @@ def _propose(model: Any, rows: list[BatchRow], lengths: list[int]) -> list[Propo
             proposals[i] = _row_proposal(together, j)
     for i, row in enumerate(rows):
         if proposals[i] is None:
-            row._random()
-            proposals[i] = model.draft.propose_from_block(
-                anchors[i : i + 1], block[i : i + 1], target=model.target, greedy=False,
-                temperature=row.proposer.temperature, num_tokens=lengths[i],
-            )  # fmt: skip
+            if not row.proposer.greedy:
+                row._random()
+            proposals[i] = _row_proposal(model.draft.propose_from_block(
+                anchors[i : i + 1], block[i : i + 1], target=model.target, greedy=row.proposer.greedy,
+                temperature=row.proposer.temperature, num_tokens=lengths[i], logits_hook=hooks[i],
+            ), 0)  # fmt: skip
+            proposals[i].hooked = hooks[i] is not None
     for i, row in enumerate(rows):
         revise = getattr(row.proposer, "revise", None)
         if revise is not None:
             proposals[i] = revise(proposals[i], position=row.position, num_tokens=lengths[i])
+        proposals[i].hooked = hooks[i] is not None and proposals[i].hooked
     return proposals
 
 
@@ -309,7 +315,7 @@ def _plan(row: BatchRow, proposal: Proposal | None, budget: int, prefill_chunk: 
     tokens, probs = _admitted(
         proposal, budget, p_min=speculation.p_min, threshold=speculation.confidence_threshold, schedule=row.schedule
     )
-    tokens, probs = row.processor.admit(tokens, probs, hooked=False)
+    tokens, probs = row.processor.admit(tokens, probs, hooked=proposal is not None and proposal.hooked)
     return _Plan(row, mx.concatenate([mx.array([row.anchor], dtype=mx.int32), tokens]), draft=tokens, draft_probs=probs,
                  source="draft" if proposal is None else proposal.source)
 
@@ -410,7 +416,7 @@ def batch_round(
     if drafting:
         made = _propose(model, [rows[i] for i in drafting], [sizes[i] for i in drafting])
         for i, proposal in zip(drafting, made):  # a Chooser's block: forced run in front, a lookup tail
-            proposals[i] = rows[i].chooser.finish(chosen[i], proposal, hooked=False) if i in chosen else proposal
+            proposals[i] = rows[i].chooser.finish(chosen[i], proposal, hooked=proposal.hooked) if i in chosen else proposal
         # the draft runs while the host builds the verify graph
         mx.async_eval([p.tokens for p in proposals.values() if p is not None])
     plans = [_plan(row, proposals.get(i), budgets[i], prefill_chunk) for i, row in enumerate(rows)]
