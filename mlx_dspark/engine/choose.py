@@ -12,6 +12,9 @@ and verifies the DSpark block unless lookup's has the larger expected tokens per
 draft is the caller's draft-length policy's decision; without a draft, lookup proposes when it pays): E = 1 + m + sum_k p^k over its unforced
 tokens, p the per-token acceptance each source has shown (decayed counts; lookup per match length), cost = (draft block if DSpark) + verify forward of 1 + width tokens (`RoundCost`). The width
 never passes `room` (max_tokens left, and what the target caches can roll back).
+`propose` = `plan` (the decision, before any draft forward) + the draft's block + `finish` (the forced
+run in front, a lookup tail); continuous batching (batch.py) calls the two halves around its one packed
+draft forward for all rows.
 
 Both blocks are ordinary drafts: forced and lookup tokens are deterministic (one-hot draft
 distributions), so greedy and sampled acceptance stay lossless; a forced token the target's mask
