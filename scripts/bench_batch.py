@@ -96,7 +96,8 @@ def serve_batch(model, prompts, references, *, max_tokens, speculative, tau, len
     start = time.perf_counter()
     rows, finishes, drafts = [], {}, []
     for ids, ref in zip(prompts, references):
-        speculation = SpeculationOptions(speculative=speculative, max_draft_tokens=length, cost_curve=curve)
+        # lookup off: the rows' acceptance is the controlled one (the queue's speculative_steps has none)
+        speculation = SpeculationOptions(speculative=speculative, max_draft_tokens=length, cost_curve=curve, lookup="off")
         options = GenerationOptions(max_tokens=max_tokens, speculation=speculation)
         cache = PromptCache(model.target, model.draft, max_snapshots=0)
         proposer = (ControlledRowProposer(model, context=cache.draft_context, reference=ref, prompt_len=len(ids), acceptance=tau)

@@ -178,8 +178,10 @@ def test_auto_rows_take_their_lengths_from_the_batch_plan(pair):
     block = pair.draft.num_drafts
     free = BatchCost(rows_ms={1: 10.0, 8: 10.0, 128: 10.0}, sequences_ms={2: 10.0, 4: 10.0}, draft_ms={1: 0.0, 4: 0.0})
     linear = BatchCost(rows_ms={1: 10.0, 128: 1280.0}, sequences_ms={2: 20.0, 4: 40.0}, draft_ms={1: 1.0, 4: 1.0})
-    requests = [(PROMPTS[1], GenerationOptions(max_tokens=22)), (PROMPTS[0], GenerationOptions(max_tokens=18)),
-                (PROMPTS[2], GenerationOptions(max_tokens=12, speculation=SpeculationOptions(max_draft_tokens=3)))]  # fmt: skip
+    draft_only = SpeculationOptions(lookup="off")  # the DSpark block alone: no lookup blocks beside the plan's
+    requests = [(PROMPTS[1], GenerationOptions(max_tokens=22, speculation=draft_only)),
+                (PROMPTS[0], GenerationOptions(max_tokens=18, speculation=draft_only)),
+                (PROMPTS[2], GenerationOptions(max_tokens=12, speculation=SpeculationOptions(max_draft_tokens=3, lookup="off")))]  # fmt: skip
     for cost in (free, linear):
         rows = [BatchRow(pair, prompt, options) for prompt, options in requests]
         while any(row.emitted < row.options.max_tokens for row in rows):

@@ -9,6 +9,10 @@ processor, proposer state and RNG. `batch_round(model, rows, ...)` runs, for all
    parked: a plain row in the forward); fixed-length and seeded sampled rows take their own policy's;
    all within the caller's `draft_cap(width)` when given, and cut per row by its `max_tokens` and its
    p_min / confidence threshold / confidence-schedule cuts (one host read each).
+   A row with lookup on or a grammar's forced runs to verify proposes as a single request does, through
+   its own `choose.Chooser`: `Chooser.plan` picks a lookup / forced block (no draft forward; up to 32
+   tokens, within the row's room) or the DSpark block of the row's draft length, which then comes from
+   the same packed draft forward and `Chooser.finish` completes (forced run in front, lookup tail).
 2. **Verify**: one packed target forward over every row's segment: `[anchor, x1..xl]` for a drafting
    row, `[anchor]` for a plain or parked one, and the next chunk (at most `prefill_chunk` tokens) of a
    newcomer's prompt, so running streams keep flowing while it prefills.
@@ -26,6 +30,7 @@ depend on the other rows; it reproduces at the same draft lengths, not the draws
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -36,17 +41,19 @@ import numpy as np
 
 from mlx_dspark.engine.accept import accept_greedy, accept_sampled
 from mlx_dspark.engine.batch_length import BatchCost, Probes, RowDemand, plan_lengths
+from mlx_dspark.engine.choose import Chooser, Plan
 from mlx_dspark.engine.cost_probe import cost_curve_for
 from mlx_dspark.engine.decode import Round, _admitted
 from mlx_dspark.engine.draft_length import AutoLength, DraftLength, make_draft_length
 from mlx_dspark.engine.grammar import GrammarState
 from mlx_dspark.engine.logits_processing import LogitsProcessor
+from mlx_dspark.engine.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import DraftProposer, Proposal
 from mlx_dspark.engine.schedule import require_confidence_head
-from mlx_dspark.engine.steps import make_processor
-from mlx_dspark.models.cache import trim_caches
+from mlx_dspark.engine.steps import _chosen, make_processor
+from mlx_dspark.models.cache import rollback_limit, trim_caches
 from mlx_dspark.models.finite import check_finite_logits
 from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward
 
@@ -83,12 +90,15 @@ class BatchRow:
         self.speculation = options.speculation
         self.cancel = cancel
         self.processor = make_processor(model, self.prompt, options, grammar) or LogitsProcessor.passthrough()
-        self.prompt_cache = prompt_cache or PromptCache(model.target, model.draft, max_snapshots=0)
-        self.proposer: DraftProposer | None = proposer
+        lookup = self.speculation.lookup if self.speculation.speculative else "off"
+        # as make_steps: caches that roll back a whole lookup block when the row makes its own
+        rollback = LOOKUP_MAX_TOKENS if lookup != "off" else None
+        self.prompt_cache = prompt_cache or PromptCache(model.target, model.draft, max_snapshots=0, max_rollback=rollback)
+        self.proposer: DraftProposer | None = None if lookup == "only" else proposer
         self.max_draft = 0
         if proposer is not None and proposer.context is not self.prompt_cache.draft_context:
             raise ValueError("the proposer must draft over the row's prompt cache: DraftProposer(..., context=prompt_cache.draft_context)")
-        if proposer is None and self.speculation.speculative and model.draft is not None:
+        if proposer is None and self.speculation.speculative and model.draft is not None and lookup != "only":
             self.proposer = DraftProposer(
                 model.draft,
                 model.target,
@@ -108,6 +118,12 @@ class BatchRow:
         # reply does not depend on what else the batch runs.
         self.planned = isinstance(self.length, AutoLength) and (self.sampler.greedy or self.sampler.seed is None)
         self.probes = Probes()
+        # lookup blocks and forced runs as a single request proposes them (steps._chosen, choose.py): the
+        # Chooser decides per round, its DSpark blocks come from the batch's packed draft forward
+        self.chooser: Chooser | None = None
+        if self.speculation.speculative:
+            chosen = _chosen(self.proposer, self.prompt, self._with_curve(model), grammar)
+            self.chooser = chosen if isinstance(chosen, Chooser) else None
         self.schedule = None  # the cost curve a confidence-scheduled row cuts its proposals with
         if self.proposer is not None and self.speculation.verify_schedule == "confidence":
             require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
@@ -153,14 +169,24 @@ class BatchRow:
         if self._seeds is not None:
             mx.random.seed(int(self._seeds.integers(2**32)))
 
+    def _with_curve(self, model: Any) -> Any:
+        """The row's speculation options with the cost curve make_steps would give its Chooser."""
+        speculation = self.speculation
+        wants = speculation.auto_length or speculation.verify_schedule == "confidence"
+        if speculation.cost_curve is None and wants:
+            return dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
+        return speculation
+
+    def _room(self) -> int:
+        """The most tokens this round's block may hold: what max_tokens leaves and the caches roll back."""
+        left = self.options.max_tokens - self.emitted - 1
+        return max(0, min(rollback_limit(self.prompt_cache.target_cache), left))
+
     def _draft_budget(self, cap: int) -> int:
         """This round's drafts: the row's policy (auto: 0 while parked) within the batch width's cap."""
         if self.proposer is None or self.anchor is None:
             return 0
-        return max(0, min(self.length.next_length(position=self.position), cap, self._room(cap)))
-
-    def _room(self, cap: int) -> int:
-        return max(0, min(cap, self.options.max_tokens - self.emitted - 1))
+        return max(0, min(self.length.next_length(position=self.position), cap, self._room()))
 
     def _prefill_end(self, prefill_chunk: int) -> int:
         return min(self.prefilled + prefill_chunk, next(s for s in self._stops if s > self.prefilled))
@@ -175,7 +201,7 @@ class BatchRow:
         if not self.planned:  # its own policy's length, as the plan's floor
             length = self._draft_budget(cap)
             return RowDemand(floor=length, acceptance=getattr(self.length, "acceptance", [self.acceptance or 0.6] * length))
-        room = self._room(cap)
+        room = min(cap, self._room())
         return RowDemand(floor=min(self.probes.floor(), room), acceptance=self.length.acceptance, cap=room)
 
 
@@ -184,15 +210,18 @@ def _row_proposal(proposal: Proposal, i: int) -> Proposal:
         return None if a is None else a[i : i + 1]
 
     return Proposal(tokens=proposal.tokens[i : i + 1], draft_probs=take(proposal.draft_probs),
-                    token_probs=take(proposal.token_probs), confidence=take(proposal.confidence))  # fmt: skip
+                    token_probs=take(proposal.token_probs), confidence=take(proposal.confidence), hooked=False)  # fmt: skip
 
 
 def _propose(model: Any, rows: list[BatchRow], lengths: list[int]) -> list[Proposal]:
-    """One packed draft block forward for the drafting rows; heads per sampled row, together for greedy ones."""
+    """One packed draft block forward for the drafting rows; heads together for greedy rows, per row for
+    sampled ones and for rows whose logits processing changes the draft's logits (penalties, bias, the
+    grammar's mask: the row's `draft_hook`, as a single request drafts; `hooked` proposals)."""
     anchors = mx.array([r.anchor for r in rows], dtype=mx.int32)
     block = packed_block_hidden(model.draft, anchors, [r.proposer.context for r in rows], target=model.target)
     proposals: list[Proposal | None] = [None] * len(rows)
-    greedy = [i for i, r in enumerate(rows) if r.proposer.greedy]
+    hooks = [r.processor.draft_hook() for r in rows]
+    greedy = [i for i, r in enumerate(rows) if r.proposer.greedy and hooks[i] is None]
     if greedy:
         index = mx.array(greedy, dtype=mx.int32)
         together = model.draft.propose_from_block(
@@ -203,16 +232,32 @@ def _propose(model: Any, rows: list[BatchRow], lengths: list[int]) -> list[Propo
             proposals[i] = _row_proposal(together, j)
     for i, row in enumerate(rows):
         if proposals[i] is None:
-            row._random()
-            proposals[i] = model.draft.propose_from_block(
-                anchors[i : i + 1], block[i : i + 1], target=model.target, greedy=False,
-                temperature=row.proposer.temperature, num_tokens=lengths[i],
-            )  # fmt: skip
+            if not row.proposer.greedy:
+                row._random()
+            proposals[i] = _row_proposal(model.draft.propose_from_block(
+                anchors[i : i + 1], block[i : i + 1], target=model.target, greedy=row.proposer.greedy,
+                temperature=row.proposer.temperature, num_tokens=lengths[i], logits_hook=hooks[i],
+            ), 0)  # fmt: skip
+            proposals[i].hooked = hooks[i] is not None
     for i, row in enumerate(rows):
         revise = getattr(row.proposer, "revise", None)
         if revise is not None:
             proposals[i] = revise(proposals[i], position=row.position, num_tokens=lengths[i])
+        proposals[i].hooked = hooks[i] is not None and proposals[i].hooked
     return proposals
+
+
+def _choose(rows: Sequence[BatchRow], budgets: list[int]) -> dict[int, Plan]:
+    """Each decoding row with a Chooser decides its block (choose.Chooser.plan): the DSpark block of its
+    budget, or a lookup / forced block up to its room (as decode.py: no proposal without either)."""
+    plans = {}
+    for i, row in enumerate(rows):
+        if row.chooser is None or row.prefilling:
+            continue
+        room = row._room()
+        if budgets[i] or room:
+            plans[i] = row.chooser.plan(num_tokens=min(budgets[i], room), room=room)
+    return plans
 
 
 @dataclass
@@ -229,6 +274,7 @@ class _Plan:
     logprobs: tuple = ()
     features: mx.array | None = None  # (1, n, F) the row's tapped features (rows with a draft)
     first_logits: mx.array | None = None  # the prompt's last logits (1, V), checked once
+    source: str = "draft"  # the block's: "draft" (or none), "lookup" / "forced" (a Chooser's)
 
     @property
     def prefill(self) -> bool:
@@ -236,16 +282,20 @@ class _Plan:
 
 
 def _plan(row: BatchRow, proposal: Proposal | None, budget: int, prefill_chunk: int) -> _Plan:
+    """`budget`: the row's draft tokens this round; a Chooser's block comes sized by it (its width)."""
     if row.prefilling:
         end = row._prefill_end(prefill_chunk)
         return _Plan(row, mx.array(row.prompt[row.prefilled : end], dtype=mx.int32), end=end)
     row.prompt_cache.claim(row.lease)
     speculation = row.speculation
+    if row.chooser is not None:
+        budget = 0 if proposal is None else proposal.tokens.shape[1]
     tokens, probs = _admitted(
         proposal, budget, p_min=speculation.p_min, threshold=speculation.confidence_threshold, schedule=row.schedule
     )
-    tokens, probs = row.processor.admit(tokens, probs, hooked=False)
-    return _Plan(row, mx.concatenate([mx.array([row.anchor], dtype=mx.int32), tokens]), draft=tokens, draft_probs=probs)
+    tokens, probs = row.processor.admit(tokens, probs, hooked=proposal is not None and proposal.hooked)
+    return _Plan(row, mx.concatenate([mx.array([row.anchor], dtype=mx.int32), tokens]), draft=tokens, draft_probs=probs,
+                 source="draft" if proposal is None else proposal.source)
 
 
 def _head_rows(plans: list[_Plan]) -> list[int]:
@@ -274,7 +324,7 @@ def _accept(plan: _Plan, logits: mx.array) -> None:
         return
     processed = row.processor.target_logits(logits, plan.draft)
     row._random()
-    if row.proposer is None:  # plain decoding: the target's own draw
+    if row.proposer is None and row.chooser is None:  # plain decoding: the target's own draw
         plan.candidates = row.sampler.sample(processed).astype(mx.int32)
         plan.accepted = mx.array(0, mx.int32)
     elif row.sampler.greedy:
@@ -301,22 +351,29 @@ def _commit(plan: _Plan) -> None:
         first = int(plan.candidates.item())
         row.anchor, row.emitted = first, 1
         row.processor.commit([first])
+        if row.chooser is not None:
+            row.chooser.commit([first])
         row.rounds.append(Round(tokens=[first], logprobs=row.processor.read_logprobs(plan.logprobs, [first])))
         return
     accepted, num_draft = int(plan.accepted.item()), int(plan.draft.shape[0])
     committed = plan.candidates.reshape(-1)[: accepted + 1].tolist()
     row.processor.commit(committed)
+    if row.chooser is not None:
+        row.chooser.commit(committed)
     trim_caches(row.prompt_cache.target_cache, num_draft - accepted)  # the row's own rollback
     if row.proposer is not None:
-        row.length.observe(proposed=num_draft, accepted=accepted)
+        if plan.source == "draft":  # as decode.py: lookup / forced blocks say nothing of the draft
+            row.length.observe(proposed=num_draft, accepted=accepted)
         row.proposer.extend(plan.features[:, : accepted + 1])
+    if row.proposer is not None or row.chooser is not None:
         row.proposed += num_draft
         row.accepted += accepted
     row.prompt_cache.record([row.anchor, *committed[:-1]])  # the bonus, the new anchor, is not in the caches
     row.anchor = committed[-1]
     row.emitted += accepted + 1
     row.rounds.append(Round(
-        tokens=committed, proposed=num_draft, accepted=accepted, verified=row.proposer is not None,
+        tokens=committed, proposed=num_draft, accepted=accepted,
+        verified=row.proposer is not None or row.chooser is not None,
         logprobs=row.processor.read_logprobs(plan.logprobs, committed),
     ))  # fmt: skip
 
@@ -349,12 +406,17 @@ def batch_round(
         return
     cap = 1 << 30 if draft_cap is None else draft_cap(len(rows)) if callable(draft_cap) else int(draft_cap)
     budgets = draft_budgets(rows, cap, cost, prefill_chunk)
-    drafting = [i for i, n in enumerate(budgets) if n > 0]
-    proposals: dict[int, Proposal] = {}
+    chosen = _choose(rows, budgets)
+    # a row with a Chooser drafts only when its plan asks for a DSpark block (never past its room)
+    sizes = [chosen[i].draft_size if i in chosen else 0 if r.chooser else n for i, (r, n) in enumerate(zip(rows, budgets))]
+    drafting = [i for i, n in enumerate(sizes) if n > 0]
+    proposals: dict[int, Proposal | None] = {i: plan.proposal for i, plan in chosen.items()}
     if drafting:
-        made = _propose(model, [rows[i] for i in drafting], [budgets[i] for i in drafting])
-        proposals = dict(zip(drafting, made))
-        mx.async_eval([p.tokens for p in made])  # the draft runs while the host builds the verify graph
+        made = _propose(model, [rows[i] for i in drafting], [sizes[i] for i in drafting])
+        for i, proposal in zip(drafting, made):  # a Chooser's block: forced run in front, a lookup tail
+            proposals[i] = rows[i].chooser.finish(chosen[i], proposal, hooked=proposal.hooked) if i in chosen else proposal
+        # the draft runs while the host builds the verify graph
+        mx.async_eval([p.tokens for p in proposals.values() if p is not None])
     plans = [_plan(row, proposals.get(i), budgets[i], prefill_chunk) for i, row in enumerate(rows)]
     lengths = [int(p.segment.shape[0]) for p in plans]
     speculative = any(r.proposer is not None for r in rows)

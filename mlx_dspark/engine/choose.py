@@ -12,6 +12,9 @@ and verifies the DSpark block unless lookup's has the larger expected tokens per
 draft is the caller's draft-length policy's decision; without a draft, lookup proposes when it pays): E = 1 + m + sum_k p^k over its unforced
 tokens, p the per-token acceptance each source has shown (decayed counts; lookup per match length), cost = (draft block if DSpark) + verify forward of 1 + width tokens (`RoundCost`). The width
 never passes `room` (max_tokens left, and what the target caches can roll back).
+`propose` = `plan` (the decision, before any draft forward) + the draft's block + `finish` (the forced
+run in front, a lookup tail); continuous batching (batch.py) calls the two halves around its one packed
+draft forward for all rows.
 
 Both blocks are ordinary drafts: forced and lookup tokens are deterministic (one-hot draft
 distributions), so greedy and sampled acceptance stay lossless; a forced token the target's mask
@@ -95,6 +98,18 @@ class _Pending:
     chained: int = 0  # lookup tokens after a DSpark block
 
 
+@dataclass(frozen=True)
+class Plan:
+    """`Chooser.plan`'s decision: `proposal` ready (lookup / forced; None: nothing to verify) when
+    `draft_size` is 0, else a DSpark block of `draft_size` tokens is needed (`Chooser.finish`)."""
+
+    proposal: Proposal | None = None
+    draft_size: int = 0
+    forced: tuple[int, ...] = ()  # the grammar's forced run, put in front of the block
+    room: int = 0
+    strong: bool = False  # a long lookup match: worth reading the block for a lookup tail
+
+
 @dataclass
 class Chooser:
     """A Proposer (propose.py) over an optional DSpark draft and an optional lookup index."""
@@ -114,6 +129,7 @@ class Chooser:
         self.draft_rate = Acceptance()
         self.lookup_rates: dict[int, Acceptance] = {}
         self.chosen: dict[str, int] = {"draft": 0, "lookup": 0, "forced": 0, "none": 0}  # rounds, for benchmarks
+        self.forced_tokens = 0  # forced-run tokens proposed, in front of any block
         self._pending: _Pending | None = None
 
     @classmethod
@@ -160,6 +176,17 @@ class Chooser:
     def propose(self, anchor: mx.array, *, position: int, num_tokens: int, room: int | None = None,
                 logits_hook: Callable | None = None) -> Proposal | None:
         """A block of at most `room` tokens; the DSpark block holds at most `num_tokens` (0: parked)."""
+        plan = self.plan(num_tokens=num_tokens, room=room)
+        if not plan.draft_size:
+            return plan.proposal
+        extra = {} if logits_hook is None or not getattr(self.draft, "takes_logits_hook", False) else {"logits_hook": logits_hook}
+        drafted = self.draft.propose(anchor, position=position, num_tokens=plan.draft_size, **extra)
+        return self.finish(plan, drafted, hooked="logits_hook" in extra)
+
+    def plan(self, *, num_tokens: int, room: int | None = None) -> Plan:
+        """The round's decision before any draft forward (`propose` = plan, the draft, `finish`; a batch
+        runs the draft of every row whose plan needs one in one packed forward): a ready block (lookup,
+        forced, or None), or a DSpark block of `plan.draft_size` tokens that `finish` completes."""
         room = self.max_lookup if room is None else room
         forced = self.grammar.forced()[:room] if self.grammar is not None else []
         m = len(forced)
@@ -175,15 +202,24 @@ class Chooser:
         if size > m:  # the block is the default: parking the draft is the draft-length policy's call, not ours
             score = self._rate(1 + m + expected_tokens(self.draft_rate.rate, size - m), 1 + size, draft=True)
             if best[1] != "lookup" or score > best[0]:
-                proposal = self._draft_block(anchor, position, size, forced, logits_hook)
-                return self._chained(proposal, room, strong=best[3] >= CHAIN_MATCH)
+                return Plan(draft_size=size, forced=tuple(forced), room=room, strong=best[3] >= CHAIN_MATCH)
         _, source, tokens, ngram = best
         tokens = forced + tokens
         self.chosen[source if tokens else "none"] += 1
+        self.forced_tokens += m
         self._pending = _Pending(source, m, len(tokens) - m, ngram)
         if not tokens:
-            return None
-        return Proposal(tokens=mx.array([tokens], dtype=mx.int32), hooked=False, source=source)
+            return Plan(proposal=None)
+        return Plan(proposal=Proposal(tokens=mx.array([tokens], dtype=mx.int32), hooked=False, source=source))
+
+    def finish(self, plan: Plan, drafted: Proposal, *, hooked: bool) -> Proposal:
+        """The round's block from the draft's proposal of `plan.draft_size` tokens (`hooked`: drafted
+        through the round's logits hook): the forced run in front, then a lookup tail where it pays."""
+        size, forced = plan.draft_size, list(plan.forced)
+        self.chosen["draft"] += 1
+        self.forced_tokens += len(forced)
+        self._pending = _Pending("draft", len(forced), size - len(forced))
+        return self._chained(_forced_in_front(drafted, size, forced, hooked), plan.room, strong=plan.strong)
 
     # -- inside -----------------------------------------------------------------------------------
 
@@ -232,32 +268,28 @@ class Chooser:
     def _rate(self, expected: float, width: int, *, draft: bool) -> float:
         return expected / ((self.cost.draft if draft else 0.0) + self.cost.verify_cost(width))
 
-    def _draft_block(self, anchor: mx.array, position: int, size: int, forced: list[int],
-                     logits_hook: Callable | None) -> Proposal:
-        extra = {} if logits_hook is None or not getattr(self.draft, "takes_logits_hook", False) else {"logits_hook": logits_hook}
-        proposal = self.draft.propose(anchor, position=position, num_tokens=size, **extra)
-        self.chosen["draft"] += 1
-        self._pending = _Pending("draft", len(forced), size - len(forced))
-        hooked = "logits_hook" in extra
-        if not forced:
-            return Proposal(tokens=proposal.tokens[:, :size], draft_probs=_cut(proposal.draft_probs, size),
-                            token_probs=_cut(proposal.token_probs, size), confidence=_cut(proposal.confidence, size),
-                            hooked=hooked)
-        # The forced run in front, certain (a masked draft drew it already; an unmasked one may not have).
-        m = len(forced)
-        tokens = mx.concatenate([mx.array([forced], dtype=mx.int32), proposal.tokens[:, m:size].astype(mx.int32)], axis=1)
-        draft_probs = proposal.draft_probs
-        if draft_probs is not None:
-            vocab = draft_probs.shape[-1]
-            one_hot = (mx.arange(vocab)[None] == mx.array(forced)[:, None]).astype(draft_probs.dtype)[None]
-            draft_probs = mx.concatenate([one_hot, draft_probs[:, m:size]], axis=1)
-        ones = mx.ones((1, m), mx.float32)
-        token_probs, confidence = (
-            None if x is None else mx.concatenate([ones, x[:, m:size].astype(mx.float32)], axis=1)
-            for x in (proposal.token_probs, proposal.confidence)
-        )
-        return Proposal(tokens=tokens, draft_probs=draft_probs, token_probs=token_probs, confidence=confidence,
+
+def _forced_in_front(proposal: Proposal, size: int, forced: list[int], hooked: bool) -> Proposal:
+    """The draft's first `size` tokens, the forced run in front, certain (a masked draft drew it
+    already; an unmasked one may not have)."""
+    if not forced:
+        return Proposal(tokens=proposal.tokens[:, :size], draft_probs=_cut(proposal.draft_probs, size),
+                        token_probs=_cut(proposal.token_probs, size), confidence=_cut(proposal.confidence, size),
                         hooked=hooked)
+    m = len(forced)
+    tokens = mx.concatenate([mx.array([forced], dtype=mx.int32), proposal.tokens[:, m:size].astype(mx.int32)], axis=1)
+    draft_probs = proposal.draft_probs
+    if draft_probs is not None:
+        vocab = draft_probs.shape[-1]
+        one_hot = (mx.arange(vocab)[None] == mx.array(forced)[:, None]).astype(draft_probs.dtype)[None]
+        draft_probs = mx.concatenate([one_hot, draft_probs[:, m:size]], axis=1)
+    ones = mx.ones((1, m), mx.float32)
+    token_probs, confidence = (
+        None if x is None else mx.concatenate([ones, x[:, m:size].astype(mx.float32)], axis=1)
+        for x in (proposal.token_probs, proposal.confidence)
+    )
+    return Proposal(tokens=tokens, draft_probs=draft_probs, token_probs=token_probs, confidence=confidence,
+                    hooked=hooked)
 
 
 def _cut(x: mx.array | None, size: int) -> mx.array | None:
