@@ -193,3 +193,37 @@ def test_the_batch_plans_over_this_machine_s_costs_and_serves_without_them(tiny_
     with running_server(pair_loader(tiny_spark_pair), defaults=GenerationOptions(max_tokens=6), max_batch=2) as srv:
         assert srv.worker.cost is None  # each request keeps its own draft length policy
         assert completion(srv, "Once upon")["choices"][0]["text"] == planned
+
+
+def test_the_default_width_serves_a_pair_it_cannot_batch_one_at_a_time(tiny_spark_pair, monkeypatch):
+    from mlx_dspark.serve import batch_worker
+
+    monkeypatch.setattr(batch_worker, "packing_problem", lambda model: "its layers are not packed (this test)")
+    options = dict(defaults=GenerationOptions(max_tokens=6), max_batch=4)
+    with running_server(pair_loader(tiny_spark_pair), batch_required=False, **options) as srv:
+        assert srv.worker.one_at_a_time and srv.worker.state == "ok"
+        text = completion(srv, "Once upon")["choices"][0]["text"]
+        assert call(srv, "GET", "/health")[2]["work"]["max_batch"] == 1
+    model = srv.worker.model
+    assert text == generate(model, "Once upon", options=GenerationOptions(max_tokens=6)).text
+    with running_server(pair_loader(tiny_spark_pair), **options) as srv:  # asked for: refused, in one line
+        assert srv.worker.load_error == "--max-batch 4: its layers are not packed (this test); serve it with --max-batch 1"
+
+
+def test_the_command_line_batches_by_default_and_a_width_given_is_required(monkeypatch):
+    from typer.testing import CliRunner
+
+    from mlx_dspark.cli.server import app
+    from mlx_dspark.serve import app as serve_app
+    from mlx_dspark.serve.protocol import DEFAULT_MAX_BATCH
+
+    asked = []
+
+    def make_server(loader, **options):
+        asked.append((options["max_batch"], options["batch_required"]))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(serve_app, "make_server", make_server)
+    assert CliRunner().invoke(app, ["--port", "0"]).exit_code != 0
+    assert CliRunner().invoke(app, ["--port", "0", "--max-batch", "2"]).exit_code != 0
+    assert asked == [(DEFAULT_MAX_BATCH, False), (2, True)]

@@ -20,7 +20,7 @@ from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import exit_on_interrupt, fail, flag_errors
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.serve.cache_pool import PromptCacheBudget, parse_bytes
-from mlx_dspark.serve.protocol import SERVER_DEFAULTS
+from mlx_dspark.serve.protocol import DEFAULT_MAX_BATCH, SERVER_DEFAULTS
 
 app = typer.Typer(add_completion=False, help="Serve a target and its DSpark draft over an OpenAI-compatible API.")
 
@@ -74,8 +74,9 @@ def serve(
     tool_parser: Optional[str] = typer.Option(
         None, "--tool-parser", help="mlx-lm tool parser for the model's tool calls (e.g. json_tools, qwen3_coder); "
         "default: the one mlx-lm infers from the chat template."),
-    max_batch: int = typer.Option(
-        1, "--max-batch", help="Requests served at once (continuous batching, speculation per row); 1 = one at a time."),
+    max_batch: Optional[int] = typer.Option(
+        None, "--max-batch", help=f"Requests served at once (continuous batching, draft lengths planned per round for the "
+        f"whole batch); 1 = one at a time. Default: {DEFAULT_MAX_BATCH}, or one at a time for a pair that cannot be batched."),
     batch_prefill_chunk: int = typer.Option(
         128, "--batch-prefill-chunk", help="With --max-batch > 1: prompt tokens a newcomer prefills per round (smaller keeps running streams smoother)."),
     force_tool_call: Optional[str] = typer.Option(
@@ -110,7 +111,7 @@ def serve(
         tap_ids = flags.parse_tap_ids(draft_tap_ids, draft=draft, model=model)
         if max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
-        if max_batch < 1:
+        if max_batch is not None and max_batch < 1:
             raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
         if batch_prefill_chunk < 1:
             raise ValueError(f"--batch-prefill-chunk must be >= 1, got {batch_prefill_chunk}")
@@ -145,7 +146,8 @@ def serve(
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
                              max_body_bytes=max_body_bytes, allow_origins=allow_origin,
-                             prompt_cache=prompt_cache, max_batch=max_batch, batch_prefill_chunk=batch_prefill_chunk,
+                             prompt_cache=prompt_cache, max_batch=max_batch or DEFAULT_MAX_BATCH, batch_required=max_batch is not None,
+                             batch_prefill_chunk=batch_prefill_chunk,
                              allow_template_kwargs=allow_template_kwarg, keepalive_s=keepalive_s,
                              force_tool_call=force_tool_call)
     except ValueError as err:

@@ -59,13 +59,18 @@ class BatchWorker(ModelWorker):
         prefill_chunk: int = PREFILL_CHUNK,
         history: int = 32,
         prompt_cache: PromptCacheBudget = PromptCacheBudget(),
+        required: bool = True,
     ) -> None:
+        """`required`: refuse (fail the load of) a pair the packed forwards cannot run; False (the
+        server's default width, not asked for): serve that pair one request at a time instead."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"the batch prefill chunk must be an integer >= 1, got {prefill_chunk!r}")
         super().__init__(loader, history=history, prompt_cache=prompt_cache)
         self.max_batch = max_batch
+        self.required = required
+        self.one_at_a_time = False  # a pair the packed forwards cannot run, served as ModelWorker does
         self.draft_cap = draft_cap
         self.cost: BatchCost | None = None  # this machine's packed costs, read or measured at load
         self.prefill_chunk = prefill_chunk
@@ -79,9 +84,11 @@ class BatchWorker(ModelWorker):
 
     @property
     def busy(self) -> bool:
-        return bool(self.active)
+        return super().busy if self.one_at_a_time else bool(self.active)
 
     def metrics(self) -> dict:
+        if self.one_at_a_time:
+            return super().metrics()
         now = time.monotonic()
         recent = [n for t, n in list(self._rate) if now - t <= _RATE_WINDOW_S]
         return {
@@ -106,6 +113,10 @@ class BatchWorker(ModelWorker):
     def prepare(self) -> str | None:
         """Refuse a pair the packed forwards cannot run; read (or measure once) this machine's packed costs."""
         problem = packing_problem(self.model)
+        if problem is not None and not self.required:
+            log.warning("serving one request at a time: %s (batching needs packed forwards)", problem)
+            self.one_at_a_time, self.max_batch = True, 1
+            return None
         if problem is not None:
             return f"--max-batch {self.max_batch}: {problem}; serve it with --max-batch 1"
         if self.model.draft is None:
@@ -135,6 +146,8 @@ class BatchWorker(ModelWorker):
 
     def serve_jobs(self) -> None:
         """Admit, run a round, hand out its steps; until `stop()` and every admitted job is done."""
+        if self.one_at_a_time:
+            return super().serve_jobs()
         stopping = False
         while True:
             while not stopping and len(self.active) < self.max_batch:
