@@ -21,7 +21,9 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
+from mlx_dspark.models import packed_mlx_lm
 from mlx_dspark.models.base import gather_taps
+from mlx_dspark.models.mlx_lm_target import is_mlx_lm_target
 from mlx_dspark.models.dspark import block_mask
 
 
@@ -61,12 +63,16 @@ PACKED_DRAFT_FAMILIES = ("qwen3", "spark2_5")  # pre-norm draft layers, the resi
 
 def packing_problem(model: Any) -> Optional[str]:
     """Why a loaded pair cannot run packed (continuous batching), or None: the packed forwards follow our
-    own target families' layer loop and the pre-norm draft layers, nothing else."""
+    own target families' layer loop, mlx-lm's attention-only models (models/packed_mlx_lm.py) and the
+    pre-norm draft layers, nothing else."""
     from mlx_dspark.models.target import TargetModel
 
-    if not isinstance(model.target, TargetModel):
-        kind = getattr(model.target, "mlx_lm_model_type", type(model.target).__name__)
-        return f"the target (model_type {kind!r}) runs through mlx-lm's own model class, which packed forwards do not cover"
+    if is_mlx_lm_target(model.target):
+        problem = packed_mlx_lm.packing_problem(model.target)
+        if problem is not None:
+            return problem
+    elif not isinstance(model.target, TargetModel):
+        return f"the target ({type(model.target).__name__}) is neither one of our target families nor an mlx-lm model"
     draft = model.draft
     if draft is not None and draft.args.family not in PACKED_DRAFT_FAMILIES:
         return f"the draft's layer family {draft.args.family!r} is not packed (only {', '.join(PACKED_DRAFT_FAMILIES)})"
@@ -94,6 +100,8 @@ def packed_target_forward(
     total = sum(lengths)
     if tokens.shape != (total,) or len(caches) != len(lengths):
         raise ValueError(f"packed forward: {tokens.shape} tokens for {len(lengths)} sequences of {list(lengths)} rows")
+    if is_mlx_lm_target(target):
+        return packed_mlx_lm.packed_target_forward(target, tokens, caches, lengths, tap_ids=tap_ids, head_rows=head_rows)
     tap_ids = tuple(tap_ids)
     row_positions = positions([c[0].offset for c in caches], lengths)
     x = target.embed(tokens.reshape(total, 1))  # (T, 1, hidden): T single-row sequences

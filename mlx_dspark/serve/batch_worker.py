@@ -28,7 +28,7 @@ from mlx_dspark.engine.steps import compile_request
 from mlx_dspark.serve.cache_pool import PromptCacheBudget
 from mlx_dspark.serve.protocol import APIError
 from mlx_dspark.models.packed import packing_problem
-from mlx_dspark.serve.worker import _IDLE_POLL_S, FAILED, Job, ModelWorker, fail_job
+from mlx_dspark.serve.worker import _IDLE_POLL_S, Job, ModelWorker, fail_job
 
 log = logging.getLogger("mlx_dspark.server")
 
@@ -99,14 +99,10 @@ class BatchWorker(ModelWorker):
             ],
         }
 
-    def load(self) -> None:
-        """Load as the one-at-a-time worker does, then refuse a pair the packed forwards cannot run."""
-        super().load()
-        problem = None if self.model is None else packing_problem(self.model)
-        if problem is not None:
-            self.load_error = f"--max-batch {self.max_batch}: {problem}; serve it with --max-batch 1"
-            log.error("%s", self.load_error)
-            self.model, self.state = None, FAILED
+    def refusal(self, model: Any) -> str | None:
+        """A pair the packed forwards cannot run fails its load (models/packed.packing_problem)."""
+        problem = packing_problem(model)
+        return None if problem is None else f"--max-batch {self.max_batch}: {problem}; serve it with --max-batch 1"
 
     def abort(self, message: str) -> None:
         super().abort(message)

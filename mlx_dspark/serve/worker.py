@@ -175,6 +175,10 @@ class ModelWorker:
         """
         threading.Event().wait()
 
+    def refusal(self, model: Any) -> str | None:
+        """Why this worker cannot serve a loaded model (a failed load), or None."""
+        return None
+
     def load(self) -> None:
         """Load the model on this thread; a failure is kept for /health and every request."""
         start = time.perf_counter()
@@ -189,6 +193,12 @@ class ModelWorker:
                 log.exception("loading the model failed")
             self.load_error = f"{type(err).__name__}: {err}"
             self.state = FAILED
+            self.loaded.set()
+            return
+        refusal = self.refusal(self.model)
+        if refusal is not None:  # decided before the load is announced (/health never says ok first)
+            log.error("%s", refusal)
+            self.model, self.load_error, self.state = None, refusal, FAILED
             self.loaded.set()
             return
         self.prompt_caches = PromptCachePool(self.model, self._cache_budget)

@@ -1,0 +1,258 @@
+"""Packed forwards (models/packed.py) for targets run through mlx-lm's own model class (models/mlx_lm_target.py).
+
+mlx-lm's own `__call__` runs over T single-row sequences (input (T, 1)): its embeddings, projections, MLPs
+/ MoE and norms see T rows, as in our families' packed forward. Each layer gets, instead of its cache, a
+`PackedView` of the sequences' caches of that layer:
+- `offset` is every row's position (T,): the family's `self.rope(q, offset=cache.offset)` rotates each
+  row at its own position (`mx.fast.rope` takes an array offset);
+- `make_mask(...)` (what mlx-lm's `create_attention_mask(h, cache)` calls) returns a `PackedMask`: the
+  mask each sequence's own forward would build from its own cache at that point;
+- `update_and_fetch(keys, values)` appends each sequence's rows to its own cache object (KVCache,
+  RotatingKVCache, quantized: mlx-lm's own update) and keeps what each returns;
+- the attention call, mlx-lm's `scaled_dot_product_attention(q, k, v, cache=, scale=, mask=)` imported by
+  each model module, is replaced once per module by a dispatcher that passes every other call to the
+  original and runs a packed call per sequence: its rows' queries over its own fetched keys / values
+  with its own mask, through the original function (the call of that sequence's own forward). A layer
+  that reuses an earlier layer's keys / values (gemma4's KV-shared layers) is recognised by them.
+Taps and the final hidden state are recorded by the target's `Capture` as for a solo forward; the logits
+of the needed rows come from mlx-lm's own head code (`model_head_logits`). Rollback stays each sequence's
+`RollbackCaches`: the forward is recorded per sequence at that sequence's width (rotating caches keep
+their state from before it), so `trim_caches` on one sequence's list is exact as after its own forward.
+
+Recurrent layers (`ArraysCache`: GatedDeltaNet, Mamba, short convolutions) carry a state along the
+sequence axis that single-row sequences cannot carry: those targets are refused (`packing_problem`).
+A family whose code does anything else with the offset or the mask (an `int` offset, mask arithmetic) is
+found by `probe_packing` and refused with its model_type named, never approximated.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models import base as mlx_lm_base
+
+from mlx_dspark.models.base import check_tap_ids, gather_taps
+from mlx_dspark.models.mlx_lm_target import MLXLMTarget
+from mlx_dspark.models.rollback import REPLAY, ROTATING, RollbackCaches, cache_kind
+
+_ORIGINAL = "_dspark_original_sdpa"
+
+
+class PackedMask:
+    """The attention mask of every sequence of a packed forward, as its own forward would build it."""
+
+    def __init__(self, masks: list[Any]):
+        self.masks = masks
+
+
+class _Shape:
+    """Stands in for a sequence's hidden states where mlx-lm's mask code reads only `h.shape[1]`."""
+
+    def __init__(self, length: int):
+        self.shape = (1, length)
+
+
+class PackedView:
+    """One layer's view of a packed forward: the sequences' own caches of that layer (see module docstring)."""
+
+    def __init__(self, caches: Sequence[Any], lengths: Sequence[int], offset: mx.array, forward: "_Forward"):
+        self.caches, self.lengths, self.offset, self.forward = list(caches), list(lengths), offset, forward
+        self.fetched: Optional[list[tuple[Any, Any]]] = None
+
+    def make_mask(self, N: int = 1, *, return_array: bool = False, window_size: Optional[int] = None) -> PackedMask:
+        if N != 1:
+            raise ValueError(f"a packed forward's hidden states have 1 position per sequence row, not {N}")
+        return PackedMask([
+            mlx_lm_base.create_attention_mask(_Shape(n), cache, window_size=window_size, return_array=return_array)
+            for cache, n in zip(self.caches, self.lengths)
+        ])  # fmt: skip
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """keys / values (T, Hkv, 1, D): each sequence's rows go to its own cache. Returns them as given
+        (a layer may hand them to a later one); the attention takes each sequence's fetched ones."""
+        self.fetched = [
+            cache.update_and_fetch(_rows_as_sequence(keys, start, n), _rows_as_sequence(values, start, n))
+            for cache, start, n in _spans(self.caches, self.lengths)
+        ]
+        self.forward.fetched[id(keys)] = (keys, self)
+        return keys, values
+
+    def __bool__(self) -> bool:
+        return True
+
+
+class _Forward:
+    """What one packed forward shares between its layers: the keys each view returned, by identity."""
+
+    def __init__(self) -> None:
+        self.fetched: dict[int, tuple[mx.array, PackedView]] = {}
+
+
+def _spans(caches: Sequence[Any], lengths: Sequence[int]):
+    start = 0
+    for cache, n in zip(caches, lengths):
+        yield cache, start, n
+        start += n
+
+
+def _rows_as_sequence(a: mx.array, start: int, n: int) -> mx.array:
+    """Packed rows (T, heads, 1, D) [start, start + n) as one sequence (1, heads, n, D)."""
+    return a[start : start + n].transpose(2, 1, 0, 3)
+
+
+def _dispatcher(original: Callable) -> Callable:
+    def scaled_dot_product_attention(queries, keys, values, cache=None, scale=1.0, mask=None, **kwargs):
+        view = cache if isinstance(cache, PackedView) else None
+        if view is None and isinstance(mask, PackedMask):  # a layer reusing an earlier layer's keys / values
+            found = _CURRENT[-1].fetched.get(id(keys)) if _CURRENT else None
+            if found is None or found[0] is not keys:
+                raise ValueError("a packed attention call's keys come from no packed cache update")
+            view = found[1]
+            caches = [cache] * len(view.caches)
+        elif view is None:
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+        else:
+            caches = view.caches
+        if not isinstance(mask, PackedMask):
+            raise ValueError(f"a packed attention call got a {type(mask).__name__} mask, not the sequences' own")
+        outs = []
+        for (k, v), c, m, (_, start, n) in zip(view.fetched, caches, mask.masks, _spans(view.caches, view.lengths)):
+            out = original(_rows_as_sequence(queries, start, n), k, v, cache=c, scale=scale, mask=m, **kwargs)
+            outs.append(out.transpose(2, 1, 0, 3))  # (n, heads, 1, D)
+        return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+
+    scaled_dot_product_attention._dspark_packed = True
+    return scaled_dot_product_attention
+
+
+_CURRENT: list[_Forward] = []  # the packed forward running now (the model's one worker thread)
+
+
+def install_dispatch(target: MLXLMTarget) -> list[str]:
+    """Route the attention calls of every module the target's layers come from through the dispatcher
+    (once per module; other callers of the module see the original). Returns the modules' names; empty when
+    no module of its layers calls mlx-lm's `scaled_dot_product_attention` by that name."""
+    names = sorted({type(m).__module__ for layer in target.layers for _, m in layer.named_modules()})
+    patched = []
+    for name in names:
+        module = sys.modules.get(name)
+        current = getattr(module, "scaled_dot_product_attention", None)
+        if current is None:
+            continue
+        if not getattr(current, "_dspark_packed", False):
+            setattr(module, _ORIGINAL, current)
+            module.scaled_dot_product_attention = _dispatcher(current)
+        patched.append(name)
+    return patched
+
+
+def _begin_recording(caches: Any, width: int) -> None:
+    """Record a sequence's part of the forward for rollback, as its own forward through `recording` does."""
+    if not isinstance(caches, RollbackCaches):
+        return
+    caches.begin_forward()
+    hidden = mx.zeros((1, width))  # only its width is read; never evaluated
+    for i, kind in enumerate(caches.kinds):
+        if kind == ROTATING:
+            caches.record(None, (hidden,), {"cache": caches[i]})
+        elif kind == REPLAY:
+            raise ValueError("a packed forward cannot run a recurrent cache (see packing_problem)")
+
+
+def packed_target_forward(
+    target: MLXLMTarget,
+    tokens: mx.array,
+    caches: Sequence[list],
+    lengths: Sequence[int],
+    *,
+    tap_ids: Sequence[int] = (),
+    head_rows: Optional[Sequence[int]] = None,
+) -> tuple[mx.array, Optional[mx.array]]:
+    """models/packed.packed_target_forward for an mlx-lm target (same arguments and results)."""
+    total = sum(lengths)
+    tap_ids = check_tap_ids(tap_ids, target.args.num_hidden_layers)
+    if not install_dispatch(target):
+        raise ValueError(f"model_type {target.mlx_lm_model_type!r}: its layers call no scaled_dot_product_attention to pack")
+    offsets = [_first_offset(c) for c in caches]
+    row_positions = mx.array([o + j for o, n in zip(offsets, lengths) for j in range(n)], dtype=mx.int32)
+    forward = _Forward()
+    views = [PackedView([c[i] for c in caches], lengths, row_positions, forward) for i in range(len(caches[0]))]
+    for c, n in zip(caches, lengths):
+        _begin_recording(c, n)
+    capture = target._capture
+    capture.start("forward", tap_ids=tap_ids)
+    _CURRENT.append(forward)
+    try:
+        super(MLXLMTarget, target).__call__(tokens.reshape(total, 1), cache=views)  # its logits: never evaluated
+        final, taps, bad = capture.final, dict(capture.taps), capture.bad_output
+    finally:
+        _CURRENT.pop()
+        capture.start("off")
+    if bad or final is None:
+        raise ValueError(f"model_type {target.mlx_lm_model_type!r}: the packed forward was not recorded ({bad})")
+    if head_rows is not None:
+        final = final[mx.array(list(head_rows), dtype=mx.int32)]
+    logits = target.model_head_logits(final)  # (R, 1, V): mlx-lm's own head code
+    features = gather_taps(taps, tap_ids, taps[tap_ids[0]].dtype) if tap_ids else None
+    return logits[:, 0], None if features is None else features[:, 0]
+
+
+def _first_offset(caches: Sequence[Any]) -> int:
+    offset = getattr(caches[0], "offset", None)
+    if not isinstance(offset, int):
+        raise ValueError(f"a packed forward needs caches with an integer offset, got {type(caches[0]).__name__}")
+    return offset
+
+
+def packing_problem(target: MLXLMTarget) -> Optional[str]:
+    """Why this mlx-lm target cannot run packed, or None (the answer is kept on the target)."""
+    known = getattr(target, "_dspark_packing_problem", False)
+    if known is not False:
+        return known
+    problem = _recurrent_layer(target) or probe_packing(target)
+    object.__setattr__(target, "_dspark_packing_problem", problem)
+    return problem
+
+
+def _recurrent_layer(target: MLXLMTarget) -> Optional[str]:
+    caches = target.make_cache()
+    for i, cache in enumerate(caches):
+        if cache_kind(cache) == REPLAY:
+            layer = target.layers[i]
+            parts = [f"{name} ({type(m).__name__})" for name, m in layer.children().items()
+                     if hasattr(m, "named_modules") and not any(w in type(m).__name__ for w in ("Norm", "MLP", "MoE", "Attention", "Switch"))]  # fmt: skip
+            kind = parts[0] if parts else type(layer).__mro__[1].__name__
+            return (
+                f"the target (model_type {target.mlx_lm_model_type!r}) has recurrent layers (layer {i}: {kind}, "
+                f"cache {type(cache).__name__}), whose state packed single-row sequences cannot carry"
+            )
+    return None
+
+
+def probe_packing(target: MLXLMTarget, *, lengths: Sequence[int] = (3, 1, 2), tolerance: float = 1e-3) -> Optional[str]:
+    """Run a short packed forward (sequences at different offsets) against each sequence's own forward;
+    a reason when it fails or differs (relative to the logits' scale), else None."""
+    vocab = target.args.vocab_size
+    prompts = [[(5 + 13 * i + 7 * j) % vocab for j in range(2 + i)] for i in range(len(lengths))]
+    segments = [[(11 + 17 * i + 3 * j) % vocab for j in range(n)] for i, n in enumerate(lengths)]
+    try:
+        solo, packed_caches = [], []
+        for prompt, segment in zip(prompts, segments):
+            cache = target.make_cache()
+            target(mx.array(prompt)[None], cache=cache)
+            logits, _ = target(mx.array(segment)[None], cache=cache)
+            solo.append(logits[0])
+            packed_cache = target.make_cache()
+            target(mx.array(prompt)[None], cache=packed_cache)
+            packed_caches.append(packed_cache)
+        tokens = mx.array([t for s in segments for t in s], dtype=mx.int32)
+        packed, _ = packed_target_forward(target, tokens, packed_caches, lengths)
+        reference = mx.concatenate(solo, axis=0)
+        worst = mx.max(mx.abs(packed - reference)).item() / max(mx.max(mx.abs(reference)).item(), 1e-6)
+    except (ValueError, TypeError, RuntimeError, IndexError, AttributeError) as e:
+        return f"the target (model_type {target.mlx_lm_model_type!r}) fails in a packed forward ({type(e).__name__}: {e})"
+    if not worst <= tolerance:
+        return f"the target (model_type {target.mlx_lm_model_type!r}): a packed forward differs from its rows' own forwards (relative {worst:.2g})"
+    return None
