@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_map
+from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.models import qwen3 as mlx_lm_qwen3
 
 import mlx_dspark
@@ -27,7 +27,7 @@ from mlx_dspark.engine.propose import DraftProposer, Proposal
 from mlx_dspark.models import mlx_lm_target
 from mlx_dspark.models.cache import trim_caches
 from mlx_dspark.models.packed import packed_target_forward, packing_problem
-from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_tiny import tiny_mlx_lm_config, tiny_mlx_lm_weights, write_tiny_mlx_lm_target
 from mlx_dspark.testing.tiny import write_tiny_draft
 from mlx_dspark.testing.tiny_mlx_lm import tiny_mlx_lm_model
 from tests.test_mlx_lm_targets import mlx_lm_greedy
@@ -55,7 +55,17 @@ def _qwen3_through_mlx_lm():
     return _as_target(model)
 
 
+def _from_tiny_config(family):
+    config = tiny_mlx_lm_config(family, {"bos": 1, "eos": 2, "pad": 0})
+    target = mlx_lm_target.from_config(config)
+    weights = target.sanitize({k: mx.array(v) for k, v in tiny_mlx_lm_weights(config, seed=0).items()})
+    target.update(tree_unflatten(list(weights.items())))
+    mlx_lm_target.probe_target(target)
+    return target
+
+
 TARGETS = {
+    "qwen3_moe": lambda: _from_tiny_config("qwen3_moe"),
     "llama": lambda: _as_target(tiny_mlx_lm_model("llama_quantized")),  # llama's own caches (KVCache)
     "qwen3": _qwen3_through_mlx_lm,
     "gemma3_text": lambda: _as_target(tiny_mlx_lm_model("gemma3_text")),  # RotatingKVCache (window 5) + KVCache
@@ -65,13 +75,13 @@ TARGETS = {
 
 @pytest.mark.parametrize("family", sorted(TARGETS))
 def test_packed_rows_are_bitwise_their_own_forward_and_roll_back_alike(family):
-    """3 sequences at different offsets, segments of 1, 4 and a 12-row prefill chunk, then each rolls back
+    """3 sequences at different offsets, segments of 1, 4 and a 40-row prefill chunk, then each rolls back
     its own number of rows (a verify's rejected tail) and the next packed forward still equals the solo one."""
     target = TARGETS[family]()
     assert packing_problem(type("Pair", (), {"target": target, "draft": None})()) is None
     vocab, taps = target.args.vocab_size, (-1, 0)
     prompts = [list(range(5, 12)), list(range(20, 29)), [3, 4, 5]]
-    segments = [[7], [8, 9, 10, 11], [(40 + i) % vocab for i in range(12)]]
+    segments = [[7], [8, 9, 10, 11], [(40 + i) % vocab for i in range(40)]]  # 45 rows: MoE experts sort them
     rejected = [0, 3, 2]
     after = [[9, 10, 11], [12], [5, 6]]
     solo, caches = [], []
@@ -97,9 +107,13 @@ def test_packed_rows_are_bitwise_their_own_forward_and_roll_back_alike(family):
         assert mx.array_equal(features[rows], solo_features).item(), f"sequence {i}: features"
         assert mx.array_equal(later[rows_later], solo_later).item(), f"sequence {i}: after its rollback"
         start, start_later = start + len(segment), start_later + len(more)
-    head_rows = [0, 4, 16]  # only the rows a round needs: the same logits
-    only, _ = packed_target_forward(target, tokens, [target.make_cache() for _ in segments], [1, 4, 12], head_rows=head_rows)
-    assert only.shape == (3, vocab)
+    head_rows = [0, 4, 44]  # only the rows a round needs: the same logits
+    fresh = []
+    for prompt in prompts:
+        fresh.append(target.make_cache())
+        target(mx.array(prompt)[None], cache=fresh[-1])
+    only, _ = packed_target_forward(target, tokens, fresh, [len(s) for s in segments], head_rows=head_rows)
+    assert mx.array_equal(only, logits[mx.array(head_rows)]).item()
 
 
 def write_pair(root: Path, family: str) -> tuple[Path, Path]:

@@ -106,10 +106,10 @@ def _dispatcher(original: Callable) -> Callable:
     def scaled_dot_product_attention(queries, keys, values, cache=None, scale=1.0, mask=None, **kwargs):
         view = cache if isinstance(cache, PackedView) else None
         if view is None and isinstance(mask, PackedMask):  # a layer reusing an earlier layer's keys / values
-            found = _CURRENT[-1].fetched.get(id(keys)) if _CURRENT else None
-            if found is None or found[0] is not keys:
+            found = [f[1] for f in (forward.fetched.get(id(keys)) for forward in _CURRENT) if f is not None and f[0] is keys]
+            if not found:
                 raise ValueError("a packed attention call's keys come from no packed cache update")
-            view = found[1]
+            view = found[0]
             caches = [cache] * len(view.caches)
         elif view is None:
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
@@ -127,7 +127,7 @@ def _dispatcher(original: Callable) -> Callable:
     return scaled_dot_product_attention
 
 
-_CURRENT: list[_Forward] = []  # the packed forward running now (the model's one worker thread)
+_CURRENT: list[_Forward] = []  # the packed forwards running now (keys are matched by identity)
 
 
 def install_dispatch(target: MLXLMTarget) -> list[str]:
@@ -174,7 +174,10 @@ def packed_target_forward(
     total = sum(lengths)
     tap_ids = check_tap_ids(tap_ids, target.args.num_hidden_layers)
     if not install_dispatch(target):
-        raise ValueError(f"model_type {target.mlx_lm_model_type!r}: its layers call no scaled_dot_product_attention to pack")
+        raise ValueError(
+            f"model_type {target.mlx_lm_model_type!r}: its attention does not call mlx-lm's scaled_dot_product_attention, "
+            "the call a packed forward splits per sequence"
+        )
     offsets = [_first_offset(c) for c in caches]
     row_positions = mx.array([o + j for o, n in zip(offsets, lengths) for j in range(n)], dtype=mx.int32)
     forward = _Forward()
@@ -183,12 +186,12 @@ def packed_target_forward(
         _begin_recording(c, n)
     capture = target._capture
     capture.start("forward", tap_ids=tap_ids)
-    _CURRENT.append(forward)
+    _CURRENT.append(forward)  # list.append / remove: atomic under the GIL
     try:
         super(MLXLMTarget, target).__call__(tokens.reshape(total, 1), cache=views)  # its logits: never evaluated
         final, taps, bad = capture.final, dict(capture.taps), capture.bad_output
     finally:
-        _CURRENT.pop()
+        _CURRENT.remove(forward)
         capture.start("off")
     if bad or final is None:
         raise ValueError(f"model_type {target.mlx_lm_model_type!r}: the packed forward was not recorded ({bad})")
