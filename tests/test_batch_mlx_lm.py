@@ -26,7 +26,8 @@ from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import DraftProposer, Proposal
 from mlx_dspark.models import mlx_lm_target
 from mlx_dspark.models.cache import trim_caches
-from mlx_dspark.models.packed import packed_target_forward, packing_problem
+from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward, packing_problem
+from mlx_dspark.testing.draft_layouts import write_gemma4_draft
 from mlx_dspark.testing.mlx_lm_tiny import tiny_mlx_lm_config, tiny_mlx_lm_weights, write_tiny_mlx_lm_target
 from mlx_dspark.testing.tiny import write_tiny_draft
 from mlx_dspark.testing.tiny_mlx_lm import tiny_mlx_lm_model
@@ -116,8 +117,10 @@ def test_packed_rows_are_bitwise_their_own_forward_and_roll_back_alike(family):
     assert mx.array_equal(only, logits[mx.array(head_rows)]).item()
 
 
-def write_pair(root: Path, family: str) -> tuple[Path, Path]:
+def write_pair(root: Path, family: str, *, draft_family: str = "qwen3") -> tuple[Path, Path]:
     target = write_tiny_mlx_lm_target(root / "target", family=family, seed=0, **SMALL_WINDOW.get(family, {}))
+    if draft_family == "gemma4":  # DeepSpec's Gemma 4 draft layers
+        return target, write_gemma4_draft(root / "draft", target_path=target, seed=1)
     draft = write_tiny_draft(root / "draft", target_path=target, layer_family="qwen3", seed=0)
     config = json.loads((draft / "config.json").read_text())
     config.update(rope_theta=10000.0, rope_parameters=None)  # the draft's own layers: default RoPE
@@ -178,6 +181,33 @@ def test_batched_greedy_rows_equal_solo_runs_and_mlx_lms_generate(family, tmp_pa
         assert tokens == solo.tokens, f"request {i}: solo run"
         if i != 2:
             assert 0 < row.accepted < row.proposed, f"request {i}: partial acceptances (rollbacks) were exercised"
+
+
+def test_a_gemma4_pair_batches_its_draft_block_bitwise_and_its_rows_equal_mlx_lm(tmp_path):
+    """DeepSpec's Gemma 4 draft layers (sandwich norms, layer scalar, sqrt(hidden) embeddings, proportional
+    RoPE) in the packed draft block: each sequence's block is bitwise its own `block_hidden`, and batched
+    greedy rows drafted by it (real proposals) equal mlx-lm's own generate."""
+    target_path, draft_path = write_pair(tmp_path, "gemma4_text", draft_family="gemma4")
+    model = prepare_model(mlx_dspark.load(str(target_path), str(draft_path)), RunSettings(ignore_eos=True))
+    target, draft = model.target, model.draft
+    assert draft.args.family == "gemma4" and packing_problem(model) is None
+    prompts = [[1, 5, 9, 20, 33, 7, 2], list(range(40, 59)), [9, 8, 7, 6]]
+    contexts = []
+    for prompt in prompts:
+        _, features = target(mx.array(prompt)[None], cache=target.make_cache(), tap_ids=draft.args.target_layer_ids)
+        contexts.append(draft.make_cache())
+        draft.append_context(features, contexts[-1])
+    anchors = mx.array([3, 4, 5], dtype=mx.int32)
+    block = packed_block_hidden(draft, anchors, contexts, target=target)
+    for i, ctx in enumerate(contexts):
+        assert mx.array_equal(block[i : i + 1], draft.block_hidden(anchors[i : i + 1], ctx, target=target)).item(), f"sequence {i}"
+    lengths = [24, 16, 20]
+    rows = [BatchRow(model, p, GenerationOptions(max_tokens=n, speculation=SpeculationOptions(max_draft_tokens=4))) for p, n in zip(prompts, lengths)]
+    while any(row.emitted < row.options.max_tokens for row in rows):
+        batch_round(model, [r for r in rows if r.emitted < r.options.max_tokens], draft_cap=row_budget_cap(12), prefill_chunk=8)
+    for row, prompt, n in zip(rows, prompts, lengths):
+        assert [t for r in row.rounds for t in r.tokens][:n] == mlx_lm_greedy(target_path, prompt, n)
+    assert sum(row.proposed for row in rows) > 0
 
 
 def test_server_batches_an_mlx_lm_target(tmp_path):
