@@ -235,3 +235,16 @@ def test_server_batches_an_mlx_lm_target(tmp_path):
             assert status == 200, reply
             assert reply["choices"][0]["text"] == mlx_dspark.generate(model, prompt, max_tokens=n).text
         assert server.worker.peak_active >= 2, "the requests did share rounds"
+
+
+def test_a_family_whose_attention_cannot_be_split_is_refused_in_one_line():
+    """gemma2 writes its attention out (soft-capped scores) instead of calling mlx-lm's
+    scaled_dot_product_attention: the packing check names it rather than batching it wrongly."""
+    config = dict(model_type="gemma2", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                  head_dim=16, rms_norm_eps=1e-6, vocab_size=97, num_key_value_heads=2)  # fmt: skip
+    target = mlx_lm_target.from_config(config)
+    mx.eval(target.parameters())
+    mlx_lm_target.probe_target(target)  # a valid target: one request at a time runs it
+    problem = packing_problem(type("Pair", (), {"target": target, "draft": None})())
+    assert problem.startswith("the target (model_type 'gemma2') fails in a packed forward") and "scaled_dot_product_attention" in problem
+    assert "\n" not in problem

@@ -173,7 +173,9 @@ def packed_target_forward(
     """models/packed.packed_target_forward for an mlx-lm target (same arguments and results)."""
     total = sum(lengths)
     tap_ids = check_tap_ids(tap_ids, target.args.num_hidden_layers)
-    if not install_dispatch(target):
+    if not getattr(target, "_dspark_packed_dispatch", None):
+        object.__setattr__(target, "_dspark_packed_dispatch", install_dispatch(target))
+    if not target._dspark_packed_dispatch:
         raise ValueError(
             f"model_type {target.mlx_lm_model_type!r}: its attention does not call mlx-lm's scaled_dot_product_attention, "
             "the call a packed forward splits per sequence"
