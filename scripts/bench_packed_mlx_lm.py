@@ -1,8 +1,9 @@
-"""Packed forward vs one forward per sequence, for a target run through mlx-lm's own class (llama).
+"""Packed forward vs one forward per sequence, for a target run through mlx-lm's own class.
 
-    LD_PRELOAD=libopenblas.so.0 OPENBLAS_NUM_THREADS=1 python scripts/bench_packed_mlx_lm.py
+    LD_PRELOAD=libopenblas.so.0 OPENBLAS_NUM_THREADS=1 python scripts/bench_packed_mlx_lm.py [--family qwen3_5]
 
-A random float32 llama (mlx-lm's class behind models/mlx_lm_target.py; sizes below) and W sequences
+A random float32 llama, or qwen3_5 hybrid (its recurrent layers run once per sequence inside the packed
+forward), behind models/mlx_lm_target.py (sizes below), and W sequences
 (W = 1, 2, 4, 8) at a context of --context tokens each verify a block of --block rows:
 - solo: W forwards, one per sequence (what a queue of single requests runs);
 - packed: one `packed_target_forward` over the W x block rows (models/packed_mlx_lm.py).
@@ -31,7 +32,16 @@ from mlx_dspark.models.mlx_lm_target import probe_target, target_class  # noqa: 
 from mlx_dspark.models.packed import packed_target_forward  # noqa: E402
 
 
-def build(hidden: int, layers: int, vocab: int):
+def build(family: str, hidden: int, layers: int, vocab: int):
+    if family == "qwen3_5":  # the hybrid: 3 GatedDeltaNet layers per attention layer (testing's scaled one)
+        from mlx_dspark.testing.tiny_mlx_lm import scaled_qwen3_5
+
+        model = scaled_qwen3_5(hidden=hidden, layers=layers, vocab=vocab)
+        target = target_class(type(model))(model.args)
+        target.update(model.parameters())
+        mx.eval(target.parameters())
+        probe_target(target)
+        return target
     args = llama.ModelArgs(
         model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=int(hidden * 2.75),
         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), rms_norm_eps=1e-5,
@@ -52,6 +62,7 @@ def timed(fn) -> float:
 
 
 def main(
+    family: str = typer.Option("llama", "--family", help="llama, or qwen3_5 (a GatedDeltaNet hybrid)"),
     hidden: int = typer.Option(1024, "--hidden"),
     layers: int = typer.Option(8, "--layers"),
     vocab: int = typer.Option(32000, "--vocab"),
@@ -60,7 +71,7 @@ def main(
     widths: str = typer.Option("1,2,4,8", "--widths"),
     repeats: int = typer.Option(5, "--repeats"),
 ) -> None:
-    target = build(hidden, layers, vocab)
+    target = build(family, hidden, layers, vocab)
     taps = (1, layers // 2)
     counts = [int(w) for w in widths.split(",")]
     caches = []
@@ -103,7 +114,7 @@ def main(
         for n in curve_rows:
             times.setdefault(f"rows {n}", []).append(timed(lambda: rows(n)))
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"llama hidden {hidden}, {layers} layers, vocab {vocab}, float32; context {context}, block {block}, {repeats} repeats (medians)")
+    print(f"{family} hidden {hidden}, {layers} layers, vocab {vocab}, float32; context {context}, block {block}, {repeats} repeats (medians)")
     print("cost curve (one sequence, n rows): " + ", ".join(f"{n}: {med[f'rows {n}']:.1f} ms" for n in curve_rows))
     for w in counts:
         s, p = med[f"solo {w}"], med[f"packed {w}"]

@@ -1,14 +1,15 @@
 """Continuous batching over targets run through mlx-lm's own model class (models/packed_mlx_lm.py).
 
 Every packed row must be bitwise its sequence's own forward (logits and tapped features), also after a
-rollback of a packed verify (rotating sliding-window caches past their wrap included); a batched greedy
-run with injected wrong drafts (partial acceptances: each row rolls back on its own) must equal each
-request's solo run and mlx-lm's own generate; the server batches such a target and still refuses a hybrid
-in one line (tests/test_mlx_lm_hybrid_speculation.py: test_max_batch_refuses_...).
+rollback of a packed verify (rotating sliding-window caches past their wrap, recurrent states restored
+and their layer replayed); a batched greedy run with injected wrong drafts (partial acceptances: each row
+rolls back on its own) must equal each request's solo run and mlx-lm's own generate; the server batches
+such targets, hybrids included, and refuses in one line a family whose attention it cannot split.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -28,7 +29,7 @@ from mlx_dspark.models import mlx_lm_target
 from mlx_dspark.models.cache import trim_caches
 from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward, packing_problem
 from mlx_dspark.testing.draft_layouts import write_gemma4_draft
-from mlx_dspark.testing.mlx_lm_tiny import tiny_mlx_lm_config, tiny_mlx_lm_weights, write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_tiny import HYBRID_FAMILIES, tiny_mlx_lm_config, tiny_mlx_lm_weights, write_draft_for, write_tiny_mlx_lm_target
 from mlx_dspark.testing.tiny import write_tiny_draft
 from mlx_dspark.testing.tiny_mlx_lm import tiny_mlx_lm_model
 from tests.test_mlx_lm_targets import mlx_lm_greedy
@@ -71,6 +72,12 @@ TARGETS = {
     "qwen3": _qwen3_through_mlx_lm,
     "gemma3_text": lambda: _as_target(tiny_mlx_lm_model("gemma3_text")),  # RotatingKVCache (window 5) + KVCache
     "gemma4_text": lambda: _as_target(tiny_mlx_lm_model("gemma4_text")),  # the same, KV-shared layers, per-layer inputs, MoE
+    # recurrent layers (run once per sequence inside the packed forward, replayed on rollback)
+    "qwen3_5": lambda: _as_target(tiny_mlx_lm_model("qwen3_5")),  # GatedDeltaNet ArraysCache + KVCache
+    "lfm2": lambda: _as_target(tiny_mlx_lm_model("lfm2")),  # short-conv ArraysCache + KVCache
+    "nemotron_h": lambda: _as_target(tiny_mlx_lm_model("nemotron_h")),  # Mamba-2 + attention + MLP / MoE blocks
+    "falcon_h1": lambda: _as_target(tiny_mlx_lm_model("falcon_h1")),  # CacheList(ArraysCache, KVCache) per layer
+    "mamba2": lambda: _as_target(tiny_mlx_lm_model("mamba2")),  # recurrent only: no attention at all
 }
 
 
@@ -121,6 +128,8 @@ def write_pair(root: Path, family: str, *, draft_family: str = "qwen3") -> tuple
     target = write_tiny_mlx_lm_target(root / "target", family=family, seed=0, **SMALL_WINDOW.get(family, {}))
     if draft_family == "gemma4":  # DeepSpec's Gemma 4 draft layers
         return target, write_gemma4_draft(root / "draft", target_path=target, seed=1)
+    if family in HYBRID_FAMILIES:  # mlx-lm's layout (a multimodal wrapper's text fields for qwen3_5)
+        return target, write_draft_for(root / "draft", target_path=target)
     draft = write_tiny_draft(root / "draft", target_path=target, layer_family="qwen3", seed=0)
     config = json.loads((draft / "config.json").read_text())
     config.update(rope_theta=10000.0, rope_parameters=None)  # the draft's own layers: default RoPE
@@ -147,7 +156,7 @@ class RevisingProposer(DraftProposer):
         return Proposal(tokens=mx.array([tokens], dtype=mx.int32) + 0 * proposal.tokens[:, :num_tokens].astype(mx.int32))
 
 
-@pytest.mark.parametrize("family", ["gemma4_text", "llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma4_text", "llama", "qwen3_moe", "qwen3_5", "lfm2", "nemotron_h"])
 def test_batched_greedy_rows_equal_solo_runs_and_mlx_lms_generate(family, tmp_path):
     target_path, draft_path = write_pair(tmp_path, family)
     model = prepare_model(mlx_dspark.load(str(target_path), str(draft_path)), RunSettings(ignore_eos=True))
@@ -210,10 +219,11 @@ def test_a_gemma4_pair_batches_its_draft_block_bitwise_and_its_rows_equal_mlx_lm
     assert sum(row.proposed for row in rows) > 0
 
 
-def test_server_batches_an_mlx_lm_target(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_server_batches_an_mlx_lm_target(family, tmp_path):
     from tests.test_server import call, pair_loader, running_server
 
-    pair = write_pair(tmp_path, "llama")
+    pair = write_pair(tmp_path, family)
     with running_server(pair_loader(pair), max_batch=3, batch_draft_cap=lambda width: 3, batch_prefill_chunk=8) as server:
         assert server.worker.load_error is None and server.worker.model is not None
         model = server.worker.model
@@ -237,14 +247,28 @@ def test_server_batches_an_mlx_lm_target(tmp_path):
         assert server.worker.peak_active >= 2, "the requests did share rounds"
 
 
-def test_a_family_whose_attention_cannot_be_split_is_refused_in_one_line():
+def _gemma2():
     """gemma2 writes its attention out (soft-capped scores) instead of calling mlx-lm's
-    scaled_dot_product_attention: the packing check names it rather than batching it wrongly."""
+    scaled_dot_product_attention: a packed forward cannot split it per sequence."""
     config = dict(model_type="gemma2", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-                  head_dim=16, rms_norm_eps=1e-6, vocab_size=97, num_key_value_heads=2)  # fmt: skip
+                  head_dim=16, rms_norm_eps=1e-6, vocab_size=384, num_key_value_heads=2)  # fmt: skip
     target = mlx_lm_target.from_config(config)
     mx.eval(target.parameters())
     mlx_lm_target.probe_target(target)  # a valid target: one request at a time runs it
-    problem = packing_problem(type("Pair", (), {"target": target, "draft": None})())
+    return target
+
+
+def test_a_family_whose_attention_cannot_be_split_is_refused_in_one_line(tmp_path):
+    problem = packing_problem(type("Pair", (), {"target": _gemma2(), "draft": None})())
     assert problem.startswith("the target (model_type 'gemma2') fails in a packed forward") and "scaled_dot_product_attention" in problem
     assert "\n" not in problem
+    from tests.test_server import call, running_server
+
+    target_path, _ = write_pair(tmp_path, "llama")
+    loaded = dataclasses.replace(mlx_dspark.load(str(target_path)), target=_gemma2())
+    with running_server(lambda: loaded, max_batch=4) as server:
+        server.worker.loaded.wait(60)
+        status, _, health = call(server, "GET", "/health")
+    error = server.worker.load_error
+    assert error == f"--max-batch 4: {problem}; serve it with --max-batch 1"
+    assert status != 200 or health.get("status") != "ok", health

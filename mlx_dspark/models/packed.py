@@ -63,8 +63,8 @@ PACKED_DRAFT_FAMILIES = ("qwen3", "spark2_5", "gemma4")  # the draft layer famil
 
 def packing_problem(model: Any) -> Optional[str]:
     """Why a loaded pair cannot run packed (continuous batching), or None: the packed forwards follow our
-    own target families' layer loop, mlx-lm's attention-only models (models/packed_mlx_lm.py) and the
-    draft layer families (`DecoderLayer`), nothing else."""
+    own target families' layer loop, mlx-lm's models where its load-time probe passes
+    (models/packed_mlx_lm.py) and the draft layer families (`DecoderLayer`), nothing else."""
     from mlx_dspark.models.target import TargetModel
 
     if is_mlx_lm_target(model.target):

@@ -19,10 +19,15 @@ of the needed rows come from mlx-lm's own head code (`model_head_logits`). Rollb
 `RollbackCaches`: the forward is recorded per sequence at that sequence's width (rotating caches keep
 their state from before it), so `trim_caches` on one sequence's list is exact as after its own forward.
 
-Recurrent layers (`ArraysCache`: GatedDeltaNet, Mamba, short convolutions) carry a state along the
-sequence axis that single-row sequences cannot carry: those targets are refused (`packing_problem`).
-A family whose code does anything else with the offset or the mask (an `int` offset, mask arithmetic) is
-found by `probe_packing` and refused with its model_type named, never approximated.
+Recurrent layers (`ArraysCache`, or a `CacheList` holding one: GatedDeltaNet, Mamba, short convolutions)
+carry a state along the sequence axis that single-row sequences cannot carry: the model's layer list is
+swapped for stand-ins (`_PerSequence`) that run such a layer once per sequence, on that sequence's rows
+(1, n, hidden), its own mask (`create_ssm_mask` of its own cache) and its own cache, through its
+`RollbackCaches.call` (recorded for the replay a rollback runs): the call of the sequence's own forward.
+Only those layers lose the shared matmuls; attention layers, MLP blocks without a cache, the head and the
+draft stay packed. A family whose code does anything else with the offset or the mask (an `int` offset,
+mask arithmetic, attention written out instead of mlx-lm's call) is found by `probe_packing` and refused
+with its model_type named, never approximated.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from mlx_lm.models import base as mlx_lm_base
 
 from mlx_dspark.models.base import check_tap_ids, gather_taps
 from mlx_dspark.models.mlx_lm_target import MLXLMTarget
-from mlx_dspark.models.rollback import REPLAY, ROTATING, RollbackCaches, cache_kind
+from mlx_dspark.models.rollback import REPLAY, ROTATING, RollbackCaches, cache_kind, layer_owner
 
 _ORIGINAL = "_dspark_original_sdpa"
 
@@ -57,13 +62,17 @@ class _Shape:
 class PackedView:
     """One layer's view of a packed forward: the sequences' own caches of that layer (see module docstring)."""
 
-    def __init__(self, caches: Sequence[Any], lengths: Sequence[int], offset: mx.array, forward: "_Forward"):
+    def __init__(self, caches: Sequence[Any], lengths: Sequence[int], offset: mx.array, forward: "_Forward", lists: Sequence[Any]):
         self.caches, self.lengths, self.offset, self.forward = list(caches), list(lengths), offset, forward
+        self.lists = list(lists)  # each sequence's whole cache list (its RollbackCaches records its layer calls)
+        self.recurrent = cache_kind(self.caches[0]) == REPLAY  # the layer runs per sequence (_PerSequence)
         self.fetched: Optional[list[tuple[Any, Any]]] = None
 
     def make_mask(self, N: int = 1, *, return_array: bool = False, window_size: Optional[int] = None) -> PackedMask:
         if N != 1:
             raise ValueError(f"a packed forward's hidden states have 1 position per sequence row, not {N}")
+        if self.recurrent:  # mlx-lm's `create_ssm_mask(h, cache)`
+            return PackedMask([mlx_lm_base.create_ssm_mask(_Shape(n), c) for c, n in zip(self.caches, self.lengths)])
         return PackedMask([
             mlx_lm_base.create_attention_mask(_Shape(n), cache, window_size=window_size, return_array=return_array)
             for cache, n in zip(self.caches, self.lengths)
@@ -81,6 +90,10 @@ class PackedView:
 
     def __bool__(self) -> bool:
         return True
+
+    def __getitem__(self, k: int) -> "PackedView":
+        """A `CacheList` layer's k-th member, as a view (mlx-lm builds masks from a member's cache)."""
+        return PackedView([c.caches[k] for c in self.caches], self.lengths, self.offset, self.forward, self.lists)
 
 
 class _Forward:
@@ -148,6 +161,48 @@ def install_dispatch(target: MLXLMTarget) -> list[str]:
     return patched
 
 
+class _PerSequence:
+    """Stands in for one decoder layer in a packed forward. A layer with a recurrent cache (its state runs
+    along the sequence) runs once per sequence on that sequence's rows, mask and cache, as in the
+    sequence's own forward (through its `RollbackCaches`, which records the call for replay); any other
+    layer runs packed. Attributes pass through to the layer."""
+
+    def __init__(self, layer: Any, index: int, capture: Any):
+        self._layer, self._index, self._capture = layer, index, capture
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._layer, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        view = next((v for v in (*args, *kwargs.values()) if isinstance(v, PackedView)), None)
+        if view is None or not view.recurrent:
+            return self._layer(*args, **kwargs)
+        total, outs = sum(view.lengths), []
+        for i, (lists, start, n) in enumerate(_spans(view.lists, view.lengths)):
+            def one(value: Any) -> Any:
+                if isinstance(value, PackedView):
+                    return value.caches[i]
+                if isinstance(value, PackedMask):
+                    return value.masks[i]
+                if isinstance(value, mx.array) and value.ndim >= 2 and value.shape[:2] == (total, 1):
+                    return value[start : start + n].reshape(1, n, *value.shape[2:])  # rows -> one sequence
+                return value
+
+            call_args, call_kwargs = tuple(map(one, args)), {k: one(v) for k, v in kwargs.items()}
+            record = lists.call if isinstance(lists, RollbackCaches) else (lambda f, *a, **k: f(*a, **k))
+            out = record(self._layer, *call_args, **call_kwargs)
+            if not isinstance(out, mx.array) or out.shape[:2] != (1, n):
+                raise ValueError(f"layer {self._index} (recurrent) returned {type(out).__name__}, not one sequence's hidden states")
+            outs.append(out.reshape(n, 1, *out.shape[2:]))
+        hidden = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+        capture = self._capture  # the per-sequence calls recorded per-sequence taps: the packed ones instead
+        if self._index == 0 and -1 in capture.tap_ids:
+            capture.taps[-1] = args[0]
+        if self._index in capture.tap_ids:
+            capture.taps[self._index] = hidden
+        return hidden
+
+
 def _begin_recording(caches: Any, width: int) -> None:
     """Record a sequence's part of the forward for rollback, as its own forward through `recording` does."""
     if not isinstance(caches, RollbackCaches):
@@ -155,10 +210,8 @@ def _begin_recording(caches: Any, width: int) -> None:
     caches.begin_forward()
     hidden = mx.zeros((1, width))  # only its width is read; never evaluated
     for i, kind in enumerate(caches.kinds):
-        if kind == ROTATING:
+        if kind == ROTATING:  # REPLAY caches are recorded by their per-sequence layer calls (_PerSequence)
             caches.record(None, (hidden,), {"cache": caches[i]})
-        elif kind == REPLAY:
-            raise ValueError("a packed forward cannot run a recurrent cache (see packing_problem)")
 
 
 def packed_target_forward(
@@ -173,27 +226,32 @@ def packed_target_forward(
     """models/packed.packed_target_forward for an mlx-lm target (same arguments and results)."""
     total = sum(lengths)
     tap_ids = check_tap_ids(tap_ids, target.args.num_hidden_layers)
+    offsets = [_first_offset(c) for c in caches]
+    row_positions = mx.array([o + j for o, n in zip(offsets, lengths) for j in range(n)], dtype=mx.int32)
+    forward = _Forward()
+    views = [PackedView([c[i] for c in caches], lengths, row_positions, forward, caches) for i in range(len(caches[0]))]
     if not getattr(target, "_dspark_packed_dispatch", None):
         object.__setattr__(target, "_dspark_packed_dispatch", install_dispatch(target))
-    if not target._dspark_packed_dispatch:
+    if not target._dspark_packed_dispatch and not all(view.recurrent for view in views):
         raise ValueError(
             f"model_type {target.mlx_lm_model_type!r}: its attention does not call mlx-lm's scaled_dot_product_attention, "
             "the call a packed forward splits per sequence"
         )
-    offsets = [_first_offset(c) for c in caches]
-    row_positions = mx.array([o + j for o, n in zip(offsets, lengths) for j in range(n)], dtype=mx.int32)
-    forward = _Forward()
-    views = [PackedView([c[i] for c in caches], lengths, row_positions, forward) for i in range(len(caches[0]))]
     for c, n in zip(caches, lengths):
         _begin_recording(c, n)
     capture = target._capture
     capture.start("forward", tap_ids=tap_ids)
+    owner = layer_owner(target)
+    layers = owner["layers"]
+    if any(view.recurrent for view in views):
+        owner["layers"] = [_PerSequence(layer, i, capture) for i, layer in enumerate(layers)]
     _CURRENT.append(forward)  # list.append / remove: atomic under the GIL
     try:
         super(MLXLMTarget, target).__call__(tokens.reshape(total, 1), cache=views)  # its logits: never evaluated
         final, taps, bad = capture.final, dict(capture.taps), capture.bad_output
     finally:
         _CURRENT.remove(forward)
+        owner["layers"] = layers
         capture.start("off")
     if bad or final is None:
         raise ValueError(f"model_type {target.mlx_lm_model_type!r}: the packed forward was not recorded ({bad})")
@@ -205,10 +263,12 @@ def packed_target_forward(
 
 
 def _first_offset(caches: Sequence[Any]) -> int:
-    offset = getattr(caches[0], "offset", None)
-    if not isinstance(offset, int):
-        raise ValueError(f"a packed forward needs caches with an integer offset, got {type(caches[0]).__name__}")
-    return offset
+    """The sequence's position: the offset of its first cache that has one (0 without any: recurrent only)."""
+    for cache in caches:
+        for c in getattr(cache, "caches", None) or (cache,):  # a CacheList's members
+            if isinstance(getattr(c, "offset", None), int):
+                return c.offset
+    return 0
 
 
 def packing_problem(target: MLXLMTarget) -> Optional[str]:
@@ -216,24 +276,9 @@ def packing_problem(target: MLXLMTarget) -> Optional[str]:
     known = getattr(target, "_dspark_packing_problem", False)
     if known is not False:
         return known
-    problem = _recurrent_layer(target) or probe_packing(target)
+    problem = probe_packing(target)
     object.__setattr__(target, "_dspark_packing_problem", problem)
     return problem
-
-
-def _recurrent_layer(target: MLXLMTarget) -> Optional[str]:
-    caches = target.make_cache()
-    for i, cache in enumerate(caches):
-        if cache_kind(cache) == REPLAY:
-            layer = target.layers[i]
-            parts = [f"{name} ({type(m).__name__})" for name, m in layer.children().items()
-                     if hasattr(m, "named_modules") and not any(w in type(m).__name__ for w in ("Norm", "MLP", "MoE", "Attention", "Switch"))]  # fmt: skip
-            kind = parts[0] if parts else type(layer).__mro__[1].__name__
-            return (
-                f"the target (model_type {target.mlx_lm_model_type!r}) has recurrent layers (layer {i}: {kind}, "
-                f"cache {type(cache).__name__}), whose state packed single-row sequences cannot carry"
-            )
-    return None
 
 
 def probe_packing(target: MLXLMTarget, *, lengths: Sequence[int] = (3, 1, 2), tolerance: float = 1e-3) -> Optional[str]:
