@@ -42,9 +42,6 @@ from mlx_dspark.models.base import check_tap_ids, gather_taps
 from mlx_dspark.models.mlx_lm_target import MLXLMTarget
 from mlx_dspark.models.rollback import REPLAY, ROTATING, RollbackCaches, cache_kind, layer_owner
 
-_ORIGINAL = "_dspark_original_sdpa"
-
-
 class PackedMask:
     """The attention mask of every sequence of a packed forward, as its own forward would build it."""
 
@@ -155,7 +152,6 @@ def install_dispatch(target: MLXLMTarget) -> list[str]:
         if current is None:
             continue
         if not getattr(current, "_dspark_packed", False):
-            setattr(module, _ORIGINAL, current)
             module.scaled_dot_product_attention = _dispatcher(current)
         patched.append(name)
     return patched
@@ -179,16 +175,8 @@ class _PerSequence:
             return self._layer(*args, **kwargs)
         total, outs = sum(view.lengths), []
         for i, (lists, start, n) in enumerate(_spans(view.lists, view.lengths)):
-            def one(value: Any) -> Any:
-                if isinstance(value, PackedView):
-                    return value.caches[i]
-                if isinstance(value, PackedMask):
-                    return value.masks[i]
-                if isinstance(value, mx.array) and value.ndim >= 2 and value.shape[:2] == (total, 1):
-                    return value[start : start + n].reshape(1, n, *value.shape[2:])  # rows -> one sequence
-                return value
-
-            call_args, call_kwargs = tuple(map(one, args)), {k: one(v) for k, v in kwargs.items()}
+            part = (i, start, n, total)
+            call_args, call_kwargs = tuple(_one(a, *part) for a in args), {k: _one(v, *part) for k, v in kwargs.items()}
             record = lists.call if isinstance(lists, RollbackCaches) else (lambda f, *a, **k: f(*a, **k))
             out = record(self._layer, *call_args, **call_kwargs)
             if not isinstance(out, mx.array) or out.shape[:2] != (1, n):
@@ -201,6 +189,17 @@ class _PerSequence:
         if self._index in capture.tap_ids:
             capture.taps[self._index] = hidden
         return hidden
+
+
+def _one(value: Any, i: int, start: int, n: int, total: int) -> Any:
+    """Sequence i's part of a packed layer argument: its cache, its mask, its rows (1, n, ...)."""
+    if isinstance(value, PackedView):
+        return value.caches[i]
+    if isinstance(value, PackedMask):
+        return value.masks[i]
+    if isinstance(value, mx.array) and value.ndim >= 2 and value.shape[:2] == (total, 1):
+        return value[start : start + n].reshape(1, n, *value.shape[2:])
+    return value
 
 
 def _begin_recording(caches: Any, width: int) -> None:
