@@ -30,6 +30,7 @@ from mlx_lm.models import llama  # noqa: E402
 from mlx_dspark.models.cache import trim_caches  # noqa: E402
 from mlx_dspark.models.mlx_lm_target import probe_target, target_class  # noqa: E402
 from mlx_dspark.models.packed import packed_target_forward  # noqa: E402
+from mlx_dspark.models.packed_mlx_lm import packing_problem  # noqa: E402
 
 
 def build(family: str, hidden: int, layers: int, vocab: int):
@@ -72,6 +73,8 @@ def main(
     repeats: int = typer.Option(5, "--repeats"),
 ) -> None:
     target = build(family, hidden, layers, vocab)
+    problem = packing_problem(target)  # the load-time check (and, for a hybrid, how its recurrent layers run)
+    assert problem is None, problem
     taps = (1, layers // 2)
     counts = [int(w) for w in widths.split(",")]
     caches = []
@@ -114,6 +117,7 @@ def main(
         for n in curve_rows:
             times.setdefault(f"rows {n}", []).append(timed(lambda: rows(n)))
     med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"recurrent layers per sequence: {getattr(target, '_dspark_recurrent_mode', '-')}")
     print(f"{family} hidden {hidden}, {layers} layers, vocab {vocab}, float32; context {context}, block {block}, {repeats} repeats (medians)")
     print("cost curve (one sequence, n rows): " + ", ".join(f"{n}: {med[f'rows {n}']:.1f} ms" for n in curve_rows))
     for w in counts:

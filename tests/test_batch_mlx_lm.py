@@ -87,6 +87,21 @@ def test_packed_rows_are_bitwise_their_own_forward_and_roll_back_alike(family):
     its own number of rows (a verify's rejected tail) and the next packed forward still equals the solo one."""
     target = TARGETS[family]()
     assert packing_problem(type("Pair", (), {"target": target, "draft": None})()) is None
+    if family in ("qwen3_5", "lfm2", "nemotron_h", "falcon_h1", "mamba2"):  # only the mixer per sequence
+        assert target._dspark_recurrent_mode == "module"
+    check_packed_rows(target)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "falcon_h1"])
+def test_whole_recurrent_layers_per_sequence_are_bitwise_too(family):
+    """The fallback for a family whose layer does more with its recurrent cache or mask than hand them to
+    one sub-module: the whole layer runs per sequence (chosen at load when the probe of the default fails)."""
+    target = TARGETS[family]()
+    object.__setattr__(target, "_dspark_recurrent_mode", "layer")
+    check_packed_rows(target)
+
+
+def check_packed_rows(target):
     vocab, taps = target.args.vocab_size, (-1, 0)
     prompts = [list(range(5, 12)), list(range(20, 29)), [3, 4, 5]]
     segments = [[7], [8, 9, 10, 11], [(40 + i) % vocab for i in range(40)]]  # 45 rows: MoE experts sort them

@@ -21,11 +21,13 @@ their state from before it), so `trim_caches` on one sequence's list is exact as
 
 Recurrent layers (`ArraysCache`, or a `CacheList` holding one: GatedDeltaNet, Mamba, short convolutions)
 carry a state along the sequence axis that single-row sequences cannot carry: the model's layer list is
-swapped for stand-ins (`_PerSequence`) that run such a layer once per sequence, on that sequence's rows
-(1, n, hidden), its own mask (`create_ssm_mask` of its own cache) and its own cache, through its
-`RollbackCaches.call` (recorded for the replay a rollback runs): the call of the sequence's own forward.
-Only those layers lose the shared matmuls; attention layers, MLP blocks without a cache, the head and the
-draft stay packed. A family whose code does anything else with the offset or the mask (an `int` offset,
+swapped for stand-ins (`_PerSequence`). Such a layer runs packed except for its sub-module that takes the
+recurrent cache (the mixer: GatedDeltaNet, ShortConv, Mamba), which runs once per sequence on that
+sequence's rows (1, n, hidden), its own mask (`create_ssm_mask` of its own cache) and its own cache,
+through its `RollbackCaches.call` (recorded for the replay a rollback runs): the call of the sequence's
+own forward. Where that does not reproduce the rows' own forwards (the load-time probe), or the layer's
+cache is a `CacheList`, the whole layer runs per sequence instead. Only the mixers lose the shared
+matmuls; norms, MLPs, attention layers, the head and the draft stay packed. A family whose code does anything else with the offset or the mask (an `int` offset,
 mask arithmetic, attention written out instead of mlx-lm's call) is found by `probe_packing` and refused
 with its model_type named, never approximated.
 """
@@ -36,9 +38,12 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
+from mlx_lm.models.cache import CacheList
 
 from mlx_dspark.models.base import check_tap_ids, gather_taps
+from mlx_dspark.models.cache import trim_caches
 from mlx_dspark.models.mlx_lm_target import MLXLMTarget
 from mlx_dspark.models.rollback import REPLAY, ROTATING, RollbackCaches, cache_kind, layer_owner
 
@@ -157,32 +162,74 @@ def install_dispatch(target: MLXLMTarget) -> list[str]:
     return patched
 
 
+def _per_sequence(module: Any, args: tuple, kwargs: dict, view: PackedView, what: str) -> mx.array:
+    """`module(*args, **kwargs)` once per sequence on its rows, masks and caches (`_one`), each call
+    through the sequence's `RollbackCaches` (recorded for replay) -> its outputs packed again (T, 1, ...)."""
+    total, outs = sum(view.lengths), []
+    for i, (lists, start, n) in enumerate(_spans(view.lists, view.lengths)):
+        part = (i, start, n, total)
+        call_args, call_kwargs = tuple(_one(a, *part) for a in args), {k: _one(v, *part) for k, v in kwargs.items()}
+        out = lists.call(module, *call_args, **call_kwargs) if isinstance(lists, RollbackCaches) else module(*call_args, **call_kwargs)
+        if not isinstance(out, mx.array) or out.shape[:2] != (1, n):
+            raise ValueError(f"{what} (recurrent) returned {type(out).__name__}, not one sequence's hidden states")
+        outs.append(out.reshape(n, 1, *out.shape[2:]))
+    return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+
+
+def _recurrent_view(args: tuple, kwargs: dict) -> Optional[PackedView]:
+    view = next((v for v in (*args, *kwargs.values()) if isinstance(v, PackedView)), None)
+    return view if view is not None and view.recurrent else None
+
+
+class _PerSequenceChild:
+    """Stands in for a direct sub-module of a recurrent layer: the one that receives the recurrent cache
+    (the mixer) runs per sequence; the others (norms, MLP, a CacheList layer's attention) run packed."""
+
+    def __init__(self, module: Any, used: list):
+        self._module, self._used = module, used
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        view = _recurrent_view(args, kwargs)
+        if view is None:
+            return self._module(*args, **kwargs)
+        self._used.append(True)
+        return _per_sequence(self._module, args, kwargs, view, type(self._module).__name__)
+
+
 class _PerSequence:
     """Stands in for one decoder layer in a packed forward. A layer with a recurrent cache (its state runs
-    along the sequence) runs once per sequence on that sequence's rows, mask and cache, as in the
-    sequence's own forward (through its `RollbackCaches`, which records the call for replay); any other
-    layer runs packed. Attributes pass through to the layer."""
+    along the sequence) runs packed except for the sub-module that takes that cache, which runs once per
+    sequence ("module" mode); or, where a family's layer does more with its cache or mask, the whole layer
+    runs per sequence ("layer" mode). Either is the call of the sequence's own forward, recorded by its
+    `RollbackCaches` for replay. Any other layer runs packed. Attributes pass through to the layer."""
 
-    def __init__(self, layer: Any, index: int, capture: Any):
-        self._layer, self._index, self._capture = layer, index, capture
+    def __init__(self, layer: Any, index: int, capture: Any, mode: str):
+        self._layer, self._index, self._capture, self._mode = layer, index, capture, mode
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._layer, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        view = next((v for v in (*args, *kwargs.values()) if isinstance(v, PackedView)), None)
-        if view is None or not view.recurrent:
+        view = _recurrent_view(args, kwargs)
+        if view is None:
             return self._layer(*args, **kwargs)
-        total, outs = sum(view.lengths), []
-        for i, (lists, start, n) in enumerate(_spans(view.lists, view.lengths)):
-            part = (i, start, n, total)
-            call_args, call_kwargs = tuple(_one(a, *part) for a in args), {k: _one(v, *part) for k, v in kwargs.items()}
-            record = lists.call if isinstance(lists, RollbackCaches) else (lambda f, *a, **k: f(*a, **k))
-            out = record(self._layer, *call_args, **call_kwargs)
-            if not isinstance(out, mx.array) or out.shape[:2] != (1, n):
-                raise ValueError(f"layer {self._index} (recurrent) returned {type(out).__name__}, not one sequence's hidden states")
-            outs.append(out.reshape(n, 1, *out.shape[2:]))
-        hidden = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+        if self._mode == "module" and not isinstance(view.caches[0], CacheList):  # a member is not recorded alone
+            used: list = []
+            children = [(k, m) for k, m in self._layer.items() if isinstance(m, nn.Module)]
+            for key, child in children:
+                self._layer[key] = _PerSequenceChild(child, used)
+            try:
+                out = self._layer(*args, **kwargs)
+            finally:
+                for key, child in children:
+                    self._layer[key] = child
+            if not used:
+                raise ValueError(f"layer {self._index}: no sub-module of it took its recurrent cache")
+            return out
+        hidden = _per_sequence(self._layer, args, kwargs, view, f"layer {self._index}")
         capture = self._capture  # the per-sequence calls recorded per-sequence taps: the packed ones instead
         if self._index == 0 and -1 in capture.tap_ids:
             capture.taps[-1] = args[0]
@@ -243,7 +290,8 @@ def packed_target_forward(
     owner = layer_owner(target)
     layers = owner["layers"]
     if any(view.recurrent for view in views):
-        owner["layers"] = [_PerSequence(layer, i, capture) for i, layer in enumerate(layers)]
+        mode = getattr(target, "_dspark_recurrent_mode", "module")
+        owner["layers"] = [_PerSequence(layer, i, capture, mode) for i, layer in enumerate(layers)]
     _CURRENT.append(forward)  # list.append / remove: atomic under the GIL
     try:
         super(MLXLMTarget, target).__call__(tokens.reshape(total, 1), cache=views)  # its logits: never evaluated
@@ -271,36 +319,48 @@ def _first_offset(caches: Sequence[Any]) -> int:
 
 
 def packing_problem(target: MLXLMTarget) -> Optional[str]:
-    """Why this mlx-lm target cannot run packed, or None (the answer is kept on the target)."""
+    """Why this mlx-lm target cannot run packed, or None (the answer is kept on the target). A target with
+    recurrent layers is probed with only their cache-taking sub-module per sequence, else whole layers."""
     known = getattr(target, "_dspark_packing_problem", False)
     if known is not False:
         return known
+    object.__setattr__(target, "_dspark_recurrent_mode", "module")
     problem = probe_packing(target)
+    if problem is not None and any(cache_kind(c) == REPLAY for c in target.make_cache()):
+        object.__setattr__(target, "_dspark_recurrent_mode", "layer")  # whole recurrent layers per sequence
+        problem = probe_packing(target)
     object.__setattr__(target, "_dspark_packing_problem", problem)
     return problem
 
 
 def probe_packing(target: MLXLMTarget, *, lengths: Sequence[int] = (3, 1, 2), tolerance: float = 1e-3) -> Optional[str]:
-    """Run a short packed forward (sequences at different offsets) against each sequence's own forward;
-    a reason when it fails or differs (relative to the logits' scale), else None."""
+    """Run a short packed forward (sequences at different offsets), roll each sequence back its own number
+    of rows and run one more, against each sequence's own forwards doing the same; a reason when it fails
+    or differs (relative to the logits' scale), else None."""
     vocab = target.args.vocab_size
     prompts = [[(5 + 13 * i + 7 * j) % vocab for j in range(2 + i)] for i in range(len(lengths))]
     segments = [[(11 + 17 * i + 3 * j) % vocab for j in range(n)] for i, n in enumerate(lengths)]
+    rejected = [n // 2 for n in lengths]
     try:
         solo, packed_caches = [], []
-        for prompt, segment in zip(prompts, segments):
+        for prompt, segment, back in zip(prompts, segments, rejected):
             cache = target.make_cache()
             target(mx.array(prompt)[None], cache=cache)
             logits, _ = target(mx.array(segment)[None], cache=cache)
-            solo.append(logits[0])
-            packed_cache = target.make_cache()
-            target(mx.array(prompt)[None], cache=packed_cache)
-            packed_caches.append(packed_cache)
+            trim_caches(cache, back)
+            again, _ = target(mx.array([segment[0]])[None], cache=cache)
+            solo.extend([logits[0], again[0]])
+            packed_caches.append(target.make_cache())
+            target(mx.array(prompt)[None], cache=packed_caches[-1])
         tokens = mx.array([t for s in segments for t in s], dtype=mx.int32)
         packed, _ = packed_target_forward(target, tokens, packed_caches, lengths)
-        reference = mx.concatenate(solo, axis=0)
+        for cache, back in zip(packed_caches, rejected):
+            trim_caches(cache, back)
+        again, _ = packed_target_forward(target, mx.array([s[0] for s in segments], dtype=mx.int32), packed_caches, [1] * len(lengths))
+        reference = mx.concatenate(solo[0::2] + solo[1::2], axis=0)
+        packed = mx.concatenate([packed, again], axis=0)
         worst = mx.max(mx.abs(packed - reference)).item() / max(mx.max(mx.abs(reference)).item(), 1e-6)
-    except (ValueError, TypeError, RuntimeError, IndexError, AttributeError) as e:
+    except (ValueError, TypeError, RuntimeError, IndexError, AttributeError, AssertionError) as e:
         return f"the target (model_type {target.mlx_lm_model_type!r}) fails in a packed forward ({type(e).__name__}: {e})"
     if not worst <= tolerance:
         return f"the target (model_type {target.mlx_lm_model_type!r}): a packed forward differs from its rows' own forwards (relative {worst:.2g})"
