@@ -47,6 +47,7 @@ from mlx_dspark.models.cache import trim_caches
 from mlx_dspark.models.mlx_lm_target import MLXLMTarget
 from mlx_dspark.models.rollback import REPLAY, ROTATING, RollbackCaches, cache_kind, layer_owner
 
+
 class PackedMask:
     """The attention mask of every sequence of a packed forward, as its own forward would build it."""
 
