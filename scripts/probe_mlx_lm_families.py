@@ -8,7 +8,9 @@ with random weights and probed (`probe_target`): PASS (our forward reproduces ml
 REFUSED (with the reason; "mlx-lm's own forward fails" means the generic config does not suit that
 family, not a verdict on it), or not surveyed (its ModelArgs needs fields the generic config lacks).
 A PASS here says the adapter takes the family apart exactly; it is not a test of that family's
-checkpoints, caches or rollback.
+checkpoints, caches or rollback. Each PASS is then checked for continuous batching
+(`models/packed_mlx_lm.packing_problem`: recurrent layers refused by name, then a short packed forward
+against its rows' own forwards): PACKS, or the reason it does not.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_dspark.models.mlx_lm_target import from_config, probe_target  # noqa: E402
+from mlx_dspark.models.packed_mlx_lm import packing_problem  # noqa: E402
 
 GENERIC = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -53,7 +56,7 @@ NOT_MODELS = {"base", "cache", "rope_utils", "switch_layers", "activations", "pi
 def main() -> None:
     import mlx_lm.models
 
-    passed, refused, skipped = [], {}, []
+    passed, refused, skipped, unpacked = [], {}, [], {}
     for name in sorted(m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__)):
         if name in NOT_MODELS:
             continue
@@ -69,7 +72,14 @@ def main() -> None:
             passed.append(name)
         except ValueError as e:
             refused[name] = str(e)
+            continue
+        unpacked[name] = packing_problem(model)
     print(f"PASS ({len(passed)}): {', '.join(passed)}")
+    packs = [n for n, why in unpacked.items() if why is None]
+    print(f"PACKS ({len(packs)} of {len(passed)}): {', '.join(packs)}")
+    for name, why in unpacked.items():
+        if why is not None:
+            print(f"DOES NOT PACK {name}: {why[:240]}")
     for name, why in refused.items():
         print(f"REFUSED {name}: {why[:240]}")
     print(f"not surveyed ({len(skipped)}): {', '.join(skipped)}")

@@ -133,3 +133,13 @@ def test_measured_once_then_read_from_the_cache(tiny_qwen3_pair, tmp_path):
     assert sorted(first.rows_ms) == [*range(1, block + 2), 16, 32, 64, 128]
     times = [first.rows_ms[n] for n in sorted(first.rows_ms)]
     assert times == sorted(times) and times[0] > 0  # made monotone; a wider forward never costs less
+
+
+def test_measured_on_a_hybrid_target_whose_recurrent_state_is_restored(tmp_path):
+    """qwen3_5 through mlx-lm: the measurement's forwards roll back (one-row ones by a restored copy)."""
+    from mlx_dspark.testing.mlx_lm_tiny import write_draft_for, write_tiny_mlx_lm_target
+
+    target = write_tiny_mlx_lm_target(tmp_path / "target", family="qwen3_5")
+    pair = mlx_dspark.load(str(target), draft=str(write_draft_for(tmp_path / "draft", target_path=target)))
+    cost = measure_batch_cost(pair.target, pair.draft, max_batch=2, context=16, repeats=1)
+    assert sorted(cost.sequences_ms) == [2] and 128 in cost.rows_ms and all(v > 0 for v in cost.rows_ms.values())

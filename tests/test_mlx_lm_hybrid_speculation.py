@@ -284,18 +284,3 @@ def test_the_confidence_schedule_and_its_cost_probe_run_on_a_hybrid(tmp_path):
     probe.decode(), probe.verify(1), probe.verify(3)
     result = mlx_dspark.generate(loaded, PROMPT, max_tokens=40, verify_schedule="confidence", cost_curve=curve)
     assert result.tokens == mlx_lm_greedy(target, PROMPT, 40) and result.rounds > 0
-
-
-def test_max_batch_refuses_an_mlx_lm_target_at_load_with_one_line(tmp_path):
-    """Packed forwards (continuous batching) cover our own target families only: a hybrid behind
-    --max-batch 4 fails its load with a line saying so and how to serve it, never a 500 per request."""
-    from tests.test_server import call, pair_loader, running_server
-
-    target = write_target(tmp_path, "qwen3_5")
-    draft = write_draft_for(tmp_path / "draft", target_path=target)
-    with running_server(pair_loader((target, draft)), max_batch=4) as server:
-        server.worker.loaded.wait(60)
-        status, _, health = call(server, "GET", "/health")
-    error = server.worker.load_error
-    assert error.startswith("--max-batch 4: the target (model_type 'qwen3_5')") and error.endswith("serve it with --max-batch 1")
-    assert status != 200 or health.get("status") != "ok", health

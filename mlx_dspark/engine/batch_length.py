@@ -37,6 +37,7 @@ from mlx_dspark.engine.propose import DraftProposer
 from mlx_dspark.engine.schedule import _nondecreasing
 from mlx_dspark.models.cache import trim_caches
 from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward
+from mlx_dspark.models.rollback import restore_caches, snapshot_caches
 
 PROBE_LENGTH = 2  # a row the plan keeps parked drafts this many now and then, so its estimates stay current
 PROBE_EVERY, MAX_PROBE_EVERY = 8, 128  # rounds between probes; doubles while the probes do not pay
@@ -182,13 +183,19 @@ def measure_batch_cost(
                 mx.eval(out.tokens)
             else:
                 width, rows = (1, n) if kind == "rows" else (n, 1)
+                # recurrent state (a hybrid's) is restored from a copy rather than rolled back (a one-row
+                # forward is never recorded); attention-only caches are trimmed (no copy: None)
+                saved = [snapshot_caches(c) for c in caches[:width]]
+                if any(s is not None for s in saved):
+                    mx.eval([a for s in saved if s is not None for layer in s for a in layer.arrays()])
+                    start = time.perf_counter()
                 logits, features = packed_target_forward(
                     target, tokens[: width * rows], caches[:width], [rows] * width, tap_ids=proposers[0].tap_ids,
                     head_rows=None if kind == "sequences" or n <= max(block + 1, max_batch) else [n - 1],  # past: a prompt chunk
                 )  # fmt: skip
                 mx.eval(mx.argmax(logits, axis=-1), *([] if features is None else [features]))
-                for cache in caches[:width]:
-                    trim_caches(cache, rows)
+                for cache, state in zip(caches[:width], saved):
+                    restore_caches(cache, state) if state is not None else trim_caches(cache, rows)
             if repeat:
                 samples[job].append(1000 * (time.perf_counter() - start))
     fastest = lambda kind, points: _nondecreasing([min(samples[(kind, n)]) for n in points])  # noqa: E731

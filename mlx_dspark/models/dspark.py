@@ -70,6 +70,10 @@ class DecoderLayer(nn.Module):
     def __call__(self, h: mx.array, context: ContextCache, mask: Optional[mx.array]) -> mx.array:
         # Queries and the block's own K/V from the block rows; the cached context K/V come first.
         attn = self.self_attn.attend(self.input_layernorm(h), offset=context.offset, context=context.fetch(), mask=mask)
+        return self.residual(h, attn)
+
+    def residual(self, h: mx.array, attn: mx.array) -> mx.array:
+        """The block after its attention output `attn` (also models/packed.py's): the family's residual form."""
         if self._value_scale is not None:  # after the output projection, as upstream's graph scales it
             attn = attn * self._value_scale
         if self._sandwich:

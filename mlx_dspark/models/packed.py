@@ -21,7 +21,9 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
+from mlx_dspark.models import packed_mlx_lm
 from mlx_dspark.models.base import gather_taps
+from mlx_dspark.models.mlx_lm_target import is_mlx_lm_target
 from mlx_dspark.models.dspark import block_mask
 
 
@@ -56,17 +58,21 @@ class PackedLayerCache:
         return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 
-PACKED_DRAFT_FAMILIES = ("qwen3", "spark2_5")  # pre-norm draft layers, the residual path written out below
+PACKED_DRAFT_FAMILIES = ("qwen3", "spark2_5", "gemma4")  # the draft layer families packed_block_hidden runs
 
 
 def packing_problem(model: Any) -> Optional[str]:
     """Why a loaded pair cannot run packed (continuous batching), or None: the packed forwards follow our
-    own target families' layer loop and the pre-norm draft layers, nothing else."""
+    own target families' layer loop, mlx-lm's models where its load-time probe passes
+    (models/packed_mlx_lm.py) and the draft layer families (`DecoderLayer`), nothing else."""
     from mlx_dspark.models.target import TargetModel
 
-    if not isinstance(model.target, TargetModel):
-        kind = getattr(model.target, "mlx_lm_model_type", type(model.target).__name__)
-        return f"the target (model_type {kind!r}) runs through mlx-lm's own model class, which packed forwards do not cover"
+    if is_mlx_lm_target(model.target):
+        problem = packed_mlx_lm.packing_problem(model.target)
+        if problem is not None:
+            return problem
+    elif not isinstance(model.target, TargetModel):
+        return f"the target ({type(model.target).__name__}) is neither one of our target families nor an mlx-lm model"
     draft = model.draft
     if draft is not None and draft.args.family not in PACKED_DRAFT_FAMILIES:
         return f"the draft's layer family {draft.args.family!r} is not packed (only {', '.join(PACKED_DRAFT_FAMILIES)})"
@@ -94,6 +100,8 @@ def packed_target_forward(
     total = sum(lengths)
     if tokens.shape != (total,) or len(caches) != len(lengths):
         raise ValueError(f"packed forward: {tokens.shape} tokens for {len(lengths)} sequences of {list(lengths)} rows")
+    if is_mlx_lm_target(target):
+        return packed_mlx_lm.packed_target_forward(target, tokens, caches, lengths, tap_ids=tap_ids, head_rows=head_rows)
     tap_ids = tuple(tap_ids)
     row_positions = positions([c[0].offset for c in caches], lengths)
     x = target.embed(tokens.reshape(total, 1))  # (T, 1, hidden): T single-row sequences
@@ -115,17 +123,13 @@ def packed_target_forward(
 def packed_block_hidden(draft: Any, anchors: mx.array, contexts: Sequence[list], *, target: Any) -> mx.array:
     """`DSparkDraft.block_hidden` for B sequences at once: anchors (B,), contexts[i] sequence i's context
     caches -> o = norm(h) (B, block_size, hidden). The block rows are packed as in the target's forward;
-    each sequence's block attends to its own context (`DecoderLayer` of models/dspark.py, row by row)."""
+    each sequence's block attends to its own context (`DecoderLayer` of models/dspark.py, row by row: its
+    own embedding, projections and residual form, the attention split per sequence)."""
     size, num = draft.args.block_size, anchors.shape[0]
     ids = mx.concatenate(
         [anchors.reshape(num, 1), mx.full((num, size - 1), draft.args.mask_token_id, dtype=anchors.dtype)], axis=1
     ).reshape(num * size, 1)
-    h = target.embed(ids)  # (T, 1, hidden)
-    if draft._embedding_rows is not None:
-        for row_id, row in zip(*draft._embedding_rows):
-            h = mx.where((ids == row_id)[..., None], row.astype(h.dtype), h)
-    if draft.args.packaging.embedding_scale is not None:
-        h = h * draft.args.packaging.embedding_scale
+    h = draft.embed_block(ids, target=target)  # (T, 1, hidden)
     row_positions = positions([ctx[0].offset for ctx in contexts], [size] * num)
     for index, layer in enumerate(draft.layers):
         attention = layer.self_attn
@@ -143,9 +147,5 @@ def packed_block_hidden(draft: Any, anchors: mx.array, contexts: Sequence[list],
             mask = block_mask(cache.offset, size, cache.length, cache.window)
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attention.scale, mask=mask)
             outs.append(out.transpose(2, 1, 0, 3))
-        attn = attention.output(mx.concatenate(outs, axis=0), x)
-        if layer._value_scale is not None:
-            attn = attn * layer._value_scale
-        h = h + attn
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = layer.residual(h, attention.output(mx.concatenate(outs, axis=0), x))
     return draft.norm(h).reshape(num, size, -1)

@@ -192,7 +192,7 @@ class ModelWorker:
             self.loaded.set()
             return
         problem = self.prepare()
-        if problem is not None:
+        if problem is not None:  # decided before the load is announced (/health never says ok first)
             log.error("%s", problem)
             self.load_error, self.model, self.state = problem, None, FAILED
             self.loaded.set()
