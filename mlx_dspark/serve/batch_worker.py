@@ -75,6 +75,7 @@ class BatchWorker(ModelWorker):
         self.cost: BatchCost | None = None  # this machine's packed costs, read or measured at load
         self.prefill_chunk = prefill_chunk
         self.active: list[_Active] = []
+        self.admitting: Job | None = None  # the job being admitted (taken from the queue, not yet active)
         self.rounds = 0
         self.generated_tokens = 0
         self.peak_active = 0  # the widest batch so far
@@ -85,6 +86,9 @@ class BatchWorker(ModelWorker):
     @property
     def busy(self) -> bool:
         return super().busy if self.one_at_a_time else bool(self.active)
+
+    def running(self, job: Job) -> bool:
+        return super().running(job) if self.one_at_a_time else any(a.job is job for a in list(self.active))
 
     def metrics(self) -> dict:
         if self.one_at_a_time:
@@ -138,7 +142,8 @@ class BatchWorker(ModelWorker):
     def abort(self, message: str) -> None:
         super().abort(message)
         error = APIError(503, message, type="server_error", code="server_shutting_down")
-        for job in [a.job for a in list(self.active)]:
+        admitting = [] if self.admitting is None else [self.admitting]  # an interrupt inside its admission
+        for job in [a.job for a in list(self.active)] + admitting:
             job.cancel()
             job.events.put(error)
 
@@ -162,7 +167,9 @@ class BatchWorker(ModelWorker):
                     job.cancel()  # its client left while it waited: it never starts
                     self._finish(job)
                 else:
+                    self.admitting = job  # left set if an interrupt ends serving, so abort() can answer its client
                     self._admit(job)
+                    self.admitting = None
             if self.active:
                 self._round()
             elif stopping:

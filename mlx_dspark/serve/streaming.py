@@ -51,7 +51,7 @@ class AnswerWriting:
             nonlocal pings
             pings += 1
             if job.steps == 0 and pings % 3 == 1:
-                where = "running" if self.server.worker.current is job else "queued behind another request"
+                where = "running" if self.server.worker.running(job) else "queued behind other requests"
                 log.info("%s request: no token yet after %.0f s, %s (a %d-token prompt)", writer.request.kind,
                          time.monotonic() - started, where, prompt_tokens)
             events = writer.keepalive_events(time.monotonic() - started)

@@ -236,6 +236,10 @@ class ModelWorker:
     def busy(self) -> bool:
         return self.current is not None
 
+    def running(self, job: Job) -> bool:
+        """Whether `job` is being generated now (not waiting in the queue)."""
+        return self.current is job
+
     @property
     def queued(self) -> int:
         """Jobs waiting whose client is still there (a cancelled job waits only to be skipped)."""
