@@ -248,5 +248,5 @@ class BatchWorker(ModelWorker):
         log.info(
             "%s request: %d generated tokens, finish=%s, acceptance %.2f%s",
             job.request.kind, job.generated_tokens, job.finish_reason, active.row.acceptance,
-            " (client gone, stopped)" if job.cancelled.is_set() else "",
+            " (its one tool call complete, stopped)" if job.answered else " (client gone, stopped)" if job.cancelled.is_set() else "",
         )  # fmt: skip
