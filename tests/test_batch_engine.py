@@ -12,13 +12,12 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark
-from mlx_dspark.api import stream_rounds
 from mlx_dspark.engine.batch import BatchRow, batch_round
+from tests.batch_helpers import drive_batch
 from mlx_dspark.engine.batch_length import PROBE_EVERY, PROBE_LENGTH, BatchCost, cost_curve_cap, row_budget_cap
 from mlx_dspark.engine.constraints import Constraint
 from mlx_dspark.engine.options import GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.engine.schedule import CostCurve
-from mlx_dspark.engine.steps import compile_request
 from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward
 
 
@@ -31,29 +30,7 @@ def pair(request):
 
 def run_batch(pair, requests, *, joins, cap=row_budget_cap(12), chunk=8):
     """Drive batch rounds as a server does; requests join at the given rounds. Returns each one's tokens."""
-    waiting = sorted(range(len(requests)), key=lambda i: joins[i])
-    active: dict[int, tuple] = {}
-    out: dict[int, list[int]] = {}
-    widths = []
-    round_no = 0
-    while waiting or active:
-        while waiting and joins[waiting[0]] <= round_no:
-            i = waiting.pop(0)
-            prompt, options = requests[i]
-            row = BatchRow(pair, prompt, options, grammar=compile_request(pair, options))
-            active[i] = (row, stream_rounds(pair, prompt, row.steps(), options=options))
-            out[i] = []
-        rows = [row for row, _ in active.values()]
-        widths.append(len(rows))
-        batch_round(pair, rows, draft_cap=cap, prefill_chunk=chunk)
-        for i, (row, stream) in list(active.items()):
-            while row.rounds:
-                step = next(stream)
-                out[i].extend(step.tokens)
-                if step.finish_reason is not None:
-                    del active[i]
-                    break
-        round_no += 1
+    out, _, widths = drive_batch(pair, requests, joins=joins, draft_cap=cap, prefill_chunk=chunk)
     return out, widths
 
 

@@ -13,14 +13,13 @@ import threading
 from collections import Counter
 from types import SimpleNamespace
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
 import mlx_dspark
-from mlx_dspark.api import stream_rounds
 from mlx_dspark.cli.demo import demo_pair
 from mlx_dspark.engine.batch import BatchRow, batch_round
+from tests.batch_helpers import drive_batch
 from mlx_dspark.engine.batch_length import row_budget_cap
 from mlx_dspark.engine.choose import Chooser, RoundCost
 from mlx_dspark.engine.constraints import Constraint
@@ -28,7 +27,6 @@ from mlx_dspark.engine.lookup import ContextIndex
 from mlx_dspark.engine.options import GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.engine.sample import Sampler
 from mlx_dspark.engine.schedule import CostCurve
-from mlx_dspark.engine.steps import compile_request
 from tests.engine_helpers import greedy_reference, make_target
 from tests.test_lookup import PROMPT, REPEATING, SCHEMA, VOCAB, exact_distribution
 from tests.test_lossless_sampling import chi_square_p_value, marginals
@@ -48,25 +46,7 @@ def pair():
 def run_rows(model, requests, *, joins, cap=row_budget_cap(16)):
     """Batch rounds as a server drives them (requests join at the given rounds): each one's tokens and row
     (`row.forwards`: the rounds that gave it a step, the count `target_forwards` makes for a single request)."""
-    waiting = sorted(range(len(requests)), key=lambda i: joins[i])
-    active, out, rows, round_no = {}, {}, {}, 0
-    while waiting or active:
-        while waiting and joins[waiting[0]] <= round_no:
-            i = waiting.pop(0)
-            prompt, options = requests[i]
-            rows[i] = BatchRow(model, prompt, options, grammar=compile_request(model, options))
-            rows[i].forwards = 0
-            active[i], out[i] = stream_rounds(model, prompt, rows[i].steps(), options=options), []
-        batch_round(model, [rows[i] for i in active], draft_cap=cap, prefill_chunk=16)
-        for i, stream in list(active.items()):
-            while rows[i].rounds:
-                step = next(stream)
-                rows[i].forwards += 1
-                out[i].extend(step.tokens)
-                if step.finish_reason is not None:
-                    del active[i]
-                    break
-        round_no += 1
+    out, rows, _ = drive_batch(model, requests, joins=joins, draft_cap=cap, prefill_chunk=16)
     return out, rows
 
 

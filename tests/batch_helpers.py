@@ -1,0 +1,48 @@
+"""Batch rounds driven as the server's batch worker drives them, for tests and benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from mlx_dspark.api import stream_rounds
+from mlx_dspark.engine.batch import BatchRow, batch_round
+from mlx_dspark.engine.steps import compile_request
+
+
+def drive_batch(
+    model: Any,
+    requests: Sequence[tuple[Sequence[int], Any]],
+    *,
+    joins: Sequence[int],
+    draft_cap: Callable[[int], int] | int | None = None,
+    cost: Any = None,
+    prefill_chunk: int = 8,
+) -> tuple[dict[int, list[int]], dict[int, BatchRow], list[int]]:
+    """Request i (prompt ids, GenerationOptions) joins at round `joins[i]` and leaves when its stream
+    (`api.stream_rounds`: the stop rules of a single request) finishes. Returns each request's tokens,
+    its row (`row.forwards`: the rounds that gave it a step) and the batch's width at every round."""
+    waiting = sorted(range(len(requests)), key=lambda i: joins[i])
+    active: dict[int, Any] = {}
+    out: dict[int, list[int]] = {}
+    rows: dict[int, BatchRow] = {}
+    widths: list[int] = []
+    round_no = 0
+    while waiting or active:
+        while waiting and joins[waiting[0]] <= round_no:
+            i = waiting.pop(0)
+            prompt, options = requests[i]
+            rows[i] = BatchRow(model, prompt, options, grammar=compile_request(model, options))
+            rows[i].forwards = 0
+            active[i], out[i] = stream_rounds(model, prompt, rows[i].steps(), options=options), []
+        widths.append(len(active))
+        batch_round(model, [rows[i] for i in active], draft_cap=draft_cap, cost=cost, prefill_chunk=prefill_chunk)
+        for i, stream in list(active.items()):
+            while rows[i].rounds:
+                step = next(stream)
+                rows[i].forwards += 1
+                out[i].extend(step.tokens)
+                if step.finish_reason is not None:
+                    del active[i]
+                    break
+        round_no += 1
+    return out, rows, widths
