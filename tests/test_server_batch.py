@@ -227,3 +227,16 @@ def test_the_command_line_batches_by_default_and_a_width_given_is_required(monke
     assert CliRunner().invoke(app, ["--port", "0"]).exit_code != 0
     assert CliRunner().invoke(app, ["--port", "0", "--max-batch", "2"]).exit_code != 0
     assert asked == [(DEFAULT_MAX_BATCH, False), (2, True)]
+
+
+def test_a_long_prompt_s_prefill_progress_is_logged(tiny_spark_pair, monkeypatch, caplog):
+    from mlx_dspark.serve import batch_worker
+
+    monkeypatch.setattr(batch_worker, "LOG_EVERY_S", 0.0)  # every round (the server: every 10 s)
+    with caplog.at_level("INFO", logger="mlx_dspark.server"):
+        with running_server(pair_loader(tiny_spark_pair), defaults=GenerationOptions(max_tokens=2), max_batch=2,
+                            batch_prefill_chunk=8) as srv:  # fmt: skip
+            completion(srv, "The quick brown fox jumps over the lazy dog. " * 3)
+    lines = [r.getMessage() for r in caplog.records if "prefill" in r.getMessage() and "prompt tokens done" in r.getMessage()]
+    done = [int(line.split("prefill ")[1].split(" of ")[0]) for line in lines]
+    assert len(done) >= 2 and done == sorted(done) and all("(1 in the batch)" in line for line in lines), lines

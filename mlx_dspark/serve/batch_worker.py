@@ -29,6 +29,7 @@ from mlx_dspark.engine.batch_length import BatchCost, batch_cost_for
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.steps import compile_request
 from mlx_dspark.serve.cache_pool import PromptCacheBudget
+from mlx_dspark.serve.progress import LOG_EVERY_S
 from mlx_dspark.serve.protocol import APIError
 from mlx_dspark.models.packed import packing_problem
 from mlx_dspark.serve.worker import _IDLE_POLL_S, Job, ModelWorker, fail_job
@@ -45,6 +46,15 @@ class _Active:
     stream: Iterator[StepResponse]
     cache: PromptCache | None
     started: float
+    logged: float = 0.0  # when its prefill progress was last logged
+
+    def log_prefill(self, now: float, width: int) -> None:
+        """Every LOG_EVERY_S while its prompt goes in (a long agent prompt takes minutes): how far it is."""
+        row = self.row
+        if row.prefilling and now - max(self.logged, self.started) >= LOG_EVERY_S:
+            self.logged = now
+            log.info("%s request: prefill %d of %d prompt tokens done after %.0f s (%d in the batch)",
+                     self.job.request.kind, row.prefilled, len(row.prompt), now - self.started, width)  # fmt: skip
 
 
 class BatchWorker(ModelWorker):
@@ -217,7 +227,9 @@ class BatchWorker(ModelWorker):
                 self._retire(active, reusable=False)
             return
         self.rounds += 1
-        produced = 0
+        produced, now = 0, time.monotonic()
+        for active in self.active:
+            active.log_prefill(now, len(self.active))
         for active in list(self.active):
             job = active.job
             try:
