@@ -16,7 +16,6 @@ Counts, not times: exact on a loaded machine.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 import json
@@ -27,13 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_dspark.api import encode_prompt, generate, stream_rounds  # noqa: E402
 from mlx_dspark.chat_format.turn import ToolSetup  # noqa: E402
-from mlx_dspark.cli.common import demo_pair  # noqa: E402
 from mlx_dspark.engine.batch import BatchRow, batch_round  # noqa: E402
 from mlx_dspark.engine.batch_length import row_budget_cap  # noqa: E402
 from mlx_dspark.engine.context import context_length, fit_max_tokens  # noqa: E402
 from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions  # noqa: E402
 from mlx_dspark.engine.steps import compile_request  # noqa: E402
-from mlx_dspark.loading.load import load  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_lookup", Path(__file__).with_name("bench_lookup.py"))
 bench_lookup = importlib.util.module_from_spec(_spec)
@@ -72,19 +69,10 @@ def run_batch(pair, prompt_ids: list[int], options: GenerationOptions, width: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model")
-    parser.add_argument("--draft")
-    parser.add_argument("--workloads", default="rename,diff,tool_call,tool_call_s11,json_record")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser = bench_lookup.workload_parser(__doc__.splitlines()[0], VARIANTS)
     parser.add_argument("--widths", default="1,3")
-    parser.add_argument("--max-tokens", type=int, default=None, help="Override every workload's max_tokens.")
     args = parser.parse_args()
-    if args.model:
-        pair = load(args.model, draft=args.draft, dtype="float32")
-    else:
-        demo = demo_pair()
-        pair = load(demo.target, draft=demo.draft, dtype=demo.dtype)
+    pair = bench_lookup.load_pair(args)
     specs = json.loads((bench_lookup.WORKLOADS / "workloads.json").read_text())
     widths = [int(w) for w in args.widths.split(",")]
     print("| workload (tokens, prompt) | variant | solo fwd/100 | " + " | ".join(f"batch x{w} fwd/100 (rounds/100)" for w in widths) + " |")

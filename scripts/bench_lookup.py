@@ -101,20 +101,30 @@ def cost_curve(pair, widths=(1, 2, 4, 8, 16, 24, 33), context=512, repeats=3) ->
     return {w: round(statistics.median(v), 2) for w, v in samples.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_parser(description: str, variants: list[str]) -> argparse.ArgumentParser:
+    """The flags every lookup benchmark takes: the pair (default: the demo pair), workloads, variants."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model")
     parser.add_argument("--draft")
     parser.add_argument("--workloads", default="rename,diff,tool_call,tool_call_s11,json_record")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default=",".join(variants))
     parser.add_argument("--max-tokens", type=int, default=None, help="Override every workload's max_tokens.")
-    args = parser.parse_args()
+    return parser
+
+
+def load_pair(args: argparse.Namespace):
+    """--model / --draft in float32, or the demo pair as the commands load it."""
     if args.model:
-        pair = load(args.model, draft=args.draft, dtype="float32")
-    else:
-        demo = demo_pair()
-        pair = load(demo.target, draft=demo.draft, dtype=demo.dtype)
+        return load(args.model, draft=args.draft, dtype="float32")
+    demo = demo_pair()
+    return load(demo.target, draft=demo.draft, dtype=demo.dtype)
+
+
+def main() -> None:
+    parser = workload_parser(__doc__.splitlines()[0], VARIANTS)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    pair = load_pair(args)
     print("cost curve (ms):", json.dumps(cost_curve(pair)))
     specs = json.loads((WORKLOADS / "workloads.json").read_text())
     variants = [v for v in args.variants.split(",") if v]
