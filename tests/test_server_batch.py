@@ -12,6 +12,7 @@ import http.client
 import json
 import threading
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 
@@ -176,6 +177,8 @@ def test_the_command_line_rejects_batch_flags_below_one():
     assert result.exit_code == 2 and "--max-batch must be >= 1, got 0" in result.output
     result = CliRunner().invoke(app, ["--port", "0", "--max-batch", "2", "--batch-prefill-chunk", "0"])
     assert result.exit_code == 2 and "--batch-prefill-chunk must be >= 1, got 0" in result.output
+    result = CliRunner().invoke(app, ["--port", "0", "--batch-max-tokens", "0"])
+    assert result.exit_code == 2 and "--batch-max-tokens must be >= 1, got 0" in result.output
 
 
 def test_the_batch_plans_over_this_machine_s_costs_and_serves_without_them(tiny_spark_pair, monkeypatch, tmp_path):
@@ -240,3 +243,49 @@ def test_a_long_prompt_s_prefill_progress_is_logged(tiny_spark_pair, monkeypatch
     lines = [r.getMessage() for r in caplog.records if "prefill" in r.getMessage() and "prompt tokens done" in r.getMessage()]
     done = [int(line.split("prefill ")[1].split(" of ")[0]) for line in lines]
     assert len(done) >= 2 and done == sorted(done) and all("(1 in the batch)" in line for line in lines), lines
+
+
+def test_requests_past_the_token_budget_wait_their_turn(tiny_spark_pair):
+    """--batch-max-tokens bounds what the active requests hold together (prompt + max_tokens each): two
+    that do not fit together run one after the other, in order, each equal to its solo run; two that fit
+    share rounds."""
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 2, "def f(x):"]
+    model = pair_loader(tiny_spark_pair)()
+    sizes = [len(model.tokenizer.encode(p)) + 24 for p in prompts]
+    budget = max(sizes)  # each fits alone, not both
+    with running_server(pair_loader(tiny_spark_pair), defaults=GenerationOptions(max_tokens=24), max_batch=4,
+                        batch_max_tokens=budget) as srv:  # fmt: skip
+        texts: dict[int, str] = {}
+        gate = threading.Barrier(2)
+
+        def run(i):
+            gate.wait()
+            texts[i] = completion(srv, prompts[i])["choices"][0]["text"]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert srv.worker.peak_active == 1 and call(srv, "GET", "/health")[2]["work"]["token_budget"] == budget
+        for i, prompt in enumerate(prompts):
+            assert texts[i] == generate(model, prompt, options=GenerationOptions(max_tokens=24)).text
+    worker = BatchWorker(lambda: model, max_batch=4, max_tokens=100)
+    prepared = lambda n, max_tokens: (list(range(n)), SimpleNamespace(max_tokens=max_tokens), None)  # noqa: E731
+    assert worker._fits(prepared(500, 500))  # alone, a request always runs
+    worker.active = [SimpleNamespace(tokens=60)]
+    assert worker._fits(prepared(10, 30)) and not worker._fits(prepared(11, 30))
+
+
+def test_the_default_token_budget_follows_the_memory(tiny_spark_pair):
+    from mlx.utils import tree_flatten
+
+    from mlx_dspark.engine.batch_length import BatchCost
+    from mlx_dspark.serve.batch_worker import MEMORY_SHARE, memory_token_budget
+
+    model = pair_loader(tiny_spark_pair)()
+    cost = BatchCost(rows_ms={1: 1.0}, sequences_ms={}, draft_ms={}, bytes_per_token=1000.0)
+    weights = sum(v.nbytes for m in (model.target, model.draft) for _, v in tree_flatten(m.parameters()))
+    assert memory_token_budget(model, cost, 10**6, memory=10**9) == int((MEMORY_SHARE * 10**9 - weights - 10**6) / 1000.0)
+    assert memory_token_budget(model, cost, 10**6, memory=10**6) == 1  # no room: one request at a time
+    assert memory_token_budget(model, BatchCost(rows_ms={1: 1.0}, sequences_ms={}, draft_ms={}), 0) is None  # unknown

@@ -77,6 +77,10 @@ def serve(
     max_batch: Optional[int] = typer.Option(
         None, "--max-batch", help=f"Requests served at once (continuous batching, draft lengths planned per round for the "
         f"whole batch); 1 = one at a time. Default: {DEFAULT_MAX_BATCH}, or one at a time for a pair that cannot be batched."),
+    batch_max_tokens: Optional[int] = typer.Option(
+        None, "--batch-max-tokens", help="The most context tokens (prompt + max_tokens) the requests served at once hold "
+        "together, for their caches' memory; a request past it waits its turn. Default: what 3/4 of this machine's "
+        "memory leaves beside the weights and the prompt cache."),
     batch_prefill_chunk: int = typer.Option(
         128, "--batch-prefill-chunk", help="With --max-batch > 1: prompt tokens a newcomer prefills per round (smaller keeps running streams smoother)."),
     force_tool_call: Optional[str] = typer.Option(
@@ -113,6 +117,8 @@ def serve(
             raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
+        if batch_max_tokens is not None and batch_max_tokens < 1:
+            raise ValueError(f"--batch-max-tokens must be >= 1, got {batch_max_tokens}")
         if batch_prefill_chunk < 1:
             raise ValueError(f"--batch-prefill-chunk must be >= 1, got {batch_prefill_chunk}")
         defaults = flags.generation_options(ctx.params, max_tokens=max_tokens_default)  # the shared flags, by name
@@ -146,7 +152,7 @@ def serve(
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
                              max_body_bytes=max_body_bytes, allow_origins=allow_origin,
-                             prompt_cache=prompt_cache, max_batch=max_batch or DEFAULT_MAX_BATCH, batch_required=max_batch is not None,
+                             prompt_cache=prompt_cache, max_batch=max_batch or DEFAULT_MAX_BATCH, batch_required=max_batch is not None, batch_max_tokens=batch_max_tokens,
                              batch_prefill_chunk=batch_prefill_chunk,
                              allow_template_kwargs=allow_template_kwarg, keepalive_s=keepalive_s,
                              force_tool_call=force_tool_call)

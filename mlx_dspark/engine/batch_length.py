@@ -102,6 +102,7 @@ class BatchCost:
     draft_ms: dict[int, float]
     context: int = SHALLOW_CONTEXT
     source: str = "given"
+    bytes_per_token: float = 0.0  # a request's caches (target and draft context) per token of context; 0: unknown
 
     def __post_init__(self) -> None:
         values = [*self.rows_ms.values(), *self.sequences_ms.values(), *self.draft_ms.values()]
@@ -126,14 +127,16 @@ class BatchCost:
     def to_json(self) -> dict:
         table = lambda d: {str(k): v for k, v in sorted(d.items())}  # noqa: E731
         return {"context": self.context, "source": self.source, "rows_ms": table(self.rows_ms),
-                "sequences_ms": table(self.sequences_ms), "draft_ms": table(self.draft_ms)}  # fmt: skip
+                "sequences_ms": table(self.sequences_ms), "draft_ms": table(self.draft_ms),
+                "bytes_per_token": self.bytes_per_token}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict, *, where: str = "a batch cost") -> "BatchCost":
         try:
             table = lambda key: {int(k): float(v) for k, v in data[key].items()}  # noqa: E731
             return cls(rows_ms=table("rows_ms"), sequences_ms=table("sequences_ms"), draft_ms=table("draft_ms"),
-                       context=int(data.get("context", SHALLOW_CONTEXT)), source=str(data.get("source", where)))  # fmt: skip
+                       context=int(data.get("context", SHALLOW_CONTEXT)), source=str(data.get("source", where)),
+                       bytes_per_token=float(data.get("bytes_per_token", 0.0)))  # fmt: skip
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"{where}: expected rows_ms, sequences_ms and draft_ms tables {{count: ms}} ({err})") from err
 
@@ -166,6 +169,7 @@ def measure_batch_cost(
         mx.eval(logits)
         caches.append(cache)
         proposers.append(proposer)
+    held = sum(c.nbytes for c in caches[0]) + sum(c.nbytes for c in proposers[0].context)  # before any forward grows them
     widths = measured_widths(max_batch)
     row_points = [*range(1, block + 2), *(n for n in ROW_POINTS if n > block + 1)]
     jobs = [("draft", w) for w in widths] + [("rows", n) for n in row_points] + [("sequences", w) for w in widths if w > 1]
@@ -206,6 +210,7 @@ def measure_batch_cost(
         draft_ms={w: min(samples[("draft", w)]) for w in widths},
         context=context,
         source=f"measured {time.strftime('%Y-%m-%d %H:%M')}",
+        bytes_per_token=held / context,
     )
 
 

@@ -244,6 +244,7 @@ def make_server(
     allow_template_kwargs: Sequence[str] = (),
     max_batch: int = 1,
     batch_required: bool = True,
+    batch_max_tokens: int | None = None,
     batch_draft_cap: Callable[[int], int] | None = None,
     batch_prefill_chunk: int = PREFILL_CHUNK,
     keepalive_s: float = KEEPALIVE_S,
@@ -255,7 +256,8 @@ def make_server(
     `max_batch` > 1 serves that many requests at once (`batch_worker.BatchWorker`, continuous batching;
     `batch_draft_cap(width)` its draft length per batch width, `batch_prefill_chunk` the prompt tokens a
     newcomer prefills per round); 1 serves one at a time (`ModelWorker`). `batch_required=False` serves a
-    pair the packed forwards cannot run one at a time instead of failing its load.
+    pair the packed forwards cannot run one at a time instead of failing its load; `batch_max_tokens` bounds the
+    context tokens the active requests hold together (None: from the machine's memory).
     """
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
@@ -270,7 +272,7 @@ def make_server(
         worker = ModelWorker(loader, prompt_cache=prompt_cache)
     else:
         worker = BatchWorker(loader, max_batch=max_batch, draft_cap=batch_draft_cap, prefill_chunk=batch_prefill_chunk,
-                             prompt_cache=prompt_cache, required=batch_required)
+                             prompt_cache=prompt_cache, required=batch_required, max_tokens=batch_max_tokens)
     return DSparkHTTPServer(
         (host, port),
         worker=worker,

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from mlx_dspark.api import StepResponse, context_length, fit_max_tokens, stream_rounds
 from mlx_dspark.chat_format.turn import OutputCollector
@@ -46,6 +50,7 @@ class _Active:
     stream: Iterator[StepResponse]
     cache: PromptCache | None
     started: float
+    tokens: int = 0  # the context it may reach: prompt + max_tokens (what the token budget counts)
     logged: float = 0.0  # when its prefill progress was last logged
 
     def log_prefill(self, now: float, width: int) -> None:
@@ -55,6 +60,31 @@ class _Active:
             self.logged = now
             log.info("%s request: prefill %d of %d prompt tokens done after %.0f s (%d in the batch)",
                      self.job.request.kind, row.prefilled, len(row.prompt), now - self.started, width)  # fmt: skip
+
+
+MEMORY_SHARE = 0.75  # of the device's memory, what weights, the prompt-cache pool and the batch may use
+
+
+def device_memory() -> int:
+    """Bytes the model's device may use: Metal's recommended working set, else the machine's memory."""
+    try:
+        if mx.metal.is_available():
+            return int(mx.metal.device_info()["max_recommended_working_set_size"])
+    except (AttributeError, KeyError, RuntimeError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_token_budget(model: Any, cost: BatchCost | None, pool_bytes: int, *, memory: int | None = None) -> int | None:
+    """Context tokens the active requests may hold together: what `MEMORY_SHARE` of the device's memory
+    leaves beside the weights and the prompt-cache pool, over the caches' bytes per token (measured with
+    the packed costs); None when those are unknown (no draft, no measurement): no limit but --max-batch."""
+    if cost is None or cost.bytes_per_token <= 0:
+        return None
+    weights = sum(v.nbytes for module in (model.target, model.draft) if module is not None
+                  for _, v in tree_flatten(module.parameters()))  # fmt: skip
+    free = MEMORY_SHARE * (device_memory() if memory is None else memory) - weights - pool_bytes
+    return max(1, int(free / cost.bytes_per_token))
 
 
 class BatchWorker(ModelWorker):
@@ -70,9 +100,13 @@ class BatchWorker(ModelWorker):
         history: int = 32,
         prompt_cache: PromptCacheBudget = PromptCacheBudget(),
         required: bool = True,
+        max_tokens: int | None = None,
     ) -> None:
         """`required`: refuse (fail the load of) a pair the packed forwards cannot run; False (the
-        server's default width, not asked for): serve that pair one request at a time instead."""
+        server's default width, not asked for): serve that pair one request at a time instead.
+        `max_tokens`: the most context tokens (prompt + max_tokens of every active request) the batch
+        holds at once, for its caches' memory; a newcomer past it waits (in order) until it fits, a
+        request alone always runs. None: from this machine's memory (`memory_token_budget`)."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -86,6 +120,10 @@ class BatchWorker(ModelWorker):
         self.prefill_chunk = prefill_chunk
         self.active: list[_Active] = []
         self.admitting: Job | None = None  # the job being admitted (taken from the queue, not yet active)
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"the batch's token budget must be an integer >= 1, got {max_tokens!r}")
+        self.token_budget = max_tokens  # None until prepare() sets it from the memory (or: no limit known)
+        self.held: tuple[Job, tuple] | None = None  # the next job, prepared, waiting for room in the budget
         self.rounds = 0
         self.generated_tokens = 0
         self.peak_active = 0  # the widest batch so far
@@ -96,6 +134,11 @@ class BatchWorker(ModelWorker):
     @property
     def busy(self) -> bool:
         return super().busy if self.one_at_a_time else bool(self.active)
+
+    @property
+    def queued(self) -> int:
+        held = self.held is not None and not self.held[0].cancelled.is_set()
+        return super().queued + int(held)
 
     def running(self, job: Job) -> bool:
         return super().running(job) if self.one_at_a_time else any(a.job is job for a in list(self.active))
@@ -108,6 +151,8 @@ class BatchWorker(ModelWorker):
         return {
             "max_batch": self.max_batch,
             "active": len(self.active),
+            "token_budget": self.token_budget,  # context tokens the active requests may hold together
+            "tokens_held": sum(a.tokens for a in list(self.active)),
             "peak_active": self.peak_active,
             "rounds": self.rounds,
             "generated_tokens": self.generated_tokens,
@@ -143,6 +188,11 @@ class BatchWorker(ModelWorker):
         except Exception as err:  # noqa: BLE001
             log.warning("no packed-forward costs (%s: %s): each request keeps its own draft length", type(err).__name__, err)
             return None
+        if self.token_budget is None:
+            self.token_budget = memory_token_budget(self.model, self.cost, self.cache_budget.nbytes)
+            if self.token_budget is not None:
+                log.info("the batch holds at most %d context tokens at once (%.0f KB of caches per token; "
+                         "--batch-max-tokens to change)", self.token_budget, self.cost.bytes_per_token / 1e3)  # fmt: skip
         table = lambda d: {k: round(v, 1) for k, v in d.items()}  # noqa: E731
         log.info("packed-forward costs up to %d requests (%s, %.1f s): one request's forward of n rows %s ms, "
                  "w requests %s ms, draft block %s ms", self.max_batch, self.cost.source, time.monotonic() - started,
@@ -153,6 +203,8 @@ class BatchWorker(ModelWorker):
         super().abort(message)
         error = APIError(503, message, type="server_error", code="server_shutting_down")
         admitting = [] if self.admitting is None else [self.admitting]  # an interrupt inside its admission
+        if self.held is not None:
+            admitting.append(self.held[0])
         for job in [a.job for a in list(self.active)] + admitting:
             job.cancel()
             job.events.put(error)
@@ -165,7 +217,21 @@ class BatchWorker(ModelWorker):
             return super().serve_jobs()
         stopping = False
         while True:
-            while not stopping and len(self.active) < self.max_batch:
+            while len(self.active) < self.max_batch:
+                if self.held is not None:  # in order: nothing passes a job waiting for room
+                    job, prepared = self.held
+                    if job.cancelled.is_set() or job.client_gone():
+                        self.held = None
+                        job.cancel()
+                        self._finish(job)
+                        continue
+                    if not self._fits(prepared):
+                        break
+                    self.held = None
+                    self._start(job, prepared)
+                    continue
+                if stopping:
+                    break
                 try:
                     # Idle: wait (waking now and then for signals); busy: only take what is there.
                     job = self._jobs.get(timeout=_IDLE_POLL_S) if not self.active else self._jobs.get_nowait()
@@ -178,19 +244,24 @@ class BatchWorker(ModelWorker):
                     self._finish(job)
                 else:
                     self.admitting = job  # left set if an interrupt ends serving, so abort() can answer its client
-                    self._admit(job)
+                    prepared = self._prepare(job)
+                    if prepared is not None and self._fits(prepared):
+                        self._start(job, prepared)
+                    elif prepared is not None:
+                        self.held = (job, prepared)
                     self.admitting = None
             if self.active:
                 self._round()
-            elif stopping:
+            elif stopping and self.held is None:
                 return
 
     def _finish(self, job: Job) -> None:
         job.done.set()
         self.recent.append(job)
 
-    def _admit(self, job: Job) -> None:
-        request, cache = job.request, None
+    def _prepare(self, job: Job) -> tuple | None:
+        """The job's prompt, options (max_tokens fitted to the context) and grammar; None: it failed (answered)."""
+        request = job.request
         try:
             tokenizer = self.model.tokenizer
             prompt, options = request.prepare(tokenizer)
@@ -199,17 +270,33 @@ class BatchWorker(ModelWorker):
                 job.reader = OutputCollector(request.tools.parser(tokenizer, prompt))
             grammar = compile_request(self.model, options)
             max_tokens = fit_max_tokens(len(prompt), options, *context_length(self.model, options))
-            options = dataclasses.replace(options, max_tokens=max_tokens)
+            return prompt, dataclasses.replace(options, max_tokens=max_tokens), grammar
+        # The worker is the boundary of one request: its own mistakes are its 400, the batch runs on.
+        except Exception as err:  # noqa: BLE001
+            fail_job(job, err)
+            self._finish(job)
+            return None
+
+    def _fits(self, prepared: tuple) -> bool:
+        """Whether a prepared job's context fits beside the active ones (alone, it always does)."""
+        prompt, options, _ = prepared
+        held = sum(a.tokens for a in self.active)
+        return not self.active or self.token_budget is None or held + len(prompt) + options.max_tokens <= self.token_budget
+
+    def _start(self, job: Job, prepared: tuple) -> None:
+        prompt, options, grammar = prepared
+        cache = None
+        try:
             cache = self.prompt_caches.checkout(prompt, speculative=options.speculation.speculative and self.speculative)
             row = BatchRow(self.model, prompt, options, prompt_cache=cache, grammar=grammar, cancel=job.cancelled)
             stream = stream_rounds(self.model, prompt, row.steps(), options=options, prompt_cache=cache)
-        # The worker is the boundary of one request: its own mistakes are its 400, the batch runs on.
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001  (as _prepare: this request's)
             failed = fail_job(job, err)
             self.prompt_caches.checkin(cache, reusable=not failed)
             self._finish(job)
             return
-        self.active.append(_Active(job=job, row=row, stream=stream, cache=cache, started=time.monotonic()))
+        self.active.append(_Active(job=job, row=row, stream=stream, cache=cache, started=time.monotonic(),
+                                   tokens=len(prompt) + options.max_tokens))  # fmt: skip
         self.peak_active = max(self.peak_active, len(self.active))
 
     def _round(self) -> None:
