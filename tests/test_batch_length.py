@@ -128,6 +128,12 @@ def test_measured_once_then_read_from_the_cache(tiny_qwen3_pair, tmp_path):
     first = batch_cost_for(pair, 3, cache_dir=tmp_path, measure=measure)
     again = batch_cost_for(pair, 3, cache_dir=tmp_path, measure=measure)
     assert calls == [3] and again == first and batch_cost_path(pair, 3, tmp_path).is_file()
+    assert first.bytes_per_token > 0  # the caches' size per token of context, for the batch's memory budget
+    path = batch_cost_path(pair, 3, tmp_path)
+    old = json.loads(path.read_text())
+    del old["bytes_per_token"]  # a file from before the caches' size was measured
+    path.write_text(json.dumps(old))
+    assert batch_cost_for(pair, 3, cache_dir=tmp_path, measure=measure).bytes_per_token > 0 and calls == [3, 3]
     assert sorted(first.sequences_ms) == [2, 3] and sorted(first.draft_ms) == [1, 2, 3]
     block = pair.draft.num_drafts
     assert sorted(first.rows_ms) == [*range(1, block + 2), 16, 32, 64, 128]

@@ -223,7 +223,9 @@ def batch_cost_for(model: Any, max_batch: int, *, cache_dir: Path | None = None,
     cache, else measured (`measure`, default `measure_batch_cost`) and written there."""
     path = batch_cost_path(model, max_batch, cache_dir)
     if path.is_file():
-        return BatchCost.from_json(json.loads(path.read_text()), where=str(path))
+        cached = BatchCost.from_json(json.loads(path.read_text()), where=str(path))
+        if cached.bytes_per_token > 0:  # a file from before the caches' size was measured is measured again
+            return cached
     cost = (measure or measure_batch_cost)(model.target, model.draft, max_batch=max_batch)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
