@@ -149,3 +149,51 @@ def test_measured_on_a_hybrid_target_whose_recurrent_state_is_restored(tmp_path)
     pair = mlx_dspark.load(str(target), draft=str(write_draft_for(tmp_path / "draft", target_path=target)))
     cost = measure_batch_cost(pair.target, pair.draft, max_batch=2, context=16, repeats=1)
     assert sorted(cost.sequences_ms) == [2] and 128 in cost.rows_ms and all(v > 0 for v in cost.rows_ms.values())
+
+
+def test_a_lookup_block_in_the_forward_makes_the_other_rows_drafts_dearer():
+    cost = cost_from(knee)  # memory-bound up to 16 rows
+    auto = RowDemand(acceptance=[0.8] * 7, cap=7)
+    assert plan_lengths(cost, [auto, RowDemand()]) == [7, 0]
+    beside = plan_lengths(cost, [auto, RowDemand(rows=33, expected=20.0)])  # a 32-token lookup block
+    assert beside[0] < 7 and beside[1] == 0, beside  # (here: the draft forward no longer pays at all)
+
+
+class _Row:
+    """What plan_round reads of a batch row (engine/batch.BatchRow), with a scripted Chooser."""
+
+    def __init__(self, demand, chooser=None):
+        self._demand, self.chooser, self.prefilling, self.planned = demand, chooser, False, chooser is None
+        self.probes = Probes()
+
+    def demand(self, cap, prefill_chunk):
+        return self._demand
+
+    def room(self):
+        return 32
+
+
+class _LookupChooser:
+    """Prefers its 32-token lookup block to any DSpark block."""
+
+    def __init__(self):
+        self.asked = []
+
+    def plan(self, *, num_tokens, room):
+        import mlx.core as mx
+
+        from mlx_dspark.engine.choose import Plan
+        from mlx_dspark.engine.propose import Proposal
+
+        self.asked.append(num_tokens)
+        return Plan(proposal=Proposal(tokens=mx.zeros((1, 32), mx.int32)), expected=20.0)
+
+
+def test_plan_round_counts_a_row_s_lookup_block_before_planning_the_drafts():
+    from mlx_dspark.engine.batch_plan import plan_round
+
+    auto = _Row(RowDemand(acceptance=[0.8] * 7, cap=7))
+    lookup = _Row(RowDemand(floor=0, acceptance=[0.8] * 7, cap=7), chooser=_LookupChooser())
+    lengths, plans = plan_round([auto, lookup], 1 << 30, cost_from(knee), 8)
+    assert set(plans) == {1} and plans[1].proposal.tokens.shape == (1, 32) and lookup.chooser.asked == [7]
+    assert lengths == plan_lengths(cost_from(knee), [auto._demand, RowDemand(rows=33, expected=20.0)]) and lengths[0] < 7

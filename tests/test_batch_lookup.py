@@ -20,7 +20,7 @@ import mlx_dspark
 from mlx_dspark.cli.demo import demo_pair
 from mlx_dspark.engine.batch import BatchRow, batch_round
 from tests.batch_helpers import drive_batch
-from mlx_dspark.engine.batch_length import row_budget_cap
+from mlx_dspark.engine.batch_length import BatchCost, row_budget_cap
 from mlx_dspark.engine.choose import Chooser, RoundCost
 from mlx_dspark.engine.constraints import Constraint
 from mlx_dspark.engine.lookup import ContextIndex
@@ -43,10 +43,10 @@ def pair():
     return mlx_dspark.load(str(demo.target), draft=str(demo.draft))
 
 
-def run_rows(model, requests, *, joins, cap=row_budget_cap(16)):
+def run_rows(model, requests, *, joins, cap=row_budget_cap(16), cost=None):
     """Batch rounds as a server drives them (requests join at the given rounds): each one's tokens and row
     (`row.forwards`: the rounds that gave it a step, the count `target_forwards` makes for a single request)."""
-    out, rows, _ = drive_batch(model, requests, joins=joins, draft_cap=cap, prefill_chunk=16)
+    out, rows, _ = drive_batch(model, requests, joins=joins, draft_cap=cap, cost=cost, prefill_chunk=16)
     return out, rows
 
 
@@ -59,7 +59,12 @@ def test_chooser_plan_then_finish_is_propose():
     assert chooser.chosen["lookup"] == 1
 
 
-def test_greedy_rows_with_lookup_and_fast_forward_equal_their_solo_runs(pair):
+# packed forwards memory-bound up to 24 rows, a whole step per row past them: long lookup blocks crowd drafts out
+KNEE = BatchCost(rows_ms={1: 10.0, 24: 12.0, 128: 77.0}, sequences_ms={2: 12.0, 4: 12.0}, draft_ms={1: 3.0, 4: 4.0})
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["own-lengths", "batch-plan"])
+def test_greedy_rows_with_lookup_and_fast_forward_equal_their_solo_runs(pair, planned):
     tokenizer = pair.tokenizer
     repeating = tokenizer.encode(REPEATING)
     quiet = SpeculationOptions(cost_curve=FLAT)
@@ -71,7 +76,7 @@ def test_greedy_rows_with_lookup_and_fast_forward_equal_their_solo_runs(pair):
         (repeating[:30], GenerationOptions(max_tokens=30, speculation=SpeculationOptions(max_draft_tokens=3, cost_curve=FLAT),
                                            sampling=SamplingOptions(repetition_penalty=1.2))),
     ]  # fmt: skip
-    out, rows = run_rows(pair, requests, joins=[0, 0, 1, 2, 3])
+    out, rows = run_rows(pair, requests, joins=[0, 0, 1, 2, 3], **(dict(cap=None, cost=KNEE) if planned else {}))
     for i, (prompt, options) in enumerate(requests):
         solo = mlx_dspark.generate(pair, prompt, options=options)
         assert out[i] == solo.tokens, f"request {i}"

@@ -40,8 +40,9 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_dspark.engine.accept import accept_greedy, accept_sampled
-from mlx_dspark.engine.batch_length import BatchCost, Probes, RowDemand, plan_lengths
-from mlx_dspark.engine.choose import Chooser, Plan
+from mlx_dspark.engine.batch_length import BatchCost, Probes, RowDemand
+from mlx_dspark.engine.batch_plan import plan_round
+from mlx_dspark.engine.choose import Chooser
 from mlx_dspark.engine.cost_probe import cost_curve_for
 from mlx_dspark.engine.decode import Round, _admitted
 from mlx_dspark.engine.draft_length import AutoLength, DraftLength, make_draft_length
@@ -177,21 +178,21 @@ class BatchRow:
             return dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
         return speculation
 
-    def _room(self) -> int:
+    def room(self) -> int:
         """The most tokens this round's block may hold: what max_tokens leaves and the caches roll back."""
         left = self.options.max_tokens - self.emitted - 1
         return max(0, min(rollback_limit(self.prompt_cache.target_cache), left))
 
-    def _draft_budget(self, cap: int) -> int:
+    def draft_budget(self, cap: int) -> int:
         """This round's drafts: the row's policy (auto: 0 while parked) within the batch width's cap."""
         if self.proposer is None or self.anchor is None:
             return 0
-        return max(0, min(self.length.next_length(position=self.position), cap, self._room()))
+        return max(0, min(self.length.next_length(position=self.position), cap, self.room()))
 
     def _prefill_end(self, prefill_chunk: int) -> int:
         return min(self.prefilled + prefill_chunk, next(s for s in self._stops if s > self.prefilled))
 
-    def _demand(self, cap: int, prefill_chunk: int) -> RowDemand:
+    def demand(self, cap: int, prefill_chunk: int) -> RowDemand:
         """What this row brings to the round's plan (batch_length.RowDemand)."""
         if self.prefilling:
             end = self._prefill_end(prefill_chunk)
@@ -199,9 +200,9 @@ class BatchRow:
         if self.proposer is None:
             return RowDemand()
         if not self.planned:  # its own policy's length, as the plan's floor
-            length = self._draft_budget(cap)
+            length = self.draft_budget(cap)
             return RowDemand(floor=length, acceptance=getattr(self.length, "acceptance", [self.acceptance or 0.6] * length))
-        room = min(cap, self._room())
+        room = min(cap, self.room())
         return RowDemand(floor=min(self.probes.floor(), room), acceptance=self.length.acceptance, cap=room)
 
 
@@ -245,19 +246,6 @@ def _propose(model: Any, rows: list[BatchRow], lengths: list[int]) -> list[Propo
             proposals[i] = revise(proposals[i], position=row.position, num_tokens=lengths[i])
         proposals[i].hooked = hooks[i] is not None and proposals[i].hooked
     return proposals
-
-
-def _choose(rows: Sequence[BatchRow], budgets: list[int]) -> dict[int, Plan]:
-    """Each decoding row with a Chooser decides its block (choose.Chooser.plan): the DSpark block of its
-    budget, or a lookup / forced block up to its room (as decode.py: no proposal without either)."""
-    plans = {}
-    for i, row in enumerate(rows):
-        if row.chooser is None or row.prefilling:
-            continue
-        room = row._room()
-        if budgets[i] or room:
-            plans[i] = row.chooser.plan(num_tokens=min(budgets[i], room), room=room)
-    return plans
 
 
 @dataclass
@@ -378,19 +366,6 @@ def _commit(plan: _Plan) -> None:
     ))  # fmt: skip
 
 
-def draft_budgets(rows: Sequence[BatchRow], cap: int, cost: BatchCost | None, prefill_chunk: int) -> list[int]:
-    """Each row's drafts this round: with `cost`, one plan for the batch (batch_length.plan_lengths) over
-    the auto rows, the others at their own policy's length; without, every row at its own policy's."""
-    if cost is None:
-        return [r._draft_budget(cap) for r in rows]
-    demands = [r._demand(cap, prefill_chunk) for r in rows]
-    lengths = plan_lengths(cost, demands)
-    for row, demand, length in zip(rows, demands, lengths):
-        if row.planned and not row.prefilling:
-            row.probes.record(length, probe=bool(demand.floor) and length == demand.floor)
-    return lengths
-
-
 def batch_round(
     model: Any,
     rows: Sequence[BatchRow],
@@ -405,8 +380,7 @@ def batch_round(
     if not rows:
         return
     cap = 1 << 30 if draft_cap is None else draft_cap(len(rows)) if callable(draft_cap) else int(draft_cap)
-    budgets = draft_budgets(rows, cap, cost, prefill_chunk)
-    chosen = _choose(rows, budgets)
+    budgets, chosen = plan_round(rows, cap, cost, prefill_chunk)
     # a row with a Chooser drafts only when its plan asks for a DSpark block (never past its room)
     sizes = [chosen[i].draft_size if i in chosen else 0 if r.chooser else n for i, (r, n) in enumerate(zip(rows, budgets))]
     drafting = [i for i, n in enumerate(sizes) if n > 0]

@@ -246,6 +246,7 @@ class RowDemand:
     acceptance: Sequence[float] = ()
     cap: int = 0
     tokens: bool = True  # whether its round commits tokens (a middle prefill chunk does not)
+    expected: float | None = None  # the tokens its round commits at its floor, when known otherwise (a lookup block)
 
 
 def plan_lengths(cost: BatchCost, demands: Sequence[RowDemand]) -> list[int]:
@@ -257,7 +258,8 @@ def plan_lengths(cost: BatchCost, demands: Sequence[RowDemand]) -> list[int]:
     floors = [d.floor for d in demands]
     width = len(demands)
     rows0 = sum(d.rows + d.floor for d in demands)
-    expected0 = sum(expected_tokens(d.acceptance, d.floor) if d.acceptance else 1.0 for d in demands if d.tokens)
+    expected0 = sum(d.expected if d.expected is not None else expected_tokens(d.acceptance, d.floor) if d.acceptance else 1.0
+                    for d in demands if d.tokens)  # fmt: skip
     caps = [max(0, min(d.cap, len(d.acceptance))) for d in demands]
     most = rows0 + sum(max(0, c - f) for c, f in zip(caps, floors))
     verify = [cost.verify(width, r) if r >= rows0 else 0.0 for r in range(most + 1)]  # the costs this plan can reach

@@ -24,7 +24,7 @@ admits alone is accepted with certainty.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 
@@ -108,6 +108,7 @@ class Plan:
     forced: tuple[int, ...] = ()  # the grammar's forced run, put in front of the block
     room: int = 0
     strong: bool = False  # a long lookup match: worth reading the block for a lookup tail
+    expected: float = 1.0  # a ready block: the tokens its round is expected to commit
 
 
 @dataclass
@@ -191,6 +192,7 @@ class Chooser:
         forced = self.grammar.forced()[:room] if self.grammar is not None else []
         m = len(forced)
         best: tuple[float, str, list[int], int] = (self._rate(1 + m, 1 + m, draft=False), "forced", [], 0)
+        expected = 1.0 + m
         if self.index is not None and room > m:
             match = self.index.continuation(forced, max_tokens=min(self.max_lookup, room) - m)
             rate = self._lookup_rate(match.length).rate
@@ -198,6 +200,7 @@ class Chooser:
                 score = self._rate(1 + m + expected_tokens(rate, length), 1 + m + length, draft=False)
                 if score > best[0]:
                     best = (score, "lookup", match.tokens[:length], match.length)
+                    expected = 1 + m + expected_tokens(rate, length)
         size = min(num_tokens, room, self.block_size) if self.draft is not None else 0
         if size > m:  # the block is the default: parking the draft is the draft-length policy's call, not ours
             score = self._rate(1 + m + expected_tokens(self.draft_rate.rate, size - m), 1 + size, draft=True)
@@ -210,7 +213,8 @@ class Chooser:
         self._pending = _Pending(source, m, len(tokens) - m, ngram)
         if not tokens:
             return Plan(proposal=None)
-        return Plan(proposal=Proposal(tokens=mx.array([tokens], dtype=mx.int32), hooked=False, source=source))
+        return Plan(proposal=Proposal(tokens=mx.array([tokens], dtype=mx.int32), hooked=False, source=source),
+                    expected=expected)
 
     def finish(self, plan: Plan, drafted: Proposal, *, hooked: bool) -> Proposal:
         """The round's block from the draft's proposal of `plan.draft_size` tokens (`hooked`: drafted
