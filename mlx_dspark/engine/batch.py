@@ -107,13 +107,16 @@ class BatchRow:
                 temperature=max(self.sampler.temperature, 1e-6),
                 context=self.prompt_cache.draft_context,
             )
+        # this machine's single-request curve (measured once and cached), read once for the row's length
+        # policy, its Chooser and its confidence schedule
+        speculation = self.speculation
+        curve = speculation.cost_curve
+        if curve is None and speculation.speculative and (speculation.auto_length or speculation.verify_schedule == "confidence"):
+            curve = cost_curve_for(model)
         self.length: DraftLength | None = None  # the row's own length policy (auto: its acceptance, the curve)
         if self.proposer is not None:
-            self.max_draft = self.speculation.draft_length(self.proposer.block_size)
-            curve = self.speculation.cost_curve
-            if self.speculation.auto_length and curve is None:
-                curve = cost_curve_for(model)  # this machine's single-request curve, measured once and cached
-            self.length = make_draft_length(self.speculation.max_draft_tokens, self.max_draft, curve)
+            self.max_draft = speculation.draft_length(self.proposer.block_size)
+            self.length = make_draft_length(speculation.max_draft_tokens, self.max_draft, curve)
         # The batch plans this row's lengths with the others' (batch_length.plan_lengths) when its policy
         # is auto, unless it is a seeded sampled row: its draws then follow its own lengths alone, so its
         # reply does not depend on what else the batch runs.
@@ -123,12 +126,12 @@ class BatchRow:
         # Chooser decides per round, its DSpark blocks come from the batch's packed draft forward
         self.chooser: Chooser | None = None
         if self.speculation.speculative:
-            chosen = _chosen(self.proposer, self.prompt, self._with_curve(model), grammar)
+            chosen = _chosen(self.proposer, self.prompt, dataclasses.replace(speculation, cost_curve=curve), grammar)
             self.chooser = chosen if isinstance(chosen, Chooser) else None
         self.schedule = None  # the cost curve a confidence-scheduled row cuts its proposals with
         if self.proposer is not None and self.speculation.verify_schedule == "confidence":
             require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
-            self.schedule = self.speculation.cost_curve or cost_curve_for(model)
+            self.schedule = curve
         if self.proposer is not None:
             if self.speculation.confidence_threshold > 0:  # as make_steps: a threshold needs a confidence head
                 require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft",
@@ -169,14 +172,6 @@ class BatchRow:
         """Before building this row's random draws: re-seed MLX's generator from the row's own stream."""
         if self._seeds is not None:
             mx.random.seed(int(self._seeds.integers(2**32)))
-
-    def _with_curve(self, model: Any) -> Any:
-        """The row's speculation options with the cost curve make_steps would give its Chooser."""
-        speculation = self.speculation
-        wants = speculation.auto_length or speculation.verify_schedule == "confidence"
-        if speculation.cost_curve is None and wants:
-            return dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
-        return speculation
 
     def room(self) -> int:
         """The most tokens this round's block may hold: what max_tokens leaves and the caches roll back."""
