@@ -7,7 +7,7 @@
 Without --model it runs the trained demo pair. Per workload and variant (`dspark`: no lookup, no
 fast-forward; `both`: lookup on + fast-forward, the default; `lookup`: lookup alone): `solo` is
 `api.generate` (`target_forwards`); `batch xN` runs N copies of the request as rows of `batch_round`
-(all joining at round 0, `row_budget_cap()` as the server's default cap); a row's forwards are the
+(all joining at round 0, under the fixed cap `row_budget_cap()`); a row's forwards are the
 rounds it got a Round from (its prompt's last chunk, then every verify), the count `target_forwards`
 makes for a single request. Greedy: every row must write the solo tokens (checked). `rounds` is the
 batch's own count of packed forwards (prompt chunks of 128 tokens included) per 100 tokens of all rows.

@@ -1,16 +1,16 @@
-"""How many drafts each batched row proposes: this machine's packed-forward costs per batch width, and
-one plan for the whole batch.
+"""How many drafts each batched row proposes: this machine's packed-forward costs, and one plan for the
+whole batch.
 
 A batched round is one packed target forward over every row's segment (engine/batch.py), so a row's
 drafts cost what they add to *that* forward: little while the forward is memory-bound, a lot once the
-batch fills the machine. `BatchCost` holds what the packed forwards cost here: the target forward of
-`width` sequences with 1..K+1 rows each, and the packed draft block of `width` sequences, at one context
-depth (measured once per pair, machine and width limit by `measure_batch_cost`, cached beside the
-single-request curve by `batch_cost_for`).
+batch fills the machine. `BatchCost` holds what the packed forwards cost here, at one context depth:
+one sequence's forward of n rows, what splitting the attention over w sequences adds, and the packed
+draft block of w sequences (measured once per pair, machine and width limit by `measure_batch_cost`,
+cached beside the single-request curve by `batch_cost_for`).
 
 `plan_lengths` picks the draft lengths of one round together: from every row at its floor (its fixed
-length, 0 for auto rows) it adds one draft at a time to the auto row whose next position adds the most
-expected tokens per millisecond to the round, and keeps the best point of that path:
+length, 0 for auto rows) it adds one draft at a time where it adds the most expected tokens, and keeps
+the point of the path with the highest
 
     rate = sum_i E_i(l_i) / (t_draft(rows drafting) + t_verify(width, total rows))
 
@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.engine.cost_probe import SHALLOW_CONTEXT, cache_key, cost_cache_dir
+from mlx_dspark.engine.cost_probe import SHALLOW_CONTEXT, cache_key, cost_cache_dir, write_cached
 from mlx_dspark.engine.decode import prefill
 from mlx_dspark.engine.draft_length import expected_tokens
 from mlx_dspark.engine.propose import DraftProposer
@@ -60,27 +60,6 @@ def row_budget_cap(rows: int = 16, *, block_size: int = 7) -> Callable[[int], in
 
     def cap(width: int) -> int:
         return max(1, min(block_size, rows // max(width, 1) - 1))
-
-    return cap
-
-
-def cost_curve_cap(
-    forward_ms: dict[int, float], draft_ms: dict[int, float], *, acceptance: float, block_size: int
-) -> Callable[[int], int]:
-    """The draft length per batch width from measured costs: for `width` rows, the l in 0..block_size
-    that maximises `width * E(l) / (t_draft(width) + t_forward(width * (l + 1)))`, with
-    `E(l) = 1 + a + .. + a^l` for a per-token acceptance `a` (l = 0: plain rows, no draft forward).
-    `forward_ms[n]`: a packed target forward of n rows; `draft_ms[w]`: a packed draft block of w rows."""
-    if not 0.0 <= acceptance < 1.0:
-        raise ValueError(f"acceptance (per draft token) must be in [0, 1), got {acceptance}")
-
-    def cap(width: int) -> int:
-        def rate(length: int) -> float:
-            expected = sum(acceptance**k for k in range(length + 1))
-            cost = _interpolate(forward_ms, width * (length + 1)) + (_interpolate(draft_ms, width) if length else 0.0)
-            return width * expected / cost
-
-        return max(range(block_size + 1), key=rate)
 
     return cap
 
@@ -227,10 +206,7 @@ def batch_cost_for(model: Any, max_batch: int, *, cache_dir: Path | None = None,
         if cached.bytes_per_token > 0:  # a file from before the caches' size was measured is measured again
             return cached
     cost = (measure or measure_batch_cost)(model.target, model.draft, max_batch=max_batch)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cost.to_json()))
-    tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    write_cached(path, cost.to_json())
     return cost
 
 
@@ -312,7 +288,6 @@ class Probes:
 
     interval: int = PROBE_EVERY
     parked: int = 0
-    probed: bool = False
     counts: dict = field(default_factory=lambda: {"parked_rounds": 0, "probes": 0})
 
     def floor(self) -> int:
@@ -322,11 +297,11 @@ class Probes:
     def record(self, planned: int, probe: bool) -> None:
         """The plan gave the row `planned` drafts (`probe`: only because a probe was due)."""
         if probe:
-            self.parked, self.probed = 0, True
+            self.parked = 0
             self.interval = min(2 * self.interval, MAX_PROBE_EVERY)
             self.counts["probes"] += 1
         elif planned:
-            self.parked, self.probed = 0, False
+            self.parked = 0
             self.interval = PROBE_EVERY
         else:
             self.parked += 1

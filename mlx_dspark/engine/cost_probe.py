@@ -93,11 +93,16 @@ def cost_curve_for(
     if path.is_file():
         return CostCurve.from_file(path)
     curve = (measure or measure_cost_curve)(model.target, model.draft)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**curve.to_json(), "source": f"measured at first use, {time.strftime('%Y-%m-%d %H:%M')}"}))
-    tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    write_cached(path, {**curve.to_json(), "source": f"measured at first use, {time.strftime('%Y-%m-%d %H:%M')}"})
     return CostCurve.from_file(path)
+
+
+def write_cached(path: Path, data: dict) -> None:
+    """Write a measurement into the cost cache as JSON, atomically: a concurrent reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
 
 
 def measure_cost_curve(
