@@ -289,3 +289,16 @@ def test_the_default_token_budget_follows_the_memory(tiny_spark_pair):
     assert memory_token_budget(model, cost, 10**6, memory=10**9) == int((MEMORY_SHARE * 10**9 - weights - 10**6) / 1000.0)
     assert memory_token_budget(model, cost, 10**6, memory=10**6) == 1  # no room: one request at a time
     assert memory_token_budget(model, BatchCost(rows_ms={1: 1.0}, sequences_ms={}, draft_ms={}), 0) is None  # unknown
+
+
+def test_a_bug_in_the_cost_measurement_fails_the_load_on_health_instead_of_hanging(tiny_spark_pair, monkeypatch, tmp_path):
+    from mlx_dspark.engine import batch_length, cost_probe
+
+    def buggy(target, draft, *, max_batch):
+        raise TypeError("unsupported operand")
+
+    monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(batch_length, "measure_batch_cost", buggy)
+    with running_server(pair_loader(tiny_spark_pair), max_batch=2) as srv:
+        assert srv.worker.state == "error" and srv.worker.load_error == "TypeError: unsupported operand"
+        assert call(srv, "GET", "/health")[2]["status"] == "error"

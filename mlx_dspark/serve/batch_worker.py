@@ -183,9 +183,10 @@ class BatchWorker(ModelWorker):
         started = time.monotonic()
         try:
             self.cost = batch_cost_for(self.model, self.max_batch)
-        # Serving goes on without the plan whatever went wrong (an unwritable or damaged cost cache, a
-        # failed measurement): each request then keeps its own draft length policy.
-        except Exception as err:  # noqa: BLE001
+        # Serving goes on without the plan when the cost cache cannot be written or read (OSError, a
+        # damaged file: ValueError) or MLX fails to run the measurement (RuntimeError: memory): each
+        # request then keeps its own draft length policy. Anything else fails the load, said on /health.
+        except (OSError, ValueError, RuntimeError) as err:
             log.warning("no packed-forward costs (%s: %s): each request keeps its own draft length", type(err).__name__, err)
             return None
         if self.token_budget is None:
@@ -220,10 +221,8 @@ class BatchWorker(ModelWorker):
             while len(self.active) < self.max_batch:
                 if self.held is not None:  # in order: nothing passes a job waiting for room
                     job, prepared = self.held
-                    if job.cancelled.is_set() or job.client_gone():
+                    if self._dropped(job):
                         self.held = None
-                        job.cancel()
-                        self._finish(job)
                         continue
                     if not self._fits(prepared):
                         break
@@ -239,10 +238,7 @@ class BatchWorker(ModelWorker):
                     break
                 if job is None:
                     stopping = True
-                elif job.cancelled.is_set() or job.client_gone():
-                    job.cancel()  # its client left while it waited: it never starts
-                    self._finish(job)
-                else:
+                elif not self._dropped(job):  # (a job whose client left while it waited never starts)
                     self.admitting = job  # left set if an interrupt ends serving, so abort() can answer its client
                     prepared = self._prepare(job)
                     if prepared is not None and self._fits(prepared):
@@ -258,6 +254,14 @@ class BatchWorker(ModelWorker):
     def _finish(self, job: Job) -> None:
         job.done.set()
         self.recent.append(job)
+
+    def _dropped(self, job: Job) -> bool:
+        """A waiting job whose client left (or that was cancelled) never starts: finished, and True."""
+        if not (job.cancelled.is_set() or job.client_gone()):
+            return False
+        job.cancel()
+        self._finish(job)
+        return True
 
     def _prepare(self, job: Job) -> tuple | None:
         """The job's prompt, options (max_tokens fitted to the context) and grammar; None: it failed (answered)."""

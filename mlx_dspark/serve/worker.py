@@ -180,18 +180,19 @@ class ModelWorker:
         start = time.perf_counter()
         try:
             self.model = self._loader()
-        # A loader can fail in many ways (a bad path, the hub, a malformed checkpoint): whatever it
-        # is, the server reports it on /health and to every request instead of hanging in "loading".
+            problem = self.prepare()
+        # A loader can fail in many ways (a bad path, the hub, a malformed checkpoint), and so can what
+        # the worker prepares on the loaded model: whatever it is, the server reports it on /health and
+        # to every request instead of hanging in "loading".
         except Exception as err:  # noqa: BLE001
             if isinstance(err, (ValueError, OSError)):
                 log.error("loading the model failed: %s", err)  # a path or checkpoint the user can fix
             else:
                 log.exception("loading the model failed")
-            self.load_error = f"{type(err).__name__}: {err}"
+            self.load_error, self.model = f"{type(err).__name__}: {err}", None
             self.state = FAILED
             self.loaded.set()
             return
-        problem = self.prepare()
         if problem is not None:  # decided before the load is announced (/health never says ok first)
             log.error("%s", problem)
             self.load_error, self.model, self.state = problem, None, FAILED
