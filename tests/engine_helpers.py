@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections import Counter
+from typing import Any, Iterable, Sequence
 
 import mlx.core as mx
 
@@ -144,3 +145,22 @@ def make_draft(
     draft = DSparkDraft(DraftArgs.from_dict(config, family=family))
     mx.eval(draft.parameters())
     return draft
+
+
+def count_round(stats: Counter, step: Any) -> None:
+    """Tally a verify round into `stats`: rounds, accepted drafts, rounds with a rejection."""
+    if step.verified:
+        stats["rounds"] += 1
+        stats["accepted"] += step.accepted
+        stats["rejected"] += step.accepted < step.proposed
+
+
+def sampled_prefix(steps: Iterable[Any], length: int, stats: Counter) -> tuple[int, ...]:
+    """The first `length` tokens a step generator commits, its verify rounds tallied into `stats`."""
+    tokens: list[int] = []
+    for step in steps:
+        tokens.extend(step.tokens)
+        count_round(stats, step)
+        if len(tokens) >= length:
+            break
+    return tuple(tokens[:length])

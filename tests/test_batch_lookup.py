@@ -27,7 +27,7 @@ from mlx_dspark.engine.lookup import ContextIndex
 from mlx_dspark.engine.options import GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.engine.sample import Sampler
 from mlx_dspark.engine.schedule import CostCurve
-from tests.engine_helpers import greedy_reference, make_target
+from tests.engine_helpers import count_round, greedy_reference, make_target
 from tests.test_lookup import PROMPT, REPEATING, SCHEMA, VOCAB, exact_distribution
 from tests.test_lossless_sampling import chi_square_p_value, marginals
 from tests.test_server import call, pair_loader, running_server
@@ -147,10 +147,7 @@ def test_sampled_rows_with_lookup_keep_the_exact_target_distribution():
                 while rows[i].rounds:
                     step = rows[i].rounds.popleft()
                     tokens[i].extend(step.tokens)
-                    if step.verified:
-                        stats["rounds"] += 1
-                        stats["accepted"] += step.accepted
-                        stats["rejected"] += step.accepted < step.proposed
+                    count_round(stats, step)
         for t in tokens:
             counts[tuple(t[:length])] += 1
     assert stats["accepted"] > 0 and stats["rejected"] > 0, stats  # both paths of the acceptance exercised

@@ -23,7 +23,7 @@ from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.lookup import ContextIndex, LookupProposer
 from mlx_dspark.engine.mask_choice import MaskChoice
 from mlx_dspark.engine.sample import Sampler
-from tests.engine_helpers import greedy_reference, make_target
+from tests.engine_helpers import greedy_reference, make_target, sampled_prefix
 from tests.test_lossless_sampling import chi_square_p_value, marginals
 
 # a prompt whose text repeats: lookup finds matches in it from the first round
@@ -166,16 +166,7 @@ def test_sampled_lookup_drafting_matches_the_exact_target_distribution():
     counts, stats = np.zeros([VOCAB] * length), Counter()
     for _ in range(RUNS):
         proposer = Chooser(draft=None, index=ContextIndex(PROMPT, ngram_sizes=(2, 1)))
-        tokens: list[int] = []
-        for step in speculative_steps(target, proposer, PROMPT, sampler=sampler):
-            tokens.extend(step.tokens)
-            if step.verified:
-                stats["rounds"] += 1
-                stats["accepted"] += step.accepted
-                stats["rejected"] += step.accepted < step.proposed
-            if len(tokens) >= length:
-                break
-        counts[tuple(tokens[:length])] += 1
+        counts[sampled_prefix(speculative_steps(target, proposer, PROMPT, sampler=sampler), length, stats)] += 1
     assert stats["accepted"] > 0 and stats["rejected"] > 0  # both paths exercised
     assert chi_square_p_value(counts.reshape(-1), exact.reshape(-1)) > 1e-4
     for observed, expected in zip(marginals(counts), marginals(exact)):

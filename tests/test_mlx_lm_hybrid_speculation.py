@@ -27,6 +27,7 @@ from mlx_dspark.models import mlx_lm_target
 from mlx_dspark.models.rollback import REPLAY, ROTATING, RollbackCaches
 from mlx_dspark.testing.draft_layouts import write_gemma4_draft
 from mlx_dspark.testing.mlx_lm_tiny import tiny_mlx_lm_config, write_draft_for, write_tiny_mlx_lm_target
+from tests.engine_helpers import sampled_prefix
 from tests.test_lossless_sampling import RandomDraftProposer, chi_square_p_value, marginals, to_array
 from tests.test_mlx_lm_targets import PROMPT, TOKENS, InjectingProposer, mlx_lm_greedy
 
@@ -142,17 +143,8 @@ def sampled_outcomes(target, exact: np.ndarray, length: int) -> tuple[Counter, C
     mx.random.seed(77)
     outcomes, stats = Counter(), Counter()
     for _ in range(RUNS):
-        tokens: list[int] = []
         proposer = RandomDraftProposer(greedy=False, guide=marginals(exact)[1:])
-        for step in speculative_steps(target, proposer, CHI_PROMPT, sampler=CHI_SAMPLER):
-            tokens.extend(step.tokens)
-            if step.verified:
-                stats["rounds"] += 1
-                stats["accepted"] += step.accepted
-                stats["rejected"] += step.accepted < step.proposed
-            if len(tokens) >= length:
-                break
-        outcomes[tuple(tokens[:length])] += 1
+        outcomes[sampled_prefix(speculative_steps(target, proposer, CHI_PROMPT, sampler=CHI_SAMPLER), length, stats)] += 1
     return outcomes, stats
 
 
