@@ -29,13 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import typer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_dspark.bench.controlled import AcceptanceSchedule, greedy_reference  # noqa: E402
+from mlx_dspark.bench.controlled import AcceptanceSchedule, greedy_reference, reference_block  # noqa: E402
 from mlx_dspark.bench.stats import loadavg, median  # noqa: E402
 from mlx_dspark.engine.decode import plain_steps, speculative_steps  # noqa: E402
 from mlx_dspark.engine.sample import Sampler  # noqa: E402
@@ -60,14 +59,9 @@ class ControlledRowProposer(DraftProposer):
         return self.revise(super().propose(anchor, position=position, num_tokens=num_tokens), position=position, num_tokens=num_tokens)
 
     def revise(self, proposal, *, position, num_tokens):
-        start = position - self.prompt_len + 1
-        tokens = self.reference[start : start + num_tokens]
-        tokens += [0] * (num_tokens - len(tokens))
         length = self.schedule.next()
-        if length <= num_tokens:
-            tokens[length - 1] = (tokens[length - 1] + 1) % self.vocab
-        # `+ 0 * draft` keeps the real draft forward in the graph, so it is evaluated and paid
-        return Proposal(tokens=mx.array([tokens], dtype=mx.int32) + 0 * proposal.tokens[:, :num_tokens].astype(mx.int32))
+        return Proposal(tokens=reference_block(proposal, self.reference, start=position - self.prompt_len + 1, num_tokens=num_tokens,
+                                               wrong=length - 1 if length <= num_tokens else None, vocab_size=self.vocab))  # fmt: skip
 
 
 def serve_queue(model, prompts, references, *, max_tokens, speculative, tau, curve):

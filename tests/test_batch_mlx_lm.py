@@ -20,6 +20,7 @@ from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.models import qwen3 as mlx_lm_qwen3
 
 import mlx_dspark
+from mlx_dspark.bench.controlled import reference_block
 from mlx_dspark.bench.runner import RunSettings, prepare_model
 from mlx_dspark.engine.batch import BatchRow, batch_round
 from mlx_dspark.engine.batch_length import row_budget_cap
@@ -163,13 +164,10 @@ class RevisingProposer(DraftProposer):
         self.reference, self.prompt_len, self.vocab, self.seed = reference, prompt_len, model.target.args.vocab_size, seed
 
     def revise(self, proposal, *, position, num_tokens):
-        start = position - self.prompt_len + 1
-        tokens = (self.reference[start : start + num_tokens] + [0] * num_tokens)[:num_tokens]
         self.seed = (self.seed * 1103515245 + 12345) % 2**31
-        if self.seed % 7:
-            wrong = self.seed % num_tokens
-            tokens[wrong] = (tokens[wrong] + 1) % self.vocab
-        return Proposal(tokens=mx.array([tokens], dtype=mx.int32) + 0 * proposal.tokens[:, :num_tokens].astype(mx.int32))
+        wrong = self.seed % num_tokens if self.seed % 7 else None
+        return Proposal(tokens=reference_block(proposal, self.reference, start=position - self.prompt_len + 1,
+                                               num_tokens=num_tokens, wrong=wrong, vocab_size=self.vocab))  # fmt: skip
 
 
 @pytest.mark.parametrize("family", ["gemma4_text", "llama", "qwen3_moe", "qwen3_5", "lfm2", "nemotron_h"])

@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark
+from mlx_dspark.bench.controlled import reference_block
 from mlx_dspark.bench.runner import RunSettings, prepare_model
 from mlx_dspark.engine.propose import DraftProposer, Proposal
 from mlx_dspark.models import mlx_lm_target
@@ -62,14 +63,9 @@ class InjectingProposer:
 
     def propose(self, anchor: mx.array, *, position: int, num_tokens: int) -> Proposal:
         real = self.inner.propose(anchor, position=position, num_tokens=num_tokens)
-        start = position - self.prompt_len + 1  # reference index of the token after the anchor
-        tokens = self.reference[start : start + num_tokens]
-        tokens += [0] * (num_tokens - len(tokens))
-        if self.rng.random() < 0.85:
-            wrong = self.rng.randrange(num_tokens)
-            tokens[wrong] = (tokens[wrong] + 1) % self.vocab_size
-        # `+ 0 * draft` keeps the real draft forward (target.embed / lm_head_logits) in the round's graph
-        return Proposal(tokens=mx.array([tokens], dtype=mx.int32) + 0 * real.tokens[:, :num_tokens].astype(mx.int32))
+        wrong = self.rng.randrange(num_tokens) if self.rng.random() < 0.85 else None
+        return Proposal(tokens=reference_block(real, self.reference, start=position - self.prompt_len + 1,
+                                               num_tokens=num_tokens, wrong=wrong, vocab_size=self.vocab_size))  # fmt: skip
 
 
 def test_greedy_speculation_is_mlx_lms_generate_with_partial_acceptances(pair):

@@ -65,15 +65,22 @@ class ControlledProposer:
 
     def propose(self, anchor: mx.array, *, position: int, num_tokens: int) -> Proposal:
         real = self.inner.propose(anchor, position=position, num_tokens=num_tokens)
-        start = position - self.prompt_len + 1  # reference index of the token after the anchor
-        tokens = self.reference[start : start + num_tokens]
-        tokens += [0] * (num_tokens - len(tokens))
-        length = self.schedule.next()
-        if length <= num_tokens:
-            tokens[length - 1] = (tokens[length - 1] + 1) % self.vocab_size  # accepted = length - 1
-        # `+ 0 * draft` keeps the real draft forward in the round's graph, so it is evaluated and paid.
-        substituted = mx.array([tokens], dtype=mx.int32) + 0 * real.tokens[:, :num_tokens].astype(mx.int32)
-        return Proposal(tokens=substituted)
+        length = self.schedule.next()  # accepted = length - 1
+        wrong = length - 1 if length <= num_tokens else None
+        return Proposal(tokens=reference_block(real, self.reference, start=position - self.prompt_len + 1,
+                                               num_tokens=num_tokens, wrong=wrong, vocab_size=self.vocab_size))  # fmt: skip
+
+
+def reference_block(real: Proposal, reference: Sequence[int], *, start: int, num_tokens: int, wrong: int | None,
+                    vocab_size: int) -> mx.array:
+    """A controlled draft block (1, num_tokens): the reference continuation from index `start` (the token
+    after the anchor; 0 past its end), its token at `wrong` (None: none) made wrong. `+ 0 * draft` keeps
+    the real draft's forward (`real`) in the round's graph, so it is evaluated and paid."""
+    tokens = list(reference[start : start + num_tokens])
+    tokens += [0] * (num_tokens - len(tokens))
+    if wrong is not None:
+        tokens[wrong] = (tokens[wrong] + 1) % vocab_size
+    return mx.array([tokens], dtype=mx.int32) + 0 * real.tokens[:, :num_tokens].astype(mx.int32)
 
 
 def greedy_reference(target: Any, prompt: Sequence[int], length: int) -> list[int]:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from mlx_dspark.api import generate
-from mlx_dspark.bench.controlled import greedy_reference
+from mlx_dspark.bench.controlled import greedy_reference, reference_block
 from mlx_dspark.bench.stats import loadavg, mean, median
 from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions
 from mlx_dspark.engine.propose import DraftProposer, Proposal
@@ -52,17 +52,13 @@ class CalibratedProposer:
 
     def propose(self, anchor: mx.array, *, position: int, num_tokens: int) -> Proposal:
         real = self.inner.propose(anchor, position=position, num_tokens=num_tokens)
-        start = position - self.prompt_len + 1
-        tokens = self.reference[start : start + num_tokens]
-        tokens += [0] * (num_tokens - len(tokens))
         c = self.profile.easy if self.rng.random() < self.profile.p_easy else self.profile.hard
         # draw every position's coin, so the random stream does not depend on how much is verified
         coins = [self.rng.random() < c for _ in range(self.block_size)]
         first_failure = next((k for k, ok in enumerate(coins[:num_tokens]) if not ok), None)
-        if first_failure is not None:
-            tokens[first_failure] = (tokens[first_failure] + 1) % self.vocab_size
-        substituted = mx.array([tokens], dtype=mx.int32) + 0 * real.tokens[:, :num_tokens].astype(mx.int32)
-        return Proposal(tokens=substituted, confidence=mx.full((1, num_tokens), c, dtype=mx.float32))
+        tokens = reference_block(real, self.reference, start=position - self.prompt_len + 1, num_tokens=num_tokens,
+                                 wrong=first_failure, vocab_size=self.vocab_size)  # fmt: skip
+        return Proposal(tokens=tokens, confidence=mx.full((1, num_tokens), c, dtype=mx.float32))
 
 
 def expected_rate(profile: Profile, curve: CostCurve, *, block_size: int, scheduled: bool) -> float:
