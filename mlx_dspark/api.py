@@ -26,6 +26,7 @@ from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import Proposer
 from mlx_dspark.engine.results import GenerationResult, ResultCollector, StepResponse, length_histogram  # noqa: F401  (re-exported)
 from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.token_origins import TARGET, TextOrigins
 from mlx_dspark.engine.steps import compile_request, make_steps
 
 
@@ -187,6 +188,7 @@ def _stream(
     generated = 0
     start = time.perf_counter()
     first_token_time = None
+    origins = TextOrigins()  # which characters the draft, a lookup or a grammar wrote (the server's marks)
     if rounds is None:
         rounds = make_steps(model, prompt_ids, options, proposer, prompt_cache, cancel, grammar)
     for step in rounds:
@@ -196,6 +198,7 @@ def _stream(
             cached = 0 if prompt_cache is None else prompt_cache.cached_tokens  # the resume just happened
         finish_reason = None
         tokens: list[int] = []
+        source = step.source if step.verified else None
         for token in step.tokens:
             tokens.append(token)
             generated += 1
@@ -203,12 +206,16 @@ def _stream(
                 finish_reason = "stop"
                 break
             detokenizer.add_token(token)
+            if source is not None and len(tokens) == step.accepted:  # the block's last token: one text read
+                origins.add(len(detokenizer.text), source)
             if generated >= max_tokens:
                 finish_reason = "length"
                 break
         if finish_reason is not None:
             detokenizer.finalize()
         text = detokenizer.text
+        origins.add(len(text), source if source is not None and len(tokens) <= step.accepted else TARGET)
+        was_shown = shown
         cut = min((i for i in (text.find(s, max(0, shown - len(s))) for s in stops) if i >= 0), default=-1)
         if cut >= 0:
             text, finish_reason = text[:cut], "stop"
@@ -238,6 +245,8 @@ def _stream(
             content=None if parsed is None else parsed.content,
             reasoning=None if parsed is None else parsed.reasoning,
             tool_calls=None if parsed is None else parsed.tool_calls,
+            marks=origins.runs(was_shown, shown),
+            source=source,
         )
         if finish_reason is not None:
             return

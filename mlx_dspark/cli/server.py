@@ -91,6 +91,8 @@ def serve(
     keepalive_s: float = typer.Option(10.0, "--keepalive-s", help="Seconds between keep-alives on a stream waiting "
                                       "for its first token (Anthropic ping events, SSE comments)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    metrics: bool = typer.Option(True, "--metrics/--no-metrics",
+                                 help="Serve Prometheus metrics at GET /metrics (behind --api-key when one is set)."),
     allow_origin: list[str] = typer.Option([], "--allow-origin",
                                            help="Let web pages from this origin call the server (repeatable; '*' for any)."),
     allow_template_kwarg: list[str] = typer.Option(
@@ -155,7 +157,7 @@ def serve(
                              prompt_cache=prompt_cache, max_batch=max_batch or DEFAULT_MAX_BATCH, batch_required=max_batch is not None, batch_max_tokens=batch_max_tokens,
                              batch_prefill_chunk=batch_prefill_chunk,
                              allow_template_kwargs=allow_template_kwarg, keepalive_s=keepalive_s,
-                             force_tool_call=force_tool_call)
+                             force_tool_call=force_tool_call, metrics=metrics)
     except ValueError as err:
         fail(str(err))
     except OSError as err:

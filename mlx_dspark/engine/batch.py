@@ -358,6 +358,7 @@ def _commit(plan: _Plan) -> None:
         tokens=committed, proposed=num_draft, accepted=accepted,
         verified=row.proposer is not None or row.chooser is not None,
         logprobs=row.processor.read_logprobs(plan.logprobs, committed),
+        source=plan.source if num_draft else None,
     ))  # fmt: skip
 
 

@@ -45,6 +45,7 @@ class Round:
     accepted: int = 0  # of those, accepted (a)
     verified: bool = False  # a speculative verify round (False: prefill token or plain decoding)
     logprobs: list | None = None  # one logprobs.TokenLogprob per committed token, when asked for
+    source: str | None = None  # a verify round's block: "draft", "lookup" or "forced" (None: nothing proposed)
 
 
 def _check_cancel(cancel: threading.Event | None, where: str = "between rounds") -> None:
@@ -261,6 +262,7 @@ def speculative_steps(
         yield Round(
             tokens=committed, proposed=num_draft, accepted=accepted, verified=True,
             logprobs=processor.read_logprobs(logprobs, committed),
+            source=None if proposal is None or num_draft == 0 else proposal.source,
         )
 
 

@@ -34,6 +34,10 @@ class StepResponse:
     content: str | None = None
     reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # [[characters, origin], ...] over `text`: origin "draft" / "lookup" / "forced" (a verified block's
+    # accepted tokens) or "target" (the target's own token); engine/token_origins.py
+    marks: list[list] | None = None
+    source: str | None = None  # the verified block's source, None when nothing was proposed
 
 
 @dataclass

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.batch import PREFILL_CHUNK
+from mlx_dspark.engine.context import context_length
 from mlx_dspark.serve.batch_worker import BatchWorker
 from mlx_dspark.serve.cache_pool import PromptCacheBudget
 from mlx_dspark.serve.protocol import (
@@ -29,9 +30,10 @@ from mlx_dspark.serve.protocol import (
 )
 from mlx_dspark.serve.guards import host_name, is_loopback_name, normalize_origin
 from mlx_dspark.serve.handler import Handler
+from mlx_dspark.serve.metrics import Metrics
 from mlx_dspark.serve.responses import ResponseStore
 from mlx_dspark.serve.streaming import KEEPALIVE_S
-from mlx_dspark.serve.worker import ModelWorker
+from mlx_dspark.serve.worker import READY, ModelWorker
 
 log = logging.getLogger("mlx_dspark.server")
 
@@ -70,8 +72,11 @@ class DSparkHTTPServer(ThreadingHTTPServer):
         template_kwargs: frozenset[str] = CLIENT_TEMPLATE_KWARGS,
         keepalive_s: float = KEEPALIVE_S,
         force_tool_call: str | None = None,
+        metrics: bool = True,
     ) -> None:
         self.worker = worker
+        self.metrics = Metrics()  # what answered requests added (always counted; /metrics serves it when enabled)
+        self.metrics_enabled = metrics
         self.force_tool_call = force_tool_call  # --force-tool-call: a trial aid for weak models
         self.keepalive_s = keepalive_s  # a stream waiting for its first token sends a keep-alive this often
         self.model_id = model_id
@@ -225,7 +230,13 @@ class DSparkHTTPServer(ThreadingHTTPServer):
         return parts.scheme in ("http", "https") and is_loopback_name(parts.hostname or "")
 
     def model_card(self) -> dict:
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlx-dspark"}
+        card = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "mlx-dspark"}
+        model = self.worker.model if self.worker.state == READY else None
+        if model is not None:  # vLLM's name for the context a request must fit in (the page shows it)
+            context, _ = context_length(model, self.defaults)
+            if context is not None:
+                card["max_model_len"] = context
+        return card
 
 
 def make_server(
@@ -249,6 +260,7 @@ def make_server(
     batch_prefill_chunk: int = PREFILL_CHUNK,
     keepalive_s: float = KEEPALIVE_S,
     force_tool_call: str | None = None,
+    metrics: bool = True,
 ) -> DSparkHTTPServer:
     """Bind the socket (port 0 picks a free one); call `.start()` to load and serve.
 
@@ -286,4 +298,5 @@ def make_server(
         template_kwargs=template_kwargs,
         keepalive_s=keepalive_s,
         force_tool_call=force_tool_call,
+        metrics=metrics,
     )

@@ -19,6 +19,7 @@ from mlx_dspark.serve import anthropic, responses
 from mlx_dspark.serve.admission import admit, force_tool_call
 from mlx_dspark.serve.errors import APIError
 from mlx_dspark.serve.openai_writer import OpenAIWriter
+from mlx_dspark.serve.page import PAGE_CSP, PAGE_FILES, page_file, wants_page
 from mlx_dspark.serve.protocol import parse_request
 from mlx_dspark.serve.streaming import AnswerWriting
 from mlx_dspark.serve.worker import READY
@@ -79,10 +80,14 @@ class Handler(AnswerWriting, BaseHTTPRequestHandler):
     # -- routing ---------------------------------------------------------------------------------
 
     def _route(self, path: str) -> dict[str, Callable[[], None]] | None:
-        if path == "/":  # clients probe the base URL (Claude Code sends HEAD /)
+        if path == "/":  # clients probe the base URL (Claude Code sends HEAD /); a browser gets the page
             return {"GET": self._root, "HEAD": self._root}
+        if path in PAGE_FILES:
+            return {"GET": lambda: self._page_file(path)}
         if path == "/health":
             return {"GET": self._health}
+        if path == "/metrics" and self.server.metrics_enabled:
+            return {"GET": self._metrics}
         if path == "/v1/models":
             return {"GET": self._models}
         if path.startswith("/v1/models/"):
@@ -123,7 +128,8 @@ class Handler(AnswerWriting, BaseHTTPRequestHandler):
             if method == "POST":
                 self._check_content_type()
                 self._body = self._read_body()
-            if path not in ("/health", "/"):  # probes of the base URL carry no key (Claude Code's HEAD /)
+            # probes of the base URL carry no key (Claude Code's HEAD /); the page's files hold no data
+            if path not in ("/health", "/") and path not in PAGE_FILES:
                 self._check_key()
             routes[method]()
         except APIError as err:
@@ -261,9 +267,35 @@ class Handler(AnswerWriting, BaseHTTPRequestHandler):
         self._send_json(200 if worker.state == READY else 503, body)
 
     def _root(self) -> None:
+        if self.command == "GET" and wants_page(self.headers.get("Accept")):
+            return self._page_file("/")
         self._send_json(200, {"object": "server", "name": "mlx-dspark", "status": self.server.worker.state,
                               "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
                                             "/v1/models", "/health"]})
+
+    def _page_file(self, path: str) -> None:
+        data, content_type = page_file(path)
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Content-Security-Policy", PAGE_CSP)
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Referrer-Policy", "no-referrer")
+        self.send_header("Cache-Control", "no-cache")
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _metrics(self) -> None:
+        data = self.server.metrics.render(self.server.worker, self.server.model_id).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
 
     def _models(self) -> None:
         self._send_json(200, {"object": "list", "data": [self.server.model_card()]})
@@ -306,6 +338,8 @@ class Handler(AnswerWriting, BaseHTTPRequestHandler):
         prompt = admit(self.server.worker, request)  # a prompt that cannot run is a 400 before any byte of the answer
         log.info("%s request: %d prompt tokens%s", kind, len(prompt),
                  "".join(f"; warning: {w}" for w in request.warnings))
+        if self.headers.get("X-DSpark-Marks", "").strip() == "1":
+            request.extra["marks"] = True  # the page's view of speculation (openai_writer.step_marks)
         job = self.server.worker.submit(request, client_gone=self._client_gone)
         writer = self._writer(kind, request, job)
         try:
@@ -316,6 +350,7 @@ class Handler(AnswerWriting, BaseHTTPRequestHandler):
         finally:
             job.answered = bool(getattr(job.reader, "ended", False))  # its one call was the whole answer
             job.cancel()  # no-op once done; stops the generation when we leave early (or the answer ended)
+            self.server.metrics.record(kind, writer.tally, getattr(writer, "finish_reason", None) or job.finish_reason)
 
     def _count_tokens(self) -> None:
         """Anthropic's /v1/messages/count_tokens: the prompt the request would render, counted."""

@@ -50,6 +50,12 @@ def text_logprobs(tokenizer: Any, logprobs: list | None, offset: int) -> dict | 
             "top_logprobs": [{_token_text(tokenizer, t): v for t, v in lp.top} for lp in logprobs], "text_offset": offsets}
 
 
+def step_marks(step: StepResponse) -> dict:
+    """Who wrote the step's raw text (its reasoning and tool-call text included) and what the round did."""
+    return {"marks": step.marks or [], "text": step.text, "verified": step.verified, "proposed": step.proposed,
+            "accepted": step.accepted, "source": step.source, "tokens": len(step.tokens)}
+
+
 class OpenAIWriter:
     """One chat or text completion; `reader` is None for text completions (their text is the answer)."""
 
@@ -67,6 +73,9 @@ class OpenAIWriter:
         self.ended_early = False  # ...before the generation ended: the one call allowed was complete
         self._first = True
         self._offset = 0
+        # the page's view of speculation (a request with the X-DSpark-Marks header): each step's chunk
+        # carries `dspark_step`, which other clients ignore
+        self.marks = bool(request.extra.get("marks"))
 
     def start_events(self, prompt_tokens: int = 0) -> list[Event]:
         """The first chunk (the role, for chat), sent before the prefill."""
@@ -124,8 +133,10 @@ class OpenAIWriter:
         if done:
             events.append((None, self._chunk({}, finish_reason=self._finish(), logprobs=logprobs if not deltas else None,
                                               stats=True)))
-        elif logprobs is not None and not deltas:
+        elif (logprobs is not None or self.marks) and not deltas:
             events.append((None, self._chunk({}, logprobs=logprobs)))
+        if self.marks and events:
+            events[-1][1]["dspark_step"] = step_marks(step)
         return events + (self._tail() if done else [])
 
     def _text_chunks(self, step: StepResponse, step_logprobs: list | None, done: bool) -> list[Event]:
@@ -138,6 +149,8 @@ class OpenAIWriter:
         body = self.envelope.chunk(text=step.text, finish_reason=step.finish_reason, first=first,
                                    tally=self.tally if done else None)
         body["choices"][0]["logprobs"] = logprobs
+        if self.marks:
+            body["dspark_step"] = step_marks(step)
         return [(None, body)] + (self._tail() if done else [])
 
     def _chunk(self, delta: dict, *, finish_reason: str | None = None, logprobs: dict | None = None,
