@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from mlx_dspark.engine.logprobs import TokenLogprob
+from mlx_dspark.engine.token_origins import token_origins
 
 if TYPE_CHECKING:
     from mlx_dspark.chat_format.tools import ToolCall
@@ -99,6 +101,7 @@ class ResultCollector:
         self.steps = 0  # one target forward each (the first: the prefill's)
         self.logprobs: list[TokenLogprob] | None = None
         self.last: StepResponse | None = None
+        self.origins: Counter[str] = Counter()  # committed tokens by origin (token_origins.py): /metrics reads it
 
     def add(self, step: StepResponse) -> None:
         if self.first_time is None:
@@ -111,6 +114,8 @@ class ResultCollector:
         if step.verified:
             self.acceptance_lengths.append(step.accepted + 1)
             self.proposal_lengths.append(step.proposed)
+        for origin in token_origins(len(step.tokens), step.accepted, step.source, step.verified):
+            self.origins[origin] += 1
         self.last = step
 
     @property

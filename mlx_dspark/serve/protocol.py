@@ -13,16 +13,14 @@ import functools
 import math
 import secrets
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_dspark.api import ResultCollector, StepResponse, length_histogram
+from mlx_dspark.api import ResultCollector, length_histogram
 from mlx_dspark.chat_format.prompt import encode_prompt, fold_system_messages, is_template_error
 from mlx_dspark.chat_format.reasoning import REASONING_EFFORTS, has_thinking_switch, reasoning_switch
 from mlx_dspark.chat_format.turn import ToolSetup
 from mlx_dspark.engine.options import GenerationOptions, OptionError
-from mlx_dspark.engine.token_origins import TARGET
 from mlx_dspark.serve import fields
 from mlx_dspark.serve.errors import APIError, bad_value  # noqa: F401  (APIError re-exported)
 
@@ -362,14 +360,6 @@ class Tally(ResultCollector):
         super().__init__()
         self.speculative = speculative
         self.warnings = warnings if warnings is not None else []  # the request's (shared: later ones show too)
-        self.origins: Counter[str] = Counter()  # generated tokens by origin (token_origins.py), for /metrics
-
-    def add(self, step: StepResponse) -> None:
-        super().add(step)
-        source = getattr(step, "source", None)
-        block = min(step.accepted, len(step.tokens)) if source is not None else 0
-        self.origins.update({source: block} if block else {})
-        self.origins[TARGET] += len(step.tokens) - block
 
     @property
     def prompt_tokens(self) -> int:

@@ -120,7 +120,7 @@ async function send(text) {
     max_tokens: Number($("max-tokens").value),
   };
   const stats = { tokens: 0, rounds: 0, committed: 0, parked: 0, lastDraft: "-", origins: {}, started: 0, elapsed: 0 };
-  let content = "", reasoning = "";
+  let content = "", reasoning = "", failed = false;
   state.controller = new AbortController();
   $("send").disabled = true;
   $("stop").disabled = false;
@@ -196,9 +196,13 @@ async function send(text) {
       }
     }
   } catch (err) {
-    if (err.name !== "AbortError") $("error").textContent = String(err.message || err);
+    if (err.name !== "AbortError") {
+      $("error").textContent = String(err.message || err);
+      failed = true;
+    }
   } finally {
-    state.messages.push({ role: "assistant", content });
+    if (failed && !content) state.messages.pop();  // the turn never happened: the next send starts over
+    else state.messages.push({ role: "assistant", content });
     state.controller = null;
     $("send").disabled = false;
     $("stop").disabled = true;
