@@ -6,6 +6,7 @@ matplotlib is the optional `plots` extra; without it `write_plots` returns a not
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from pathlib import Path
 from typing import Sequence
 
@@ -52,4 +53,5 @@ def write_plots(results: dict, out_dir: Path) -> tuple[list[Path], str | None]:
 
 def _pooled_histogram(records: Sequence[dict]) -> list[int]:
     histograms = [r["dspark"]["acceptance_histogram"] for r in records]
-    return [sum(column) for column in zip(*histograms)]
+    # prompts whose rounds verified longer blocks (lookup) have longer histograms
+    return [sum(column) for column in itertools.zip_longest(*histograms, fillvalue=0)]

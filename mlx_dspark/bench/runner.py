@@ -117,10 +117,12 @@ def _speed_summary(runs: Sequence[Any]) -> dict:
 def _acceptance_summary(runs: Sequence[GenerationResult], *, block_size: int) -> dict:
     lengths = [a for r in runs for a in r.acceptance_lengths]
     proposals = [p for r in runs for p in r.proposal_lengths]
+    # a lookup block (or a grammar's forced run) can be longer than the draft's block: up to 32 tokens
+    longest = max([block_size, *proposals])
     return {
-        "mean_acceptance_length": mean(lengths),
+        "mean_acceptance_length": round(mean(lengths), 3),
         "rounds": len(lengths),
-        "acceptance_histogram": acceptance_histogram(lengths, block_size=block_size),
+        "acceptance_histogram": acceptance_histogram(lengths, block_size=longest),
         "position_acceptance": position_acceptance(lengths, proposals, block_size=block_size),
         "target_forwards_per_token": (len(runs[0].acceptance_lengths) + 1) / max(len(runs[0].tokens), 1),
     }

@@ -10,7 +10,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from mlx_dspark.bench import card, controlled, cost, plots, report, runner, schedule_ab
 from mlx_dspark.bench.mlx_lm_baseline import make_mlx_lm_baseline
@@ -78,17 +78,22 @@ def _controlled_prompts(model, prompts: Sequence, options: Options) -> list[list
     return [controlled.tiled_prompt(runner.prompt_ids(model, p), options.controlled_context) for p in chosen]
 
 
-def run(options: Options, *, meta: dict) -> dict:
-    """Everything the flags ask for; returns the results dict also written to results.json."""
+def load_pair(options: Options) -> Any:
+    """The pair the flags name (the command's load boundary wraps this call)."""
     import mlx_dspark
 
-    settings = options.settings
-    if options.controlled_acceptance and not settings.ignore_eos:
-        _note("note: controlled-acceptance runs always ignore stop tokens (they follow a fixed greedy reference)")
-    loaded = mlx_dspark.load(
+    return mlx_dspark.load(
         options.model, draft=options.draft, dtype=options.dtype, quantize=options.quantize, draft_tap_ids=options.draft_tap_ids,
         **options.load_options,
     )
+
+
+def run(options: Options, *, meta: dict, loaded: Any = None) -> dict:
+    """Everything the flags ask for; returns the results dict also written to results.json."""
+    settings = options.settings
+    if options.controlled_acceptance and not settings.ignore_eos:
+        _note("note: controlled-acceptance runs always ignore stop tokens (they follow a fixed greedy reference)")
+    loaded = load_pair(options) if loaded is None else loaded
     if loaded.draft is None:
         raise ValueError("the benchmark needs a draft: pass --draft")
     settings.generation.speculation.draft_length(int(loaded.draft.num_drafts))  # before any long run

@@ -197,11 +197,13 @@ def main(
         schedule_ab=schedule_ab,
         progress=progress,
     )
+    with flags.load_errors(f"{options.model} + {options.draft}"):
+        loaded = session.load_pair(options)
     try:
         with flag_errors():  # a dataset line, a model path, or a --max-draft-tokens the loaded draft cannot take
             meta = run_meta(dtype=dtype, quantize=quantize)
             meta["load_options"] = {k: str(v) for k, v in load_options.items()}
-            session.run(options, meta=meta)
+            session.run(options, meta=meta, loaded=loaded)
     except FileNotFoundError as err:
         fail(str(err))
 

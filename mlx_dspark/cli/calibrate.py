@@ -104,7 +104,8 @@ def cli(
         fail("--draft: the cost curve is measured for a target and its DSpark draft; give both")
     with exit_on_interrupt(), flags.flag_errors():
         flags.check_quantize(quantize)
-        pair = load(model, draft=draft, dtype=dtype, quantize=quantize)
+        with flags.load_errors(f"{model} + {draft}"):
+            pair = load(model, draft=draft, dtype=dtype, quantize=quantize)
         path = cost_curve_path(pair)
         if measure and path.is_file():
             path.unlink()

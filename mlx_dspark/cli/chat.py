@@ -180,10 +180,8 @@ def chat(
         model, draft, dtype = str(demo.target), draft or str(demo.draft), demo.dtype
         typer.echo(f"[mlx_dspark] {demo.note}", err=True)
     draft = flags.draft_path(draft)  # `--draft lookup`: the target alone, lookup drafts
-    try:
+    with flags.load_errors(model if no_draft or draft is None else f"{model} + {draft}"):
         pair = load(model, draft=None if no_draft else draft, quantize=quantize, dtype=dtype)
-    except (ValueError, FileNotFoundError, OSError) as err:
-        fail(str(err))
     if not pair.tokenizer.has_chat_template:
         fail(f"{model} has no chat template; use `python -m mlx_dspark.generate --no-chat-template` for raw text")
 

@@ -16,7 +16,7 @@ import dataclasses
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Mapping, NoReturn, Optional
+from typing import Annotated, Any, Iterator, Mapping, Optional
 
 import typer
 
@@ -34,6 +34,7 @@ from mlx_dspark.engine.options import (
 )
 from mlx_dspark.loading.precision import Q_BITS
 from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.cli.errors import exit_on_interrupt, fail, load_errors  # noqa: F401  (re-exported)
 
 # The flags' defaults are the options' own.
 SAMPLING, SPECULATION = DEFAULT_OPTIONS.sampling, DEFAULT_OPTIONS.speculation
@@ -187,12 +188,6 @@ DraftTapIds = Annotated[
 ]
 
 
-def fail(message: str) -> NoReturn:
-    """One `error:` line on stderr and exit status 2."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=2)
-
-
 @contextmanager
 def flag_errors(flags: Mapping[str, str] = FLAGS) -> Iterator[None]:
     """A ValueError inside becomes one error line; an OptionError names the flag that set the field."""
@@ -229,19 +224,6 @@ def resolve_draft(model: Optional[str], draft: Optional[str], *, no_draft: bool,
         fail(f"--draft auto: {line}")
     typer.echo(f"[mlx_dspark] {line if reference else 'serving without a draft: ' + line}", err=True)
     return reference
-
-
-@contextmanager
-def exit_on_interrupt() -> Iterator[None]:
-    """Ctrl-C (during the load or the generation): exit status 130, the shell's for SIGINT, no traceback.
-
-    Also a decorator: `@exit_on_interrupt()` under `@app.command()`.
-    """
-    try:
-        yield
-    except KeyboardInterrupt:
-        typer.echo("\n[mlx_dspark] interrupted", err=True)
-        raise typer.Exit(code=130) from None
 
 
 def text_flag(flag: str, value: str) -> str:

@@ -120,14 +120,12 @@ def generate(
         form = "through the chat template" if chat_template else "raw text"
         typer.echo(f"[mlx_dspark] {demo.note}; prompt ({form}): {prompt!r}", err=True)
     draft = flags.draft_path(draft)  # `--draft lookup`: the target alone, lookup drafts (options.speculation.lookup)
-    try:
-        speculative = draft is not None and not no_draft
+    speculative = draft is not None and not no_draft
+    with flags.load_errors(model if not speculative else f"{model} + {draft}"):
         pair = load(
             model, draft=draft if speculative else None, dtype=dtype, quantize=quantize,
             draft_tap_ids=tap_ids if speculative else None, **precision,
         )  # fmt: skip
-    except (ValueError, FileNotFoundError, OSError) as err:
-        fail(str(err))
 
     if needs_cost_curve(options) and pair.draft is not None and not no_draft:
         with flag_errors():  # a draft without a confidence head; the curve is measured here on first use
