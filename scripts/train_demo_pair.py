@@ -175,7 +175,8 @@ def save_target(model, tokenizer_dir: Path, directory: Path, eos: int) -> None:
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "pt"})
     config = dict(TARGET_CONFIG, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, torch_dtype="float16")
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    generation = {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
+    # it learned raw Python, never ChatML: generate sends prompts as raw text (cli/demo.raw_text_prompts)
+    generation = {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos, "mlx_dspark_prompt_format": "raw"}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
 
 

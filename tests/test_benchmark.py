@@ -337,3 +337,16 @@ def test_schedule_ab_runs_on_the_tiny_pair_and_flat_curve_matches_fixed(tiny_spa
     assert rows["confidence (flat curve)"]["mean_verified_drafts"] == rows["fixed"]["mean_verified_drafts"]
     assert rows["confidence (machine curve)"]["mean_verified_drafts"] < rows["fixed"]["mean_verified_drafts"]
     assert ab["ideal_confidence_over_fixed"]["flat"] == 1.0 and ab["ideal_confidence_over_fixed"]["machine"] > 1.0
+
+
+def test_a_lookup_round_longer_than_the_draft_block_gets_its_histogram_bin():
+    from mlx_dspark.bench.runner import _acceptance_summary
+    from mlx_dspark.engine.results import GenerationResult
+
+    run = GenerationResult(text="", tokens=list(range(40)), finish_reason="length", prompt_tokens=3, prompt_tps=1.0,
+                           generation_tps=1.0, peak_memory_gb=0.0, acceptance_lengths=[23, 1, 4, 8],
+                           proposal_lengths=[22, 0, 7, 7])  # a 22-token lookup block, a parked round, two draft blocks
+    summary = _acceptance_summary([run], block_size=7)
+    assert summary["acceptance_histogram"] == [1, 0, 0, 1, 0, 0, 0, 1] + [0] * 14 + [1]
+    assert len(summary["position_acceptance"]) == 7  # the draft's positions
+    assert summary["mean_acceptance_length"] == 9.0

@@ -113,7 +113,7 @@ def test_cli_refuses_a_non_empty_destination_without_force(tiny_qwen3_target, tm
     dst.mkdir()
     (dst / "something").write_text("x")
     result = _run("--hf-path", str(tiny_qwen3_target), "--mlx-path", str(dst))
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # bad input: exit status 2, as every command
     assert result.stderr.strip().splitlines() == [f"error: destination {dst} is not empty; pass --force to overwrite it"]
     assert _run("--hf-path", str(tiny_qwen3_target), "--mlx-path", str(dst), "--force").exit_code == 0
     assert (dst / "config.json").is_file()
@@ -145,7 +145,7 @@ def test_cli_bad_options_fail_with_one_line(tiny_qwen3_target, tmp_path, args, m
 
 def test_cli_missing_source_fails_with_one_line(tmp_path):
     result = _run("--hf-path", str(tmp_path / "nope"), "--mlx-path", str(tmp_path / "o"))
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # bad input: exit status 2, as every command
     assert result.stderr.strip().splitlines() == [f"error: source directory {tmp_path / 'nope'} does not exist"]
 
 

@@ -119,7 +119,7 @@ def run_schedule_ab(
                 "tokens_per_second": tps,
                 "tokens_per_second_runs": data["tps"],
                 "over_fixed": tps / fixed_tps if fixed_tps > 0 else 0.0,
-                "mean_acceptance_length": mean(data["lengths"]),
+                "mean_acceptance_length": round(mean(data["lengths"]), 3),
                 "mean_verified_drafts": mean(data["proposed"]),
                 "outputs_match_reference": sum(data["match"]) / len(data["match"]),
             }

@@ -170,7 +170,7 @@ def chat(
         options = flags.generation_options(ctx.params, max_tokens=max_tokens)  # the shared flags, read by name
         tools = read_tools(tools_file) if tools_file is not None else None
 
-    draft = flags.resolve_draft(model, draft, no_draft=no_draft)
+    draft = flags.resolve_draft(model, draft, no_draft=no_draft, serve=True, verb="running")  # no --draft: auto, as the server
     dtype = None
     if model is None:
         try:

@@ -203,10 +203,11 @@ def flag_errors(flags: Mapping[str, str] = FLAGS) -> Iterator[None]:
         fail(str(err))
 
 
-def resolve_draft(model: Optional[str], draft: Optional[str], *, no_draft: bool, serve: bool = False, **hub: Any) -> Optional[str]:
-    """`--draft auto` (and, for the server, no --draft with a --model): the known draft of the target,
-    said on stderr; an unknown target is one error line for `auto`, plain decoding for the server.
-    `hub`: `fetch_config` / `download` replacing the Hub calls (tests)."""
+def resolve_draft(model: Optional[str], draft: Optional[str], *, no_draft: bool, serve: bool = False, verb: str = "serving",
+                  **hub: Any) -> Optional[str]:
+    """`--draft auto` (and with `serve`, as the server, generate and chat run: no --draft with a --model): the
+    known draft of the target, said on stderr; an unknown target is one error line for `auto`, plain
+    decoding said on stderr ("{verb} without a draft") otherwise. `hub`: the Hub calls replaced (tests)."""
     from mlx_dspark.loading import draft_registry
 
     wanted = draft == draft_registry.AUTO or (serve and draft is None)
@@ -222,7 +223,7 @@ def resolve_draft(model: Optional[str], draft: Optional[str], *, no_draft: bool,
         reference, line = None, str(err)  # the server's own choice: it still serves, plainly
     if reference is None and draft == draft_registry.AUTO:
         fail(f"--draft auto: {line}")
-    typer.echo(f"[mlx_dspark] {line if reference else 'serving without a draft: ' + line}", err=True)
+    typer.echo(f"[mlx_dspark] {line if reference else f'{verb} without a draft: ' + line}", err=True)
     return reference
 
 

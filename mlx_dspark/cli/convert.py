@@ -64,8 +64,10 @@ def cli(
             draft_tap_ids=tap_ids,
             draft_q_bits=draft_q_bits,
         )
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e), 1)
+    except (ValueError, OSError) as e:  # exit status 2, as every command's bad input
+        fail(str(e), 2)
+    except Exception as e:  # noqa: BLE001  (the conversion's boundary: a bug or an unforeseen layout is one line too)
+        fail(f"converting {hf_path} failed: {type(e).__name__}: {e} (please report this with its config.json)", 2)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 # The trained demo pair shipped in the package (scripts/train_demo_pair.py; benchmarks/RESULTS.md section 7).
@@ -38,3 +39,15 @@ def demo_pair() -> DemoPair:
             "data, rebuild it with `python scripts/train_demo_pair.py --out mlx_dspark/demo`, or pass --model"
         )
     return DemoPair(target=target, draft=draft)
+
+
+def raw_text_prompts(target_dir: Path | str | None) -> bool:
+    """Whether a target asks for raw-text prompts (`"mlx_dspark_prompt_format": "raw"` in its
+    generation_config.json: the demo target, and any conversion of it, since convert copies the file)."""
+    if target_dir is None:
+        return False
+    try:
+        generation = json.loads((Path(target_dir) / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(generation, dict) and generation.get("mlx_dspark_prompt_format") == "raw"

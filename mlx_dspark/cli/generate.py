@@ -16,6 +16,7 @@ import typer
 
 from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import exit_on_interrupt, fail, flag_errors, needs_cost_curve, resolve_cost_curve
+from mlx_dspark.cli.demo import raw_text_prompts
 
 app = typer.Typer(add_completion=False, help="Generate text with a target and its DSpark draft.")
 
@@ -81,6 +82,8 @@ def generate(
         help="Send the prompt through the tokenizer's chat template (as a user message), or as raw text. "
         "[default: the template when the tokenizer has one; raw text on the demo pair, whose target learned raw Python]",
     ),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Load the target (and the draft) in this dtype: float32, "
+                                        "bfloat16 or float16 [default: as stored; float32 for the demo pair]."),
     quantize: flags.Quantize = None,
     draft_quantize: flags.DraftQuantize = None,
     draft_dtype: flags.DraftDtype = None,
@@ -95,6 +98,11 @@ def generate(
     from mlx_dspark.api import ResultCollector, stream_generate
     from mlx_dspark.loading.load import load
 
+    if no_draft and lookup != "off" and getattr(ctx.get_parameter_source("lookup"), "name", None) == "COMMANDLINE":
+        # asked for by name: lookup drafts alone (as --draft lookup), not the plain baseline --no-draft means alone
+        typer.echo(f"[mlx_dspark] --no-draft --lookup {lookup}: no DSpark draft, prompt-lookup drafts alone", err=True)
+        no_draft, draft = False, flags.LOOKUP_DRAFT
+        ctx.params.update(no_draft=False, draft=draft)
     with flag_errors():
         flags.check_quantize(quantize)
         precision = flags.draft_load_options(ctx.params, speculative=not no_draft)  # --no-draft: the target's only
@@ -107,15 +115,14 @@ def generate(
         if system is not None:
             flags.text_flag("--system", system)
 
-    draft = flags.resolve_draft(model, draft, no_draft=no_draft)
-    dtype = None
+    draft = flags.resolve_draft(model, draft, no_draft=no_draft, serve=True, verb="running")  # no --draft: auto, as the server
     on_demo = model is None
     if on_demo:
         try:
             demo = flags.demo_pair()
         except FileNotFoundError as err:
             fail(str(err))
-        model, draft, dtype = str(demo.target), draft or str(demo.draft), demo.dtype
+        model, draft, dtype = str(demo.target), draft or str(demo.draft), dtype or demo.dtype
         prompt = demo.prompt if prompt is None else prompt
         form = "through the chat template" if chat_template else "raw text"
         typer.echo(f"[mlx_dspark] {demo.note}; prompt ({form}): {prompt!r}", err=True)
@@ -138,7 +145,8 @@ def generate(
     if chat_template and not pair.tokenizer.has_chat_template:
         fail(f"--chat-template: {model} has no chat template; drop the flag to send the prompt as raw text")
     # The demo target learned raw Python, never ChatML: its template (for chat and the server) stays off here.
-    use_template = (not on_demo and pair.tokenizer.has_chat_template) if chat_template is None else chat_template
+    raw_text = on_demo or raw_text_prompts(getattr(pair, "target_path", None))  # the demo target, converted or not
+    use_template = (not raw_text and pair.tokenizer.has_chat_template) if chat_template is None else chat_template
     if not use_template:
         request = text
     else:
@@ -178,7 +186,7 @@ def generate(
                     "generation_tps": result.generation_tps,
                     "peak_memory_gb": result.peak_memory_gb,
                     "acceptance_lengths": result.acceptance_lengths,
-                    "mean_acceptance_length": result.mean_acceptance_length,
+                    "mean_acceptance_length": round(result.mean_acceptance_length, 3),
                     "draft_lengths": result.draft_lengths,
                     "speculative": (pair.draft is not None or options.speculation.lookup != "off") and not no_draft,
                     "target_forwards": result.target_forwards,

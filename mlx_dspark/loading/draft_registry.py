@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Optional
+from urllib.parse import urlsplit
 
 AUTO = "auto"
+HUB_CONNECT_TIMEOUT_S = 5.0
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # what a draft needs: its config and weights (the tokenizer is the target's)
 DRAFT_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json"]
@@ -131,11 +134,34 @@ def resolve_auto_draft(
     return reference, f"draft auto: {choice.reference} ({choice.packaging}), {choice.reason}"
 
 
+class HubUnreachable(FileNotFoundError):
+    """The Hub could not be asked at all (no network, DNS, a proxy): said as such, not as an unknown target."""
+
+
+def _check_hub_reachable(repo_id: str) -> None:
+    """One quick connection to the Hub's host before asking it: huggingface_hub retries a dead network
+    five times (about 25 s) and its failure would then read as "no known draft"."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return  # the cache alone answers
+    endpoint = urlsplit(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=HUB_CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise HubUnreachable(
+            f"--draft auto: cannot reach the Hugging Face Hub at {endpoint.hostname}:{port} ({err}) to read {repo_id}'s "
+            "config.json; check the network (or set HF_HUB_OFFLINE=1 to use the cache), or pass --draft"
+        ) from None
+
+
 def hub_config(repo_id: str) -> Optional[Path]:
-    """config.json of a Hub repo (only that file), or None when it cannot be had."""
+    """config.json of a Hub repo (only that file), or None when the Hub has none; HubUnreachable without a network."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    _check_hub_reachable(repo_id)
     try:
         return Path(hf_hub_download(repo_id, "config.json"))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError):

@@ -21,6 +21,10 @@ AUX_FILES = (
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
+    # a draft's: its vocabulary ranking (--draft-vocab), confidence calibration report, training record
+    "vocab_rank.json",
+    "calibration.json",
+    "training.json",
 )
 
 

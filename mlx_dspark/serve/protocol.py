@@ -388,7 +388,7 @@ class Tally(ResultCollector):
         return {
             "speculative": self.speculative,
             "rounds": self.rounds,
-            "mean_acceptance_length": sum(self.acceptance_lengths) / self.rounds if self.rounds else 0.0,
+            "mean_acceptance_length": round(sum(self.acceptance_lengths) / self.rounds, 3) if self.rounds else 0.0,
             "accepted_tokens": self.accepted_tokens,
             "proposed_tokens": self.proposed_tokens,
             # what the draft length policy did: drafts verified per round -> rounds (0: parked, the target alone)
