@@ -7,15 +7,13 @@ mlx-lm lack them; ours (`python -m mlx_dspark.convert`) keep them.
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dspark.loading.checkpoint import Checkpoint
+from mlx_dspark.loading.checkpoint import Checkpoint, read_header, weight_files
 from mlx_dspark.loading.weights import fill_model
 from mlx_dspark.models.mtp_qwen3_5 import MODEL_TYPES, MTP, PREFIX, MTPArgs, is_raw_hf, mtp_layer_count
 
@@ -58,7 +56,7 @@ def build_mtp(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) -> MT
             f"{checkpoint.path}: draft 'mtp': the config declares {mtp_layer_count(config)} MTP layer(s) but the weights "
             f"hold no mtp.* tensors; {how_to_get(str(checkpoint.path))}"
         )
-    model = MTP(MTPArgs.from_dict(config, source=source), raw_norms=is_raw_hf(checkpoint.weights))
+    model = MTP(MTPArgs.from_dict(config, source=source), raw_norms=is_raw_hf({k: v.shape for k, v in checkpoint.weights.items()}))
     origin = {k: v for k, v in checkpoint.origin.items() if k.startswith(PREFIX)}
     model = fill_model(
         model, config, weights, {k[len(PREFIX):]: v for k, v in origin.items()},
@@ -75,19 +73,8 @@ def quantize_mtp(model: nn.Module, *, bits: int, group_size: int) -> None:
 
 
 def has_mtp_tensors(path: str | Path) -> bool:
-    """Whether a local checkpoint directory's safetensors hold `mtp.*` tensors (read from headers only)."""
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
+    """Whether a local checkpoint directory's safetensors hold `mtp.*` tensors (file headers only)."""
     try:
-        if index.is_file():
-            names: Any = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-            return any(str(k).startswith(PREFIX) for k in names)
-        for file in sorted(path.glob("*.safetensors")):
-            with open(file, "rb") as f:
-                size = struct.unpack("<Q", f.read(8))[0]
-                header = json.loads(f.read(size))
-            if any(k.startswith(PREFIX) for k in header):
-                return True
-    except (OSError, ValueError, struct.error):
+        return any(name.startswith(PREFIX) for file in weight_files(Path(path)) for name in read_header(file))
+    except (OSError, ValueError):
         return False
-    return False

@@ -117,6 +117,7 @@ class MTP(nn.Module):
         return out
 
 
-def is_raw_hf(weights: dict[str, Any]) -> bool:
-    """Whether a qwen3_5 checkpoint is in raw HF form (its conv1d kernels not yet moved: mlx-lm's own test)."""
-    return any("conv1d.weight" in k and tuple(v.shape)[-1] != 1 for k, v in weights.items())
+def is_raw_hf(shapes: dict[str, Any]) -> bool:
+    """Whether a qwen3_5 checkpoint (tensor name -> shape) is in raw HF form: its conv1d kernels not yet
+    moved, mlx-lm's own test for adding 1 to the norms."""
+    return any("conv1d.weight" in k and tuple(shape)[-1] != 1 for k, shape in shapes.items())
