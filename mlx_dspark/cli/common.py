@@ -176,7 +176,9 @@ KvBits = Annotated[Optional[int], typer.Option("--kv-bits", help="Quantize the t
 MODEL_HELP = "Target: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
 DRAFT_HELP = (
     "DSpark draft: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf; "
-    "'auto': the published draft of a known --model (any quantization of it); 'lookup': no draft, prompt-lookup drafts alone."
+    "'auto': the published draft of a known --model (any quantization of it), else the target's own MTP layers when it "
+    "carries them; 'mtp': the target's own multi-token-prediction layers (Qwen3.5 / 3.6 / 3.8 checkpoints with mtp.*); "
+    "'lookup': no draft, prompt-lookup drafts alone."
 )
 DraftTapIds = Annotated[
     Optional[str],

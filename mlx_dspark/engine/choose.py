@@ -156,7 +156,10 @@ class Chooser:
             getattr(self.draft, "flush", lambda: None)()
 
     def commit(self, tokens: Sequence[int]) -> None:
-        """The committed tokens of a round (accepted drafts, then the bonus): index them, learn the rates."""
+        """The committed tokens of a round (accepted drafts, then the bonus): index them, learn the rates;
+        a draft that reads them (an MTP proposer) takes them too."""
+        if self.draft is not None and hasattr(self.draft, "commit"):
+            self.draft.commit(tokens)
         if self.index is not None:
             self.index.extend(tokens)
         pending, self._pending = self._pending, None

@@ -17,6 +17,7 @@ from mlx_dspark.engine.decode import Round, plain_steps, speculative_steps
 from mlx_dspark.engine.grammar import GrammarState
 from mlx_dspark.engine.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.engine.logits_processing import LogitsProcessor
+from mlx_dspark.engine.mtp_propose import DEFAULT_CHAIN, MTPProposer
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import DraftProposer, Proposer
@@ -78,6 +79,8 @@ def make_steps(
             temperature=max(sampling.temperature, 1e-6),
             context=None if prompt_cache is None else prompt_cache.draft_context,
         )
+    if proposer is None and model.draft is None and getattr(model, "mtp", None) is not None and lookup != "only":
+        proposer = _mtp_proposer(model, prompt_ids, options)
     if speculation.confidence_threshold > 0 and isinstance(proposer, DraftProposer):
         # as llama-server refuses --spec-draft-p-min > 0 for a DSpark draft without a confidence head
         require_confidence_head(
@@ -109,6 +112,17 @@ def make_steps(
         cancel=cancel,
         processor=processor,
     ))
+
+
+def _mtp_proposer(model: Any, prompt_ids: list[int], options: GenerationOptions) -> MTPProposer:
+    """The target's own MTP layers as the draft (`load(..., draft="mtp")`): k chained steps per round."""
+    sampling, speculation = options.sampling, options.speculation
+    fixed = speculation.max_draft_tokens if isinstance(speculation.max_draft_tokens, int) else None
+    return MTPProposer(
+        model.mtp, model.target, prompt=prompt_ids,
+        greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
+        temperature=max(sampling.temperature, 1e-6), block_size=max(DEFAULT_CHAIN, fixed or 0),
+    )  # fmt: skip
 
 
 def _flushed(proposer: Proposer, steps: Iterator[Round]) -> Iterator[Round]:

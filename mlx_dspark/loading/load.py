@@ -24,6 +24,7 @@ from mlx_dspark.models import runs_on_mlx_lm, target_module
 from mlx_dspark.models.mlx_lm_target import from_config as mlx_lm_target_from_config, is_mlx_lm_target, probe_target
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
+from mlx_dspark.loading.mtp import MTP_DRAFT, build_mtp, quantize_mtp
 from mlx_dspark.loading.pair import check_shared_tensors, validate_pair
 from mlx_dspark.loading.precision import (
     DRAFT_SOURCE_PRECISION,
@@ -48,6 +49,7 @@ class LoadedModel:
     draft_config: Optional[dict]
     target_path: Path
     draft_path: Optional[Path]
+    mtp: Optional[nn.Module] = None  # the target's own MTP layers (draft="mtp"), in place of a draft
 
 
 def build_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) -> nn.Module:
@@ -152,6 +154,8 @@ def load(
     draft_quantize: the draft's own precision: 4 or 8 bits (its layers; the parts `DRAFT_SOURCE_PRECISION`
       names for that width stay in float), 0 to keep it in float beside a `quantize`d target; None: as `quantize`.
     draft_dtype: the draft's floating dtype, replacing `dtype` for it.
+    draft "mtp": no separate draft: the target's own multi-token-prediction layers (`mtp.*` in a Qwen3.5 /
+      3.6 / 3.8 Hugging Face checkpoint, or in our own conversion of one) propose (`LoadedModel.mtp`).
     draft_vocab: draft over the K most frequent target tokens only (FR-Spec; `models/draft_vocab.py`),
       ranked by `draft_vocab_file` (from `python -m mlx_dspark.rank_vocab`), by default the
       `vocab_rank.json` beside the draft. Lossless: the target still verifies over its full vocabulary.
@@ -160,6 +164,12 @@ def load(
     tool_parser: an mlx-lm tool parser (a module of `mlx_lm.tool_parsers`, e.g. "json_tools") replacing
       the one mlx-lm infers from the chat template.
     """
+    use_mtp = isinstance(draft, str) and draft == MTP_DRAFT
+    if use_mtp:
+        for name, value in (("draft_tap_ids", draft_tap_ids), ("draft_vocab", draft_vocab), ("draft_vocab_file", draft_vocab_file)):
+            if value is not None:
+                raise ValueError(f"{name} applies to a DSpark draft, not to the target's own MTP layers (draft='mtp')")
+        draft = None
     mx_dtype = parse_dtype(dtype)
     draft_mx_dtype = mx_dtype if draft_dtype is None else parse_dtype(draft_dtype)
     if quantize is not None:
@@ -170,7 +180,7 @@ def load(
     check_kv_bits(kv_bits)
     for name, value in (("draft_tap_ids", draft_tap_ids), ("draft_quantize", draft_quantize), ("draft_dtype", draft_dtype),
                         ("draft_vocab", draft_vocab), ("draft_vocab_file", draft_vocab_file)):
-        if value is not None and draft is None:
+        if value is not None and draft is None and not use_mtp:
             raise ValueError(f"{name} only applies with a draft; pass draft= as well")
     if draft_vocab_file is not None and draft_vocab is None:
         raise ValueError("draft_vocab_file needs draft_vocab (K, the number of ranked tokens the draft scores)")
@@ -182,6 +192,7 @@ def load(
             f"{target_checkpoint.config.get('model_type')!r} runs on mlx-lm's own model and caches (load it without kv_bits)"
         )
     target_model = build_target(target_checkpoint, dtype=mx_dtype)
+    mtp_model = build_mtp(target_checkpoint, dtype=draft_mx_dtype) if use_mtp else None
     check_finite_weights(target_model, what=f"target ({target_path})")
     if quantize is not None and "quantization" in target_checkpoint.config:
         raise ValueError(
@@ -216,6 +227,12 @@ def load(
     if kv_bits is not None:
         kv_group_size(target_model.args.head_dim)  # a head_dim the caches cannot group is refused here, not mid-prefill
         target_model.kv_bits = kv_bits  # read by make_cache: the full-attention layers' caches
+    if mtp_model is not None:
+        check_finite_weights(mtp_model, what=f"MTP layers ({target_path})")
+        bits = quantize if draft_quantize is None else draft_quantize
+        if bits:
+            quantize_mtp(mtp_model, bits=bits, group_size=q_group_size)
+        mx.eval(mtp_model.parameters())
     if draft_model is not None:
         if draft_quantize:  # the draft's own precision: its measured source-precision parts stay in float
             predicate = quant_predicate(draft_model, group_size=q_group_size, keep=DRAFT_SOURCE_PRECISION[draft_quantize])
@@ -242,4 +259,5 @@ def load(
         draft_config=draft_config,
         target_path=target_path,
         draft_path=draft_path,
+        mtp=mtp_model,
     )

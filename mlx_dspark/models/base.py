@@ -81,10 +81,14 @@ class Float32RMSNorm(nn.RMSNorm):
         return out.astype(dtype or x.dtype)
 
 
-def check_tap_ids(tap_ids: Sequence[int], num_hidden_layers: int) -> tuple[int, ...]:
-    """Validate tapped layer ids: each in [-1, num_hidden_layers - 2] (the last layer is never tapped)."""
+FINAL_TAP = -2  # not a layer: the final normed hidden state (what the LM head reads), for MTP heads
+
+
+def check_tap_ids(tap_ids: Sequence[int], num_hidden_layers: int, *, final: bool = False) -> tuple[int, ...]:
+    """Validate tapped layer ids: each in [-1, num_hidden_layers - 2] (the last layer is never tapped);
+    `final`: the target also records FINAL_TAP."""
     ids = tuple(int(i) for i in tap_ids)
-    bad = [i for i in ids if not -1 <= i <= num_hidden_layers - 2]
+    bad = [i for i in ids if not -1 <= i <= num_hidden_layers - 2 and not (final and i == FINAL_TAP)]
     if bad:
         raise ValueError(
             f"tap ids {bad} are out of range: expected ids in [-1, {num_hidden_layers - 2}] "

@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_dspark.models.base import check_tap_ids, gather_taps
+from mlx_dspark.models.base import FINAL_TAP, check_tap_ids, gather_taps
 from mlx_dspark.models.rollback import RollbackCaches, recording
 
 # Names of our contract that an mlx-lm model must not already use for something of its own.
@@ -75,7 +75,7 @@ class Capture:
             return out
         if index in self.tap_ids:
             self.taps[index] = hidden
-        if self.last_only and index == self.num_layers - 1:
+        if self.last_only and index == self.num_layers - 1 and FINAL_TAP not in self.tap_ids:
             # the final norm and the head then run on the last position only (both are per position)
             hidden = hidden[:, -1:]
             return (hidden, *out[1:]) if isinstance(out, tuple) else hidden
@@ -87,6 +87,9 @@ class Capture:
         out = type(backbone).__mro__[1].__call__(backbone, *args, **kwargs)
         if self.mode == "forward":
             self.final = out
+            if FINAL_TAP in self.tap_ids:  # every position's final state; the head then reads the last alone
+                self.taps[FINAL_TAP] = out
+                return out[:, -1:] if self.last_only else out
         return out
 
 
@@ -208,7 +211,7 @@ class MLXLMTarget:
         tap_ids: Sequence[int] = (),
         last_only: bool = False,
     ) -> tuple[mx.array, Optional[mx.array]]:
-        tap_ids = check_tap_ids(tap_ids, self.args.num_hidden_layers)
+        tap_ids = check_tap_ids(tap_ids, self.args.num_hidden_layers, final=True)
         capture = self._capture
         capture.start("forward", tap_ids=tap_ids, last_only=last_only)
         try:

@@ -1,0 +1,123 @@
+"""Qwen3.5 / 3.6 / 3.8's own multi-token-prediction layers (`mtp.*` in the Hugging Face checkpoint).
+
+One MTP step (DRAFTERS.md section 2; vLLM `qwen3_next_mtp.py`, mlx-vlm `drafters/qwen3_5_mtp/`) reads
+the target's final *normed* hidden state h_t at position t and the embedding of the token at t + 1:
+
+    x = fc([pre_fc_norm_embedding(embed(token_{t+1})), pre_fc_norm_hidden(h_t)])   # (B, L, 2C) -> (B, L, C)
+    x = layers.0(x)       # one full-attention decoder layer (gated q, partial RoPE) over its own KV cache
+    h = norm(x)           # -> the target's lm_head gives token_{t+2}
+
+Entry t of the MTP cache sits at RoPE position t. A chain of k > 1 steps feeds `h` (the MTP's own normed
+output) back as the next step's hidden state, beside the embedding of the token it just proposed.
+The embedding and the LM head are the target's (`target.embed`, `target.lm_head_logits`).
+
+The layer is mlx-lm's own qwen3_5 `DecoderLayer` built with every layer full attention, so its numerics
+are the target's attention layers'; attribute names are the checkpoint's names without `mtp.`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_5
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+PREFIX = "mtp."
+# raw Hugging Face norms are stored as w - 1 (Qwen3-Next's zero-centred RMSNorm); mlx-lm's RMSNorm reads w
+OFFSET_NORMS = (
+    "input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
+    "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight",
+)  # fmt: skip
+MODEL_TYPES = ("qwen3_5",)  # mlx-lm model types whose MTP layers this module builds
+
+
+def text_config(config: dict) -> dict:
+    """The language model's fields (a multimodal config nests them under `text_config`)."""
+    text = config.get("text_config")
+    return dict(text) if isinstance(text, dict) else dict(config)
+
+
+def mtp_layer_count(config: dict) -> int:
+    """How many MTP layers a target config declares (`mtp_num_hidden_layers`; 0: none)."""
+    value = text_config(config).get("mtp_num_hidden_layers", 0)
+    return int(value) if isinstance(value, int) and value > 0 else 0
+
+
+@dataclass
+class MTPArgs:
+    hidden_size: int
+    rms_norm_eps: float
+    mtp_num_hidden_layers: int
+    layer_args: Any  # mlx-lm's qwen3_5.TextModelArgs of the target, every layer full attention
+
+    @classmethod
+    def from_dict(cls, config: dict, *, source: str = "config.json") -> "MTPArgs":
+        text = text_config(config)
+        layers = mtp_layer_count(config)
+        if layers < 1:
+            raise ValueError(f"{source}: text_config.mtp_num_hidden_layers is missing or 0: this target declares no MTP layers")
+        if int(text.get("num_experts", 0) or 0) > 0:
+            raise ValueError(f"{source}: MTP layers of a MoE qwen3_5 target (num_experts {text['num_experts']}) are not supported yet")
+        args = qwen3_5.TextModelArgs.from_dict(text)
+        return cls(
+            hidden_size=args.hidden_size,
+            rms_norm_eps=args.rms_norm_eps,
+            mtp_num_hidden_layers=layers,
+            layer_args=dataclasses.replace(args, full_attention_interval=1),
+        )
+
+
+class MTP(nn.Module):
+    """The MTP block; `raw_norms` True when the weights come from a raw HF checkpoint (norms stored as w - 1)."""
+
+    def __init__(self, args: MTPArgs, *, raw_norms: bool = True):
+        super().__init__()
+        self.args = args
+        self.raw_norms = raw_norms
+        C, eps = args.hidden_size, args.rms_norm_eps
+        self.pre_fc_norm_embedding = nn.RMSNorm(C, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(C, eps=eps)
+        self.fc = nn.Linear(2 * C, C, bias=False)
+        self.layers = [qwen3_5.DecoderLayer(args.layer_args, layer_idx=0) for _ in range(args.mtp_num_hidden_layers)]
+        self.norm = nn.RMSNorm(C, eps=eps)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: Optional[list[KVCache]] = None) -> mx.array:
+        """embeddings (B, L, C) of tokens t+1, hidden (B, L, C) normed states at t -> normed MTP states (B, L, C).
+
+        With several MTP layers all run in order on every step (mtp_num_hidden_layers is 1 in every
+        published Qwen3.5 checkpoint)."""
+        x = mx.concatenate([self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden.astype(embeddings.dtype))], axis=-1)
+        x = self.fc(x)
+        cache = cache or [None] * len(self.layers)
+        mask = create_attention_mask(x, cache[0])
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, mask=mask, cache=c)
+        return self.norm(x)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """`mtp.*` names without the prefix; raw HF norms + 1 (as mlx-lm's qwen3_5 sanitize does for the target)."""
+        out = {}
+        for name, value in weights.items():
+            key = name[len(PREFIX):] if name.startswith(PREFIX) else name
+            if self.raw_norms and key.endswith(OFFSET_NORMS) and value.ndim == 1:
+                value = value + 1.0
+            out[key] = value
+        return out
+
+
+def is_raw_hf(shapes: dict[str, Any]) -> bool:
+    """Whether a qwen3_5 checkpoint (tensor name -> shape) is in raw HF form: its conv1d kernels not yet
+    moved, mlx-lm's own test for adding 1 to the norms."""
+    return any("conv1d.weight" in k and tuple(shape)[-1] != 1 for k, shape in shapes.items())
