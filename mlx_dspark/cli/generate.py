@@ -17,6 +17,7 @@ import typer
 from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import exit_on_interrupt, fail, flag_errors, needs_cost_curve, resolve_cost_curve
 from mlx_dspark.cli.demo import raw_text_prompts
+from mlx_dspark.cli.split import launched_group, split_or_follow
 
 app = typer.Typer(add_completion=False, help="Generate text with a target and its DSpark draft.")
 
@@ -133,6 +134,9 @@ def generate(
             model, draft=draft if speculative else None, dtype=dtype, quantize=quantize,
             draft_tap_ids=tap_ids if speculative else None, **precision,
         )  # fmt: skip
+    group = launched_group()  # under `mlx.launch -n N`: the target split over the N ranks
+    if group is not None:
+        split_or_follow(pair, group)
 
     if needs_cost_curve(options) and pair.draft is not None and not no_draft:
         with flag_errors():  # a draft without a confidence head; the curve is measured here on first use

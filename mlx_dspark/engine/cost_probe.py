@@ -72,6 +72,9 @@ def cache_key(model: Any) -> str:
         "dtypes": dtypes,
         "machine": machine(),
     }
+    group = getattr(model.target, "_split_group", None)  # a target split over ranks (models/split_target.py)
+    if group is not None:
+        identity["split_ranks"] = group.size()  # its costs are the group's, network included
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 

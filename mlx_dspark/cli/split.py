@@ -1,0 +1,45 @@
+"""A command started by `mlx.launch` over several ranks: the target split over them (models/split_target.py).
+
+Rank 0 runs the command as on one machine and is the only one that writes; the other ranks load the
+same files, take their slice and follow rank 0's target forwards until it is done (its exit releases
+them, an error too)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from typing import Any, Optional
+
+import typer
+
+from mlx_dspark.cli.errors import fail
+
+
+def launched_group() -> Optional[Any]:
+    """The group of an `mlx.launch` run with more than one rank, else None (a plain run never touches
+    the distributed backend)."""
+    if "MLX_RANK" not in os.environ:
+        return None
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def split_or_follow(pair: Any, group: Any) -> None:
+    """Shard the loaded target over `group`; on rank 0 make it lead and return, elsewhere follow and exit."""
+    from mlx_dspark.models.split_target import SplitTargetError, follow, lead, shard_target
+
+    try:
+        shard_target(pair.target, group)
+    except SplitTargetError as err:
+        fail(f"rank {group.rank()}: {err}")
+    if group.rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 writes the answer
+        forwards = follow(pair.target, group)
+        typer.echo(f"[mlx_dspark] rank {group.rank()}: followed {forwards} target forwards", err=True)
+        raise typer.Exit(0)
+    lead(pair.target, group)
+    atexit.register(pair.target.release_followers)  # however rank 0 ends (an error line included)
+    typer.echo(f"[mlx_dspark] target split over {group.size()} ranks (tensor parallel); the draft runs on rank 0", err=True)
