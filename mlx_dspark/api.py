@@ -151,11 +151,13 @@ def stream_generate(
 
 def stream_rounds(
     model: Any, prompt_ids: Sequence[int], rounds: Iterator[Round], *, options: GenerationOptions,
-    prompt_cache: PromptCache | None = None,
+    prompt_cache: PromptCache | None = None, started: float | None = None,
 ) -> Iterator[StepResponse]:
     """StepResponses of rounds that another driver runs (the server's batch, `engine/batch.py`): the same
-    stop tokens, stop strings, max_tokens and statistics as `stream_generate`. `options` are the row's."""
-    return _stream(model, list(prompt_ids), options, None, prompt_cache, None, None, ToolSetup.of(None, None), rounds=rounds)
+    stop tokens, stop strings, max_tokens and statistics as `stream_generate`. `options` are the row's;
+    `started` (a `time.perf_counter()`) is when the driver began its prompt, for `prompt_tps` (default: now)."""
+    return _stream(model, list(prompt_ids), options, None, prompt_cache, None, None, ToolSetup.of(None, None), rounds=rounds,
+                   started=started)
 
 
 def _stream(
@@ -168,7 +170,9 @@ def _stream(
     grammar: GrammarState | None,
     setup: ToolSetup,
     rounds: Iterator[Round] | None = None,
+    started: float | None = None,
 ) -> Iterator[StepResponse]:
+    start = time.perf_counter() if started is None else started  # the prompt's time counts from here
     tokenizer = model.tokenizer
     stops = options.stop
     stop_ids = set(tokenizer.eos_token_ids) | set(options.stop_token_ids)
@@ -186,7 +190,6 @@ def _stream(
     detokenizer.reset()
     shown = 0  # characters of detokenizer.text already yielded
     generated = 0
-    start = time.perf_counter()
     first_token_time = None
     origins = TextOrigins()  # which characters the draft, a lookup or a grammar wrote (the server's marks)
     if rounds is None:

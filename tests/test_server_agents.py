@@ -198,6 +198,8 @@ def test_responses_create_is_the_api_s_answer_and_streams_the_same(oai, model):
     assert [(c.name, json.loads(c.arguments)) for c in response.output if c.type == "function_call"] == \
         [(c.name, json.loads(c.arguments)) for c in want.tool_calls]
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.output[-1].status == "incomplete"  # the item the output ended inside says so too
+    assert all(item.status == "completed" for item in response.output[:-1] if getattr(item, "status", None))
     events = list(oai.responses.create(model=MODEL_ID, instructions="Answer briefly.", input=items, tools=tools,
                                        max_output_tokens=10, stream=True))
     kinds = [e.type for e in events]

@@ -181,6 +181,7 @@ class BatchWorker(ModelWorker):
         if self.model.draft is None:
             return None
         started = time.monotonic()
+        self.phase = f"measuring this machine's packed-forward costs up to {self.max_batch} requests (once; cached)"
         try:
             self.cost = batch_cost_for(self.model, self.max_batch)
         # Serving goes on without the plan when the cost cache cannot be written or read (OSError, a
@@ -292,8 +293,9 @@ class BatchWorker(ModelWorker):
         cache = None
         try:
             cache = self.prompt_caches.checkout(prompt, speculative=options.speculation.speculative and self.speculative)
+            started = time.perf_counter()  # its prefill starts with the next round (prompt_tps counts from here)
             row = BatchRow(self.model, prompt, options, prompt_cache=cache, grammar=grammar, cancel=job.cancelled)
-            stream = stream_rounds(self.model, prompt, row.steps(), options=options, prompt_cache=cache)
+            stream = stream_rounds(self.model, prompt, row.steps(), options=options, prompt_cache=cache, started=started)
         except Exception as err:  # noqa: BLE001  (as _prepare: this request's)
             failed = fail_job(job, err)
             self.prompt_caches.checkin(cache, reusable=not failed)

@@ -264,6 +264,8 @@ class Handler(AnswerWriting, BaseHTTPRequestHandler):
                 body.update(speculative=worker.speculative, work=worker.metrics())
         elif worker.load_error and trusted:
             body["error"] = worker.load_error
+        elif worker.state != READY:
+            body["phase"] = getattr(worker, "phase", "loading")  # loading the model, measuring costs, ...
         self._send_json(200 if worker.state == READY else 503, body)
 
     def _root(self) -> None:

@@ -244,12 +244,13 @@ class ResponsesWriter:
                 "previous_response_id": self.request.extra.get("previous_response_id"),
                 "usage": usage if status != "in_progress" else None, "dspark": self.tally.stats()}
 
-    def _close(self) -> list[tuple[str, dict]]:
+    def _close(self, status: str = "completed") -> list[tuple[str, dict]]:
+        """Close the open item; `status` "incomplete" for the item the output ended inside (max_output_tokens)."""
         if not self._open:
             return []
         self._open = False
         index, item = len(self.output) - 1, self.output[-1]
-        item["status"] = "completed"
+        item["status"] = status
         events = []
         if item["type"] == "message":
             part = item["content"][0]
@@ -334,7 +335,7 @@ class ResponsesWriter:
             self.finish_reason = "stop" if reader.ended else step.finish_reason
             self.finished = True
             note_cut_call(self.request, reader, self.finish_reason)
-            events += self._close()
+            events += self._close(self._status())  # an answer cut by max_output_tokens: its last item is cut too
             self._remember()
             status = self._status()
             events.append(self._event(f"response.{status}", response=self.response(status)))

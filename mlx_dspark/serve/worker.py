@@ -125,6 +125,7 @@ class ModelWorker:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self.state = LOADING
+        self.phase = "loading the model"  # what a LOADING worker is doing (/health says it)
         self.load_error: str | None = None
         self.loaded = threading.Event()  # set once loading succeeded or failed
         self.model: Any = None
@@ -180,6 +181,7 @@ class ModelWorker:
         start = time.perf_counter()
         try:
             self.model = self._loader()
+            self._measure_costs()
             problem = self.prepare()
         # A loader can fail in many ways (a bad path, the hub, a malformed checkpoint), and so can what
         # the worker prepares on the loaded model: whatever it is, the server reports it on /health and
@@ -206,6 +208,25 @@ class ModelWorker:
     def prepare(self) -> str | None:
         """After loading, before the worker reports ready: why it cannot serve this model (None: it can)."""
         return None
+
+    def _measure_costs(self) -> None:
+        """This machine's cost curve for the pair, before the worker says ready: the first request would
+        otherwise wait for its measurement (tens of seconds on a busy machine) while /health said ok."""
+        if getattr(self.model, "draft", None) is None:
+            return
+        from mlx_dspark.engine.cost_probe import cost_curve_for
+
+        self.phase = "measuring this machine's draft and verify costs (once; cached)"
+        started = time.perf_counter()
+        try:
+            curve = cost_curve_for(self.model)
+        # as the batch worker's packed costs: a cache it cannot write or read, or a measurement MLX cannot
+        # run, leaves it to the first request (which says why)
+        except (OSError, ValueError, RuntimeError) as err:
+            log.warning("no cost curve at load (%s: %s): the first request measures it", type(err).__name__, err)
+            return
+        log.info("cost curve (%s) ready in %.1f s", curve.source, time.perf_counter() - started)
+        self.phase = "preparing"
 
     def serve_jobs(self) -> None:
         """Run submitted jobs in order on this thread until `stop()`."""
