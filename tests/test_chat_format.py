@@ -198,3 +198,15 @@ def test_a_streamed_call_cut_short_is_a_cut_call_with_its_arguments_so_far():
     (call,) = [v for k, v in events if k == "tool_call_cut"]
     assert call.name == "f" and call.arguments == '{"path": "a.py", "text": "def f('
     assert "".join(v for k, v in events if k == "tool_call_delta") == call.arguments
+
+
+def test_an_answer_of_blank_lines_streams_as_it_comes_when_tools_are_offered():
+    from mlx_dspark.chat_format.output import HELD_WHITESPACE
+
+    parser, shown = _parser(), ""
+    for _ in range(100):  # a weak model writing newlines while a call could still follow
+        shown += "".join(value for kind, value in parser.feed("\n") if kind == "content")
+    assert len(shown) >= 100 - HELD_WHITESPACE  # only a bounded tail waits, not the whole answer
+    # a call after a short separator still drops the separator
+    out = parse_output(_parser(), 'Sure.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    assert out.content == "Sure." and [c.name for c in out.tool_calls] == ["get_weather"]

@@ -38,6 +38,10 @@ CALL_CUT = "tool_call_cut"
 # the head of a JSON call body, up to where its arguments start
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
+# Whitespace held back while a call may follow: at most this much (a separator before a call is a
+# newline or two); beyond it, the text goes out, so an answer of blank lines still streams as it comes
+HELD_WHITESPACE = 16
+
 
 def _arguments_text(body: str) -> str:
     """A JSON call body's arguments, without the object's closing brace (and whitespace) after them."""
@@ -151,6 +155,8 @@ class OutputParser:
             # trailing whitespace waits too when a call (or the end of thinking) may follow: it is dropped
             # before a marker; otherwise text goes out as it comes
             ready_stripped = ready.rstrip() if self._holds_whitespace() else ready
+            if len(ready) - len(ready_stripped) > HELD_WHITESPACE:  # a model writing only blank lines: not held
+                ready_stripped = ready[: len(ready) - HELD_WHITESPACE]  # to the end, only the last few
             self._emit(ready_stripped, events)
             self._buffer = self._buffer[len(ready_stripped):]
         return events
