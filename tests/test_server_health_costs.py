@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from mlx_dspark.engine.cost_probe import cost_curve_path
 from mlx_dspark.engine.options import GenerationOptions
 from tests.test_server import MESSAGES, call, pair_loader, running_server
@@ -30,9 +32,10 @@ def test_health_waits_for_the_cost_curve_and_says_what_it_does(tiny_spark_pair, 
         assert cost_curve_path(srv.worker.model).is_file()
 
 
-def test_a_batched_requests_prompt_rate_counts_from_its_admission(tiny_spark_pair, tmp_path, monkeypatch):
+@pytest.mark.parametrize("max_batch", [1, 2])  # the one-at-a-time worker and the batch
+def test_a_requests_prompt_rate_counts_from_its_admission(tiny_spark_pair, tmp_path, monkeypatch, max_batch):
     monkeypatch.setenv("MLX_DSPARK_COST_DIR", str(tmp_path / "costs"))
-    with running_server(pair_loader(tiny_spark_pair), defaults=GenerationOptions(max_tokens=4), max_batch=2) as srv:
+    with running_server(pair_loader(tiny_spark_pair), defaults=GenerationOptions(max_tokens=4), max_batch=max_batch) as srv:
         status, _, body = call(srv, "POST", "/v1/chat/completions", {"messages": MESSAGES * 8, "max_tokens": 4})
         assert status == 200
         stats, prompt = body["dspark"], body["usage"]["prompt_tokens"]
