@@ -355,3 +355,75 @@ def test_a_named_tool_parser_replaces_the_inferred_one(tiny_tools_pair):
     assert load(target, tool_parser="qwen3_coder").tokenizer.tool_parser.__module__.endswith("qwen3_coder")
     with pytest.raises(ValueError, match="unknown tool parser 'nope'; mlx-lm has .*json_tools"):
         load(target, tool_parser="nope")
+
+
+# -- message threads (the SDK's tool runner) ----------------------------------------------------------
+
+
+def _weather_runner(claude, iterations: int):
+    """The SDK's default tool runner (threaded: message-threads beta), forced to call a bounded tool each turn."""
+    calls = []
+
+    def get_weather(city: str) -> str:
+        calls.append(city)
+        return f"sunny in {city}"
+
+    tool = anthropic.beta_tool(get_weather, name="get_weather", description="The weather in a city",
+                               input_schema=CITY["function"]["parameters"])
+    runner = claude.beta.messages.tool_runner(
+        model="claude", max_tokens=200, system="Answer briefly.", tools=[tool], max_iterations=iterations,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True}, messages=[{"role": "user", "content": "Weather?"}])
+    return runner, calls
+
+
+def _threads_seen(server, monkeypatch) -> list:
+    seen = []
+    begin = server.threads.begin
+
+    def spy(body):
+        seen.append((body["thread"]["type"], len(body["messages"]), "tools" in body))
+        return begin(body)
+
+    monkeypatch.setattr(server.threads, "begin", spy)
+    return seen
+
+
+@pytest.mark.skipif(not HAS_CONSTRAINTS, reason="forcing a call needs the engine's constrained decoding")
+def test_the_sdk_s_tool_runner_runs_over_a_server_held_thread(claude, server, model, monkeypatch):
+    seen = _threads_seen(server, monkeypatch)
+    runner, calls = _weather_runner(claude, 3)
+    replies = list(runner)
+    assert len(replies) == 3 and len(calls) == 3 and all(r.stop_reason == "tool_use" for r in replies)
+    # a create with the whole conversation, then continues with only the new turn (the tool result), no tools
+    assert seen == [("create", 1, True), ("continue", 1, False), ("continue", 1, False)]
+    # the server answered the last turn from the whole conversation it held
+    history = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Weather?"}]
+    for reply in replies[:-1]:
+        (use,) = [b for b in reply.content if b.type == "tool_use"]
+        history += [{"role": "assistant", "content": "", "tool_calls": [{"id": use.id, "type": "function",
+                     "function": {"name": use.name, "arguments": json.dumps(use.input)}}]},
+                    {"role": "tool", "tool_call_id": use.id, "content": f"sunny in {use.input['city']}"}]
+    usage = replies[-1].usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == len(encode_prompt(model.tokenizer, history, tools=[CITY]))
+
+
+@pytest.mark.skipif(not HAS_CONSTRAINTS, reason="forcing a call needs the engine's constrained decoding")
+@pytest.mark.parametrize("store, want", [
+    # one thread held and a second runner's create between turns evicts it: its continue is a 404
+    # thread_not_found, and the SDK replays the whole conversation under a new thread
+    (dict(capacity=1), [("create", 1, True), ("create", 1, True), ("continue", 1, False), ("continue", 1, False),
+                        ("create", 3, True)]),
+    # too large to hold: each runner's create is a 400 thread_unsupported_request, and the runner goes on
+    # without a thread (the whole conversation each turn, no `thread`)
+    (dict(max_bytes=64), [("create", 1, True), ("create", 1, True)]),
+])
+def test_the_tool_runner_recovers_from_an_evicted_or_oversize_thread(claude, server, monkeypatch, store, want):
+    from mlx_dspark.serve.threads import ThreadStore
+
+    monkeypatch.setattr(server, "threads", ThreadStore(**store))
+    seen = _threads_seen(server, monkeypatch)
+    first, first_calls = _weather_runner(claude, 2)
+    second, second_calls = _weather_runner(claude, 2)
+    turns = [next(iter(first)), next(iter(second)), next(iter(second)), next(iter(first))]
+    assert all(t.stop_reason == "tool_use" for t in turns) and len(first_calls) == len(second_calls) == 1
+    assert seen == want

@@ -208,10 +208,13 @@ def test_a_template_that_refuses_later_system_turns_gets_them_joined_to_the_syst
     assert ids == [len("ab\n\ncde"), 1] and "joined" in request.warnings[0]
 
 
-def test_thread_is_a_400_that_names_it(server):
-    status, _, answer = call(server, "POST", "/v1/messages", {"max_tokens": 3, "thread": {"type": "create"},
+def test_a_bad_or_unknown_thread_is_an_error_that_names_it(server):
+    status, _, answer = call(server, "POST", "/v1/messages", {"max_tokens": 3, "thread": {"type": "fork"},
                                                               "messages": [{"role": "user", "content": "Hi"}]})
     assert status == 400 and "'thread'" in answer["error"]["message"]
+    status, _, answer = call(server, "POST", "/v1/messages", {"max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}],
+                                                              "thread": {"type": "continue", "previous_message_id": "msg_x"}})
+    assert status == 404 and answer["error"]["details"] == {"error_code": "thread_not_found"}  # the SDK then replays
 
 
 # -- cut and single tool calls ----------------------------------------------------------------------

@@ -163,9 +163,9 @@ def parse_request(body: Any, *, defaults: Any, template_kwargs: frozenset[str] =
     if constraint is not None:
         request.options = dataclasses.replace(request.options, constraint=constraint)
         request.constraint_field = field
-    if body.get("thread") not in (None, False):
-        raise APIError(400, "'thread': server-held conversations (Threads) are not kept by this server; omit "
-                       "'thread' and send the whole conversation in 'messages'", param="thread", code="unsupported_parameter")
+    if body.get("thread") not in (None, False):  # the handler resolves threads (serve/threads.py) before this
+        raise APIError(400, "'thread' is not taken here: send the whole conversation in 'messages'", param="thread",
+                       code="unsupported_parameter")
     return request
 
 

@@ -32,6 +32,7 @@ from mlx_dspark.serve.guards import host_name, is_loopback_name, normalize_origi
 from mlx_dspark.serve.handler import Handler
 from mlx_dspark.serve.metrics import Metrics
 from mlx_dspark.serve.responses import ResponseStore
+from mlx_dspark.serve.threads import ThreadStore
 from mlx_dspark.serve.streaming import KEEPALIVE_S
 from mlx_dspark.serve.worker import READY, ModelWorker
 
@@ -73,6 +74,7 @@ class DSparkHTTPServer(ThreadingHTTPServer):
         keepalive_s: float = KEEPALIVE_S,
         force_tool_call: str | None = None,
         metrics: bool = True,
+        threads: ThreadStore | None = None,
     ) -> None:
         self.worker = worker
         self.metrics = Metrics()  # what answered requests added (always counted; /metrics serves it when enabled)
@@ -90,6 +92,7 @@ class DSparkHTTPServer(ThreadingHTTPServer):
         # /v1/responses' previous_response_id: as many conversations as the prompt-cache pool keeps warm
         budget = worker.cache_budget
         self.responses = ResponseStore(budget.conversations if budget.enabled else 0)
+        self.threads = threads if threads is not None else ThreadStore()  # Anthropic's `thread` (message threads)
         self.created = int(time.time())
         self._serving: threading.Thread | None = None
         self._slots = threading.BoundedSemaphore(max_connections)

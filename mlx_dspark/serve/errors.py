@@ -22,6 +22,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        details: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -30,13 +31,17 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.details = details  # Anthropic's `error.details` (`error_code`, ...), which its SDK branches on
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def anthropic_body(self) -> dict:
         kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        error: dict[str, Any] = {"type": kind, "message": self.message}
+        if self.details is not None:
+            error["details"] = self.details
+        return {"type": "error", "error": error}
 
 
 def bad_value(name: str, expected: str, value: Any) -> APIError:

@@ -331,6 +331,19 @@ class Handler(AnswerWriting, BaseHTTPRequestHandler):
 
     def _generate(self, kind: str) -> None:
         body = self._json_body()
+        if kind == "anthropic" and isinstance(body, dict) and body.get("thread") not in (None, False):
+            body, turn = self.server.threads.begin(body)  # the whole conversation the thread holds
+            try:
+                writer = self._answer(kind, body)
+                if writer.finished:
+                    self.server.threads.finish(turn, writer.id, writer.blocks)
+            finally:
+                self.server.threads.abandon(turn)  # no-op once finished
+            return
+        self._answer(kind, body)
+
+    def _answer(self, kind: str, body: Any) -> Any:
+        """Parse, admit, submit and write one generation request; the writer, once answered."""
         request = self._parse(kind, body)
         model = body.get("model")
         if model is not None and model != self.server.model_id and kind != "anthropic":
@@ -353,6 +366,7 @@ class Handler(AnswerWriting, BaseHTTPRequestHandler):
             job.answered = bool(getattr(job.reader, "ended", False))  # its one call was the whole answer
             job.cancel()  # no-op once done; stops the generation when we leave early (or the answer ended)
             self.server.metrics.record(kind, writer.tally, getattr(writer, "finish_reason", None) or job.finish_reason)
+        return writer
 
     def _count_tokens(self) -> None:
         """Anthropic's /v1/messages/count_tokens: the prompt the request would render, counted."""
