@@ -360,7 +360,7 @@ def test_a_named_tool_parser_replaces_the_inferred_one(tiny_tools_pair):
 # -- message threads (the SDK's tool runner) ----------------------------------------------------------
 
 
-def _weather_runner(claude, iterations: int):
+def _weather_runner(claude, iterations: int, *, stream: bool = False):
     """The SDK's default tool runner (threaded: message-threads beta), forced to call a bounded tool each turn."""
     calls = []
 
@@ -372,7 +372,8 @@ def _weather_runner(claude, iterations: int):
                                input_schema=CITY["function"]["parameters"])
     runner = claude.beta.messages.tool_runner(
         model="claude", max_tokens=200, system="Answer briefly.", tools=[tool], max_iterations=iterations,
-        tool_choice={"type": "any", "disable_parallel_tool_use": True}, messages=[{"role": "user", "content": "Weather?"}])
+        tool_choice={"type": "any", "disable_parallel_tool_use": True}, messages=[{"role": "user", "content": "Weather?"}],
+        stream=stream)
     return runner, calls
 
 
@@ -389,10 +390,11 @@ def _threads_seen(server, monkeypatch) -> list:
 
 
 @pytest.mark.skipif(not HAS_CONSTRAINTS, reason="forcing a call needs the engine's constrained decoding")
-def test_the_sdk_s_tool_runner_runs_over_a_server_held_thread(claude, server, model, monkeypatch):
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_sdk_s_tool_runner_runs_over_a_server_held_thread(claude, server, model, monkeypatch, stream):
     seen = _threads_seen(server, monkeypatch)
-    runner, calls = _weather_runner(claude, 3)
-    replies = list(runner)
+    runner, calls = _weather_runner(claude, 3, stream=stream)
+    replies = [turn.get_final_message() for turn in runner] if stream else list(runner)
     assert len(replies) == 3 and len(calls) == 3 and all(r.stop_reason == "tool_use" for r in replies)
     # a create with the whole conversation, then continues with only the new turn (the tool result), no tools
     assert seen == [("create", 1, True), ("continue", 1, False), ("continue", 1, False)]
