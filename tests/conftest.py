@@ -74,17 +74,21 @@ def synthetic_cost_curves(tmp_path_factory, monkeypatch):
     """Tests never time anything: a pair's cost curve (for the default `max_draft_tokens="auto"`) is a flat
     synthetic one (every verify width costs the same, drafts are free: auto proposes full blocks while any
     draft is accepted), cached in a per-session directory instead of ~/.cache (also for CLI subprocesses,
-    which inherit $MLX_DSPARK_COST_DIR but measure the tiny pairs for real)."""
-    from mlx_dspark.engine import cost_probe
+    which inherit $MLX_DSPARK_COST_DIR but measure the pairs for real). The synthetic curves live in a
+    subdirectory of their own: a real curve a subprocess cached (the demo pair's, where auto parks on a slow
+    CPU) must not reach a later in-process test that expects the flat one (an order-dependent failure)."""
+    from mlx_dspark.engine import batch_length, cost_probe
     from mlx_dspark.engine.schedule import CostCurve
 
     cache = tmp_path_factory.getbasetemp() / "cost-curves"
     monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(cache))
+    measured_dir = cost_probe.cost_cache_dir
+    in_process = lambda: measured_dir() / "in-process"  # noqa: E731  (follows a test's own $MLX_DSPARK_COST_DIR)
+    monkeypatch.setattr(cost_probe, "cost_cache_dir", in_process)
+    monkeypatch.setattr(batch_length, "cost_cache_dir", in_process)
     monkeypatch.setattr(
         cost_probe, "measure_cost_curve", lambda target, draft: CostCurve.flat(max_width=int(getattr(draft, "num_drafts", 7)) + 1, draft_ms=0.0)
     )
-    from mlx_dspark.engine import batch_length
-
     # the same for a batching server's packed-forward costs: every forward costs the same, drafts are free
     flat = lambda target, draft, *, max_batch: batch_length.BatchCost(  # noqa: E731
         rows_ms={1: 1.0, 128: 1.0}, sequences_ms={max(max_batch, 2): 1.0}, draft_ms={1: 0.0}, source="flat (tests)")

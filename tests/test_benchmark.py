@@ -311,6 +311,9 @@ def test_card_columns_run_both_schedules_through_the_template_switches(request, 
     for column in card["columns"]:
         assert {"column", "template_kwargs", "card_acceptance_length", "fixed", "confidence", "confidence_over_fixed_tps"} <= set(column)
         assert column["fixed"]["generated_tokens"] == column["confidence"]["generated_tokens"] == 8
+        for schedule in ("fixed", "confidence"):  # rounded as every other report's (issue 33.6)
+            mean = column[schedule]["mean_acceptance_length"]
+            assert mean == round(mean, 3) and 1 <= mean <= 8
     greedy = card["columns"][-1]
     assert greedy["column"].startswith("T=0")
     # flat curve: the confidence schedule verifies every draft the fixed one does

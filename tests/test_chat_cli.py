@@ -106,3 +106,14 @@ def test_reasoning_prints_between_thinking_marks(tiny_spark_pair, pair):
     assert want.reasoning  # the template opened <think>: the reply starts as reasoning
     shown = f"[thinking] {want.reasoning}" + (f" [/thinking]\n{want.content}\n" if want.content else " [/thinking]\n")
     assert proc.stdout.decode() == shown
+
+
+def test_no_draft_with_lookup_named_chats_with_lookup_alone(tiny_spark_pair, pair):
+    # issue 39.4: --no-draft alone is the plain baseline; with --lookup named, lookup drafts run alone
+    proc = run_chat(tiny_spark_pair, "Hello\n", "--no-draft", "--lookup", "on")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert "--no-draft --lookup on: no DSpark draft, prompt-lookup drafts alone" in proc.stderr.decode()
+    assert "mean acceptance length" in proc.stderr.decode()  # speculative rounds, not plain decoding
+    want = generate(pair, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}],
+                    max_tokens=MAX_TOKENS, speculative=False)  # fmt: skip
+    assert proc.stdout.decode() == f"{want.text}\n"

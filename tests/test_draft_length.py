@@ -243,6 +243,20 @@ def test_calibrate_prints_the_curve_break_even_and_auto_s_start(tiny_spark_pair,
     assert "auto starts at 7 drafts per round" in text and data["cache_file"] in text
 
 
+def test_calibrate_with_a_missing_directory_says_so_in_one_line(tiny_spark_pair, tmp_path):
+    from typer.testing import CliRunner
+
+    from mlx_dspark.cli.calibrate import app
+
+    target, draft = tiny_spark_pair
+    for args, missing in ((["--model", str(tmp_path / "nope"), "--draft", str(draft)], tmp_path / "nope"),
+                          (["--model", str(target), "--draft", str(tmp_path / "gone")], tmp_path / "gone")):  # fmt: skip
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output  # not an exception's traceback
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and str(missing) in errors[0] and "does not exist" in errors[0], result.output
+
+
 def test_parked_rounds_batch_the_draft_context_and_a_prompt_cache_stays_whole(tiny_spark_pair):
     pair = mlx_dspark.load(*tiny_spark_pair)
     cache = mlx_dspark.make_prompt_cache(pair)

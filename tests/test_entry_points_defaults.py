@@ -38,6 +38,7 @@ def ok(args: list[str], tmp_path: Path, **kwargs) -> subprocess.CompletedProcess
     return result
 
 
+@pytest.mark.slow
 def test_benchmark_with_its_defaults_on_the_demo_pair(tmp_path):
     # The demo's text repeats: lookup blocks longer than the draft's block land (the crash of issue 33.1;
     # test_benchmark.py checks the histogram of such rounds without depending on auto's choices)
@@ -64,6 +65,7 @@ def test_calibrate_with_its_defaults_measures_the_demo_pair(tmp_path):
     assert "draft block" in result.stdout and "verify of 1..8 tokens" in result.stdout
 
 
+@pytest.mark.slow
 def test_convert_export_and_train_with_their_defaults(tiny_qwen3_pair, tmp_path):
     ok(["mlx_dspark.convert", "--hf-path", str(DEMO / "target"), "--mlx-path", str(tmp_path / "target-mlx")], tmp_path)
     ok(["mlx_dspark.convert", "--hf-path", str(DEMO / "draft"), "--mlx-path", str(tmp_path / "draft-mlx")], tmp_path)

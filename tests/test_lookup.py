@@ -201,3 +201,25 @@ def test_auto_mask_choice_measures_both_modes_then_keeps_the_faster_and_explores
         choice.observe(3)
     assert modes[:6] == [True] * 3 + [False] * 3  # warm-up: each mode measured
     assert modes[6:].count(True) > 18 and False in modes[6:]  # then the faster, with an occasional re-try
+
+
+def test_server_no_draft_with_lookup_named_serves_lookup_alone(tiny_spark_pair, monkeypatch):
+    from typer.testing import CliRunner
+
+    from mlx_dspark.cli.server import app
+    from mlx_dspark.serve import app as serve_app
+
+    served = []
+
+    def make_server(loader, **options):
+        served.append((loader.keywords["draft"], options["defaults"].speculation))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(serve_app, "make_server", make_server)
+    target, draft = map(str, tiny_spark_pair)
+    named = CliRunner().invoke(app, ["--model", target, "--draft", draft, "--no-draft", "--lookup", "on", "--port", "0"])
+    assert "prompt-lookup drafts alone" in named.output
+    CliRunner().invoke(app, ["--model", target, "--draft", draft, "--no-draft", "--port", "0"])
+    (alone_draft, alone), (plain_draft, plain) = served
+    assert alone_draft is None and alone.speculative and alone.lookup == "on"  # no draft loaded, lookup proposes
+    assert plain_draft is None and not plain.speculative  # --no-draft by itself: the plain baseline

@@ -41,6 +41,7 @@ def tokens(result: subprocess.CompletedProcess) -> list[int]:
     return json.loads(result.stdout.strip().splitlines()[-1])["tokens"]
 
 
+@pytest.mark.slow
 def test_speculation_on_a_split_target_is_lossless(llama_pair, tmp_path):
     target, draft = map(str, llama_pair)
     common = ["--model", target, "--draft", draft, "--prompt", "hello world", "--max-tokens", "40", "--json"]
@@ -59,6 +60,7 @@ def test_speculation_on_a_split_target_is_lossless(llama_pair, tmp_path):
     assert tokens(launched(sampled, tmp_path)) == tokens(one_machine)
 
 
+@pytest.mark.slow
 def test_a_target_that_cannot_be_split_is_one_line(tiny_qwen3_pair, llama_pair, tmp_path):
     target, draft = map(str, tiny_qwen3_pair)  # our own qwen3 module: no mlx-lm `shard`
     result = launched(["--model", target, "--draft", draft, "--prompt", "hi", "--max-tokens", "4"], tmp_path)

@@ -75,6 +75,7 @@ def _losses(out: Path) -> list[float]:
     return [entry["loss"] for entry in summary["history"]], summary
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _launch_available(), reason="this MLX build has no ring backend")
 def test_two_ring_ranks_get_the_single_process_losses_and_resume_on_one(tiny_qwen3_target, tmp_path):
     data = tmp_path / "train"

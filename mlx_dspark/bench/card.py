@@ -49,8 +49,8 @@ def _summary(runs: Sequence[GenerationResult]) -> dict:
     lengths = [a for r in runs for a in r.acceptance_lengths]
     proposed = [p for r in runs for p in r.proposal_lengths]
     return {
-        "mean_acceptance_length": mean(lengths),
-        "mean_verified_drafts": mean(proposed),
+        "mean_acceptance_length": round(mean(lengths), 3),
+        "mean_verified_drafts": round(mean(proposed), 3),
         "rounds": len(lengths),
         "generated_tokens": sum(len(r.tokens) for r in runs),
         "generation_tps": median([r.generation_tps for r in runs]),

@@ -120,7 +120,7 @@ def run_schedule_ab(
                 "tokens_per_second_runs": data["tps"],
                 "over_fixed": tps / fixed_tps if fixed_tps > 0 else 0.0,
                 "mean_acceptance_length": round(mean(data["lengths"]), 3),
-                "mean_verified_drafts": mean(data["proposed"]),
+                "mean_verified_drafts": round(mean(data["proposed"]), 3),
                 "outputs_match_reference": sum(data["match"]) / len(data["match"]),
             }
         )

@@ -165,6 +165,8 @@ def chat(
     `python -m mlx_dspark.generate --no-chat-template`."""
     from mlx_dspark.loading.load import load
 
+    if flags.lookup_alone(ctx):
+        no_draft, draft = False, flags.LOOKUP_DRAFT
     with flag_errors():
         flags.check_quantize(quantize)
         options = flags.generation_options(ctx.params, max_tokens=max_tokens)  # the shared flags, read by name

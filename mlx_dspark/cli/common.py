@@ -229,6 +229,18 @@ def resolve_draft(model: Optional[str], draft: Optional[str], *, no_draft: bool,
     return reference
 
 
+def lookup_alone(ctx: typer.Context) -> bool:
+    """`--no-draft --lookup on|only` named on the command line: prompt-lookup drafts alone (as `--draft
+    lookup`), not the plain baseline `--no-draft` means by itself; said on stderr, `ctx.params` rewritten."""
+    params = ctx.params
+    named = getattr(ctx.get_parameter_source("lookup"), "name", None) == "COMMANDLINE"
+    if not (params.get("no_draft") and params.get("lookup", "off") != "off" and named):
+        return False
+    typer.echo(f"[mlx_dspark] --no-draft --lookup {params['lookup']}: no DSpark draft, prompt-lookup drafts alone", err=True)
+    params.update(no_draft=False, draft=LOOKUP_DRAFT)
+    return True
+
+
 def text_flag(flag: str, value: str) -> str:
     """A text flag's value, refused when it is not valid Unicode (argv bytes that are not UTF-8 arrive
     as lone surrogates)."""

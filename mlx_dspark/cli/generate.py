@@ -99,11 +99,8 @@ def generate(
     from mlx_dspark.api import ResultCollector, stream_generate
     from mlx_dspark.loading.load import load
 
-    if no_draft and lookup != "off" and getattr(ctx.get_parameter_source("lookup"), "name", None) == "COMMANDLINE":
-        # asked for by name: lookup drafts alone (as --draft lookup), not the plain baseline --no-draft means alone
-        typer.echo(f"[mlx_dspark] --no-draft --lookup {lookup}: no DSpark draft, prompt-lookup drafts alone", err=True)
+    if flags.lookup_alone(ctx):
         no_draft, draft = False, flags.LOOKUP_DRAFT
-        ctx.params.update(no_draft=False, draft=draft)
     with flag_errors():
         flags.check_quantize(quantize)
         precision = flags.draft_load_options(ctx.params, speculative=not no_draft)  # --no-draft: the target's only

@@ -110,6 +110,8 @@ def serve(
     if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         fail(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if flags.lookup_alone(ctx):
+        no_draft, draft = False, flags.LOOKUP_DRAFT
     # The same checks a request gets, at startup, so a bad flag is one line instead of a 400 per request.
     with flag_errors({**flags.FLAGS, "max_tokens": "--max-tokens-default"}):
         flags.check_quantize(quantize)
