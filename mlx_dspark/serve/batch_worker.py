@@ -293,7 +293,7 @@ class BatchWorker(ModelWorker):
         try:
             cache = self.prompt_caches.checkout(prompt, speculative=options.speculation.speculative and self.speculative)
             row = BatchRow(self.model, prompt, options, prompt_cache=cache, grammar=grammar, cancel=job.cancelled)
-            stream = stream_rounds(self.model, prompt, row.steps(), options=options, prompt_cache=cache)
+            stream = stream_rounds(self.model, prompt, row.steps(), options=options, prompt_cache=cache, tools=job.request.tools)
         except Exception as err:  # noqa: BLE001  (as _prepare: this request's)
             failed = fail_job(job, err)
             self.prompt_caches.checkin(cache, reusable=not failed)
