@@ -26,19 +26,9 @@ from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import Proposer
 from mlx_dspark.engine.results import GenerationResult, ResultCollector, StepResponse, length_histogram  # noqa: F401  (re-exported)
 from mlx_dspark.engine.schedule import CostCurve
-from mlx_dspark.engine.token_origins import TARGET, TextOrigins
+from mlx_dspark.engine.stops import StopReader
+from mlx_dspark.engine.token_origins import TextOrigins, token_origins
 from mlx_dspark.engine.steps import compile_request, make_steps
-
-
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters could still grow into a stop string (so are not shown yet)."""
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:n]):
-                hold = n
-                break
-    return hold
 
 
 _SAMPLING, _SPECULATION = DEFAULT_OPTIONS.sampling, DEFAULT_OPTIONS.speculation
@@ -142,7 +132,7 @@ def stream_generate(
     setup = ToolSetup.of(tools, tool_choice, parallel=parallel_tool_calls)  # a ToolError (ValueError) naming the field
     forced = setup.constraint(model.tokenizer)
     if forced is not None:
-        if options.constraint is not None:
+        if options.constraint not in (None, forced):  # (the server's options already carry the forced call's)
             raise ValueError("tool_choice forces a tool call: it cannot be combined with constraint=")
         options = dataclasses.replace(options, constraint=forced)
     grammar = compile_request(model, options)  # here, not in the stream: a bad constraint fails at the call
@@ -151,13 +141,14 @@ def stream_generate(
 
 def stream_rounds(
     model: Any, prompt_ids: Sequence[int], rounds: Iterator[Round], *, options: GenerationOptions,
-    prompt_cache: PromptCache | None = None, started: float | None = None,
+    prompt_cache: PromptCache | None = None, tools: ToolSetup | None = None, started: float | None = None,
 ) -> Iterator[StepResponse]:
     """StepResponses of rounds that another driver runs (the server's batch, `engine/batch.py`): the same
     stop tokens, stop strings, max_tokens and statistics as `stream_generate`. `options` are the row's;
+    `tools` the request's (a single call allowed ends the answer on the token that completes it);
     `started` (a `time.perf_counter()`) is when the driver began its prompt, for `prompt_tps` (default: now)."""
-    return _stream(model, list(prompt_ids), options, None, prompt_cache, None, None, ToolSetup.of(None, None), rounds=rounds,
-                   started=started)
+    setup = tools if tools is not None else ToolSetup.of(None, None)
+    return _stream(model, list(prompt_ids), options, None, prompt_cache, None, None, setup, rounds=rounds, started=started)
 
 
 def _stream(
@@ -174,7 +165,6 @@ def _stream(
 ) -> Iterator[StepResponse]:
     start = time.perf_counter() if started is None else started  # the prompt's time counts from here
     tokenizer = model.tokenizer
-    stops = options.stop
     stop_ids = set(tokenizer.eos_token_ids) | set(options.stop_token_ids)
     prompt_ids = encode_prompt(tokenizer, prompt, chat_template_kwargs=options.chat_template_kwargs, tools=setup.offered)
     chat = not isinstance(prompt, str) and any(isinstance(m, dict) for m in prompt)
@@ -186,12 +176,11 @@ def _stream(
     if options.sampling.seed is not None and rounds is None:  # a batch row seeds its own draws
         mx.random.seed(options.sampling.seed)
     mx.reset_peak_memory()
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    shown = 0  # characters of detokenizer.text already yielded
-    generated = 0
-    first_token_time = None
     origins = TextOrigins()  # which characters the draft, a lookup or a grammar wrote (the server's marks)
+    stops = StopReader(tokenizer.detokenizer, stop_ids=stop_ids, stops=options.stop, max_tokens=max_tokens,
+                       reader=reader, origins=origins)
+    emitted: list[int] = []
+    first_token_time = None
     if rounds is None:
         rounds = make_steps(model, prompt_ids, options, proposer, prompt_cache, cancel, grammar)
     for step in rounds:
@@ -199,37 +188,16 @@ def _stream(
         if first_token_time is None:
             first_token_time = now
             cached = 0 if prompt_cache is None else prompt_cache.cached_tokens  # the resume just happened
-        finish_reason = None
-        tokens: list[int] = []
         source = step.source if step.verified else None
-        for token in step.tokens:
-            tokens.append(token)
-            generated += 1
-            if token in stop_ids:
-                finish_reason = "stop"
-                break
-            detokenizer.add_token(token)
-            if source is not None and len(tokens) == step.accepted:  # the block's last token: one text read
-                origins.add(len(detokenizer.text), source)
-            if generated >= max_tokens:
-                finish_reason = "length"
-                break
-        if finish_reason is not None:
-            detokenizer.finalize()
-        text = detokenizer.text
-        origins.add(len(text), source if source is not None and len(tokens) <= step.accepted else TARGET)
-        was_shown = shown
-        cut = min((i for i in (text.find(s, max(0, shown - len(s))) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
-            text, finish_reason = text[:cut], "stop"
-        visible = len(text) if finish_reason else len(text) - _held_back(text, stops)
-        new_text = text[shown:visible] if visible > shown else ""
-        shown = max(shown, visible)
+        was_shown = stops.shown
+        # one plain step per token: the round ends where plain decoding would have (stops.py)
+        taken = stops.take(step.tokens, token_origins(len(step.tokens), step.accepted, source, step.verified))
+        tokens, new_text, finish_reason = taken.tokens, taken.text, taken.finish_reason
+        emitted += tokens
+        if len(tokens) < len(step.tokens):
+            _forget_past(rounds, prompt_cache, prompt_ids + emitted)
+        generated = stops.generated
         elapsed = now - first_token_time
-        if reader is not None:
-            reader.add(new_text, final=finish_reason is not None)
-            if reader.ended and finish_reason is None:
-                finish_reason = "stop"  # the one call allowed (a named or non-parallel choice) is complete
         parsed = reader.output if reader is not None and finish_reason is not None else None
         yield StepResponse(
             text=new_text,
@@ -248,11 +216,20 @@ def _stream(
             content=None if parsed is None else parsed.content,
             reasoning=None if parsed is None else parsed.reasoning,
             tool_calls=None if parsed is None else parsed.tool_calls,
-            marks=origins.runs(was_shown, shown),
+            marks=origins.runs(was_shown, stops.shown),
             source=source,
         )
         if finish_reason is not None:
             return
+
+
+def _forget_past(rounds: Iterator[Round], prompt_cache: PromptCache | None, output: list[int]) -> None:
+    """A round committed past the stop: end its step generator (so its draft context takes the positions it
+    batches), then the caller's prompt cache forgets what it holds past `output` (prompt + emitted)."""
+    if prompt_cache is None:
+        return  # the step generator's own cache, dropped with it
+    getattr(rounds, "close", lambda: None)()
+    prompt_cache.forget_past(output)
 
 
 def make_prompt_cache(

@@ -191,6 +191,20 @@ def test_json_call_arguments_stream_and_join_to_the_parsed_call(cut):
     assert "".join(v for k, v in events if k == "content") == "Sure."
 
 
+SPACED_CALL = '<tool_call>\n{"name" : "f" , "arguments" :  {"a" : 1} }\n</tool_call>'  # the demo pair's spacing
+
+
+@pytest.mark.parametrize("pieces", [[SPACED_CALL]] + [[SPACED_CALL[:i], SPACED_CALL[i:]] for i in range(1, len(SPACED_CALL))]
+                         + [list(SPACED_CALL)])
+def test_a_json_call_s_arguments_string_is_the_same_however_the_text_was_cut(pieces):
+    """Whitespace before the arguments is not part of them: a cut right after `"arguments" :` (as a
+    round boundary falls) gives the same string as the text in one piece (issue 39)."""
+    parser = OutputParser(tools=CALLS, stream_arguments=True)
+    events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
+    (call,) = [v for k, v in events if k == "tool_call"]
+    assert call.arguments == '{"a" : 1}' == "".join(v for k, v in events if k == "tool_call_delta")
+
+
 def test_a_streamed_call_cut_short_is_a_cut_call_with_its_arguments_so_far():
     parser = OutputParser(tools=CALLS, stream_arguments=True)
     events = parser.feed('<tool_call>{"name": "f", "arguments": {"path": "a.py", "text": "def f(') + parser.finish()

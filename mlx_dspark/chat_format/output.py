@@ -44,8 +44,9 @@ HELD_WHITESPACE = 16
 
 
 def _arguments_text(body: str) -> str:
-    """A JSON call body's arguments, without the object's closing brace (and whitespace) after them."""
-    body = body.rstrip()
+    """A JSON call body's arguments, without the whitespace before them and the object's closing brace
+    (and whitespace) after them: the same string however the text was cut into pieces."""
+    body = body.strip()
     return body[:-1].rstrip() if body.endswith("}") else body
 
 

@@ -3,7 +3,7 @@
 Design (issue 11). A `PromptCache` owns the target's per-layer caches, the draft's context cache (when
 the pair has a draft) and `tokens`, the exact sequence those caches hold: after a generation that is
 the prompt plus the committed tokens the target has processed (the last anchor is not in it; tokens a
-round committed past a stop are). A new generation calls `resume(target, prompt, proposer=...)`,
+round committed past the generation's stop are forgotten again: `forget_past`). A new generation calls `resume(target, prompt, proposer=...)`,
 which rewinds the caches to the longest prefix they can serve *exactly* and returns its length
 (`cached_tokens`); the step generator then prefills only the rest. At least one prompt token is
 always prefilled, because the first generated token needs its logits.
@@ -185,6 +185,26 @@ class PromptCache:
                 "this generation cannot continue (use one prompt cache per concurrent generation)"
             )
         self._consistent = False
+
+    def forget_past(self, output: Sequence[int]) -> None:
+        """Hold nothing past the common prefix of the held tokens and `output` (a generation's prompt and
+        emitted tokens, when its last round committed tokens past its stop). Exact, as `resume`: the
+        live caches roll back when they reach, else the newest snapshot at or before it, else nothing
+        (the next resume starts cold). Call it between rounds, with the step generator closed."""
+        if not self._consistent:
+            return
+        length = common_prefix(self._tokens, output)
+        if length == len(self._tokens):
+            return
+        speculative = bool(self._speculative) and self.draft_context is not None
+        if self._live_reaches(length, speculative=speculative):
+            self._rewind(length, None, speculative=speculative)
+            return
+        snapshot = next((s for s in reversed(self._snapshots) if s.position <= length), None)
+        if snapshot is not None and (snapshot.draft is not None or not speculative):
+            self._rewind(snapshot.position, snapshot, speculative=speculative)
+        else:
+            self._consistent = False
 
     def snapshot(self) -> None:
         """Keep the windowed state at the current position (the caches must be consistent)."""

@@ -295,7 +295,8 @@ class BatchWorker(ModelWorker):
             cache = self.prompt_caches.checkout(prompt, speculative=options.speculation.speculative and self.speculative)
             started = time.perf_counter()  # its prefill starts with the next round (prompt_tps counts from here)
             row = BatchRow(self.model, prompt, options, prompt_cache=cache, grammar=grammar, cancel=job.cancelled)
-            stream = stream_rounds(self.model, prompt, row.steps(), options=options, prompt_cache=cache, started=started)
+            stream = stream_rounds(self.model, prompt, row.steps(), options=options, prompt_cache=cache,
+                                   tools=job.request.tools, started=started)
         except Exception as err:  # noqa: BLE001  (as _prepare: this request's)
             failed = fail_job(job, err)
             self.prompt_caches.checkin(cache, reusable=not failed)

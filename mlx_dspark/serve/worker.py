@@ -301,7 +301,9 @@ class ModelWorker:
             # The job's cancel event stops the prefill between chunks too: a client that left mid-prompt
             # frees the worker within one prefill chunk.
             watch = PrefillWatch(job.cancelled, request.kind, len(prompt), options.prefill_step_size, lambda: job.steps)
-            steps = stream_generate(self.model, prompt, options=options, prompt_cache=cache, cancel=watch)
+            tools = request.tools  # the one call allowed ends the answer on the token completing it (the api's rules)
+            steps = stream_generate(self.model, prompt, options=options, prompt_cache=cache, cancel=watch,
+                                    tools=tools.tools, tool_choice=tools.choice, parallel_tool_calls=tools.parallel)
             for step in steps:
                 job.steps += 1
                 job.generated_tokens = step.generation_tokens
