@@ -28,11 +28,11 @@ def llama_pair(tmp_path_factory):
     return target, write_draft_for(root / "draft", target_path=target)
 
 
-def launched(args: list[str], cwd: Path, ranks: int = 2) -> subprocess.CompletedProcess:
+def launched(args: list[str], cwd: Path, ranks: int = 2, command: str = "mlx_dspark.generate") -> subprocess.CompletedProcess:
     launcher = str(LAUNCH) if LAUNCH.is_file() else shutil.which("mlx.launch")
     env = {**os.environ, "MLX_DSPARK_COST_DIR": str(cwd / "costs")}
     return subprocess.run([launcher, "-n", str(ranks), "--backend", "ring", "--python", sys.executable, "--",
-                           "-m", "mlx_dspark.generate", *args], capture_output=True, text=True, timeout=240, cwd=cwd,
+                           "-m", command, *args], capture_output=True, text=True, timeout=240, cwd=cwd,
                           env=env)  # fmt: skip
 
 
@@ -70,3 +70,11 @@ def test_a_target_that_cannot_be_split_is_one_line(tiny_qwen3_pair, llama_pair, 
     result = launched(["--model", target, "--draft", draft, "--prompt", "hi", "--max-tokens", "4"], tmp_path, ranks=3)
     assert "Traceback" not in result.stderr and "exited with code 2" in result.stderr
     assert "not divisible by the 3 ranks" in result.stderr
+
+
+@pytest.mark.slow
+def test_calibrate_measures_the_split_targets_costs(llama_pair, tmp_path):
+    target, draft = map(str, llama_pair)
+    result = launched(["--model", target, "--draft", draft], tmp_path, command="mlx_dspark.calibrate")
+    assert "Traceback" not in result.stderr and "verify of 1..8 tokens" in result.stdout, result.stderr[-2000:]
+    assert "rank 1: followed" in result.stderr  # every measured forward ran on both ranks

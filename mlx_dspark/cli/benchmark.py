@@ -22,6 +22,7 @@ import typer
 
 from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import fail, flag_errors
+from mlx_dspark.cli.split import launched_group, split_or_follow
 
 app = typer.Typer(add_completion=False, help="Benchmark DSpark against plain decoding (ours and mlx-lm's).")
 
@@ -199,6 +200,9 @@ def main(
     )
     with flags.load_errors(f"{options.model} + {options.draft}"):
         loaded = session.load_pair(options)
+    group = launched_group()  # under `mlx.launch -n N`: the target split over the ranks, rank 0 reports
+    if group is not None:
+        split_or_follow(loaded, group)
     try:
         with flag_errors():  # a dataset line, a model path, or a --max-draft-tokens the loaded draft cannot take
             meta = run_meta(dtype=dtype, quantize=quantize)

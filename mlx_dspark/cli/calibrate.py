@@ -13,6 +13,7 @@ import typer
 
 from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import exit_on_interrupt, fail
+from mlx_dspark.cli.split import launched_group, split_or_follow
 
 app = typer.Typer(add_completion=False, help="This machine's draft and verify costs for a pair, and what auto draft lengths make of them.")
 
@@ -106,6 +107,9 @@ def cli(
         flags.check_quantize(quantize)
         with flags.load_errors(f"{model} + {draft}"):
             pair = load(model, draft=draft, dtype=dtype, quantize=quantize)
+        group = launched_group()  # under `mlx.launch -n N`: the split target's costs, network included
+        if group is not None:
+            split_or_follow(pair, group)
         path = cost_curve_path(pair)
         if measure and path.is_file():
             path.unlink()
