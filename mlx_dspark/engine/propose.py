@@ -67,6 +67,8 @@ class DraftProposer:
         self.context = draft.make_cache() if context is None else context
         self._pending: list[mx.array] = []  # features of single positions not in the context yet
         self._pending_positions = 0
+        rows = getattr(draft, "context_rows", None)
+        self._keep = None if rows is None else rows(self.context)  # None: every position is needed
 
     def extend(self, features: mx.array) -> None:
         self.flush()
@@ -74,12 +76,20 @@ class DraftProposer:
 
     def extend_later(self, features: mx.array) -> None:
         """A parked round's committed position (draft_length.py: no proposal): the features wait and go
-        into the context together, one draft forward for up to `PENDING_LIMIT` positions instead of one
-        each, before the next proposal or `flush()`."""
+        into the context together before the next proposal or `flush()`: one draft forward for up to
+        `PENDING_LIMIT` positions instead of one each, or, for a draft whose context layers are all
+        windowed, one for the positions the window keeps, however long the park."""
         self._pending.append(features)
         self._pending_positions += features.shape[1]
-        if self._pending_positions >= PENDING_LIMIT:
-            self.flush()
+        if self._keep is None:
+            if self._pending_positions >= PENDING_LIMIT:
+                self.flush()
+            return
+        # Windowed context layers keep the last `_keep` positions: older waiting features are never
+        # computed (a long park costs no draft work beyond the window), only counted.
+        waiting = sum(f.shape[1] for f in self._pending)
+        while self._pending and waiting - self._pending[0].shape[1] >= self._keep:
+            waiting -= self._pending.pop(0).shape[1]
 
     def flush(self) -> None:
         """Put the waiting positions into the context (a proposal calls it first, `steps.make_steps` when
@@ -88,8 +98,9 @@ class DraftProposer:
         if not self._pending:
             return
         features = mx.concatenate(self._pending, axis=1) if len(self._pending) > 1 else self._pending[0]
+        positions = self._pending_positions
         self._pending, self._pending_positions = [], 0
-        self.draft.append_context(features, self.context)
+        self.draft.append_context(features, self.context, num_positions=positions)
         mx.async_eval(*(a for c in self.context for a in (c.keys, c.values) if a is not None))
 
     def propose(

@@ -161,17 +161,28 @@ class DSparkDraft(nn.Module):
     def make_cache(self) -> list[ContextCache]:
         return [ContextCache(window=self.args.layer_window(i)) for i in range(self.args.num_hidden_layers)]
 
-    def append_context(self, features: mx.array, ctx: list[ContextCache]) -> None:
-        """Cache context K/V for the next n committed positions from their target features (B, n, F)."""
-        n = features.shape[1]
+    def context_rows(self, ctx: list[ContextCache]) -> int | None:
+        """The most recent positions whose features an append still needs (None: all, a full-attention layer)."""
+        keeps = [c.keep for c in ctx]
+        return None if any(k is None for k in keeps) else max(keeps)
+
+    def append_context(self, features: mx.array, ctx: list[ContextCache], *, num_positions: int | None = None) -> None:
+        """Cache context K/V for the next n committed positions from their target features (B, rows, F):
+        the features of all n positions, or (`num_positions` = n) of the last ones only, as many as the
+        layers keep (`context_rows`)."""
+        n = features.shape[1] if num_positions is None else num_positions
         if n == 0:
             return
         offset = ctx[0].offset
         # Rows each layer still needs: sliding layers drop all but their last `keep` positions.
         needed = [n if c.keep is None else min(n, c.keep) for c in ctx]
         rows = max(needed)
+        if features.shape[1] < rows:
+            raise ValueError(f"append_context: {n} positions need the features of the last {rows}, got {features.shape[1]}")
+        features = features[:, features.shape[1] - n :] if features.shape[1] > n else features
+        n_rows = features.shape[1]
         # Features arrive in the target's dtype; compute and cache c(t) in the draft's.
-        features = features[:, n - rows :].astype(self.hidden_norm.weight.dtype)
+        features = features[:, n_rows - rows :].astype(self.hidden_norm.weight.dtype)
         fused = self.hidden_norm(self.fc(features))  # c(t), (B, rows, H)
         for layer, cache, need in zip(self.layers, ctx, needed):
             if need == 0:
