@@ -194,16 +194,7 @@ class Chooser:
         room = self.max_lookup if room is None else room
         forced = self.grammar.forced()[:room] if self.grammar is not None else []
         m = len(forced)
-        best: tuple[float, str, list[int], int] = (self._rate(1 + m, 1 + m, draft=False), "forced", [], 0)
-        expected = 1.0 + m
-        if self.index is not None and room > m:
-            match = self.index.continuation(forced, max_tokens=min(self.max_lookup, room) - m)
-            rate = self._lookup_rate(match.length).rate
-            for length in range(1, len(match.tokens) + 1):
-                score = self._rate(1 + m + expected_tokens(rate, length), 1 + m + length, draft=False)
-                if score > best[0]:
-                    best = (score, "lookup", match.tokens[:length], match.length)
-                    expected = 1 + m + expected_tokens(rate, length)
+        best, expected = self._best_ready(forced, room)
         size = min(num_tokens, room, self.block_size) if self.draft is not None else 0
         if size > m:  # the block is the default: parking the draft is the draft-length policy's call, not ours
             score = self._rate(1 + m + expected_tokens(self.draft_rate.rate, size - m), 1 + size, draft=True)
@@ -228,7 +219,29 @@ class Chooser:
         self._pending = _Pending("draft", len(forced), size - len(forced))
         return self._chained(_forced_in_front(drafted, size, forced, hooked), plan.room, strong=plan.strong)
 
+    def wants_round(self, *, room: int) -> bool:
+        """Whether a round with the draft parked would verify anything (a forced run, a lookup block that
+        pays) on the committed context: the round's plain pipelined steps (parked.py) stop for it."""
+        if self.grammar is not None:
+            return True  # forced runs depend on the grammar state the plain steps move: not predicted here
+        return self.index is not None and room > 0 and self._best_ready([], room)[0][1] == "lookup"
+
     # -- inside -----------------------------------------------------------------------------------
+
+    def _best_ready(self, forced: list[int], room: int) -> tuple[tuple[float, str, list[int], int], float]:
+        """The best ready block (forced run, then a lookup continuation where it pays) and its expected tokens."""
+        m = len(forced)
+        best: tuple[float, str, list[int], int] = (self._rate(1 + m, 1 + m, draft=False), "forced", [], 0)
+        expected = 1.0 + m
+        if self.index is not None and room > m:
+            match = self.index.continuation(forced, max_tokens=min(self.max_lookup, room) - m)
+            rate = self._lookup_rate(match.length).rate
+            for length in range(1, len(match.tokens) + 1):
+                score = self._rate(1 + m + expected_tokens(rate, length), 1 + m + length, draft=False)
+                if score > best[0]:
+                    best = (score, "lookup", match.tokens[:length], match.length)
+                    expected = 1 + m + expected_tokens(rate, length)
+        return best, expected
 
     def _chained(self, proposal: Proposal, room: int, *, strong: bool) -> Proposal:
         """The DSpark block, then the lookup continuation of context + block where the expected rate

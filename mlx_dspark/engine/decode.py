@@ -27,6 +27,7 @@ from mlx_dspark.models.cache import rollback_limit, trim_caches
 from mlx_dspark.models.finite import check_finite_logits
 from mlx_dspark.engine.logits_processing import LogitsProcessor
 from mlx_dspark.engine.options import PREFILL_STEP_SIZE, SpeculationOptions
+from mlx_dspark.engine.parked import can_pipeline, parked_steps
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import Proposal, Proposer
 from mlx_dspark.engine.sample import Sampler
@@ -210,11 +211,27 @@ def speculative_steps(
     _commit(processor, proposer, [anchor_id])
     yield Round(tokens=[anchor_id], logprobs=processor.read_logprobs(logprobs, [anchor_id]))
 
+    def room_at(emitted: int) -> int:
+        return rollback if max_tokens is None else max(0, min(rollback, max_tokens - emitted - 1))
+
+    pipelined = can_pipeline(proposer)
+    wants_round = getattr(proposer, "wants_round", lambda *, room: takes_room and room > 0)
+    length = None  # the next round's draft length when a parked run already asked the policy
     while True:
         _check_cancel(cancel)
         prompt_cache.claim(lease)
-        length = draft_length.next_length(position=position)  # 0: parked, the DSpark draft stays idle
-        room = rollback if max_tokens is None else max(0, min(rollback, max_tokens - emitted - 1))
+        length = draft_length.next_length(position=position) if length is None else length  # 0: parked
+        room = room_at(emitted)
+        if length == 0 and pipelined and not wants_round(room=room):
+            resume = yield from parked_steps(
+                target, proposer, anchor=anchor, anchor_id=anchor_id, position=position, emitted=emitted,
+                cache=cache, tap_ids=tap_ids, prompt_cache=prompt_cache, sampler=sampler, processor=processor,
+                draft_length=draft_length, room=room_at, commit=lambda tokens: _commit(processor, proposer, tokens),
+                round_of=_parked_round, check_cancel=lambda: _check_cancel(cancel),
+            )  # fmt: skip
+            anchor, anchor_id, position, emitted = resume.anchor, resume.anchor_id, resume.position, resume.emitted
+            length = resume.length
+            continue
         num_tokens = min(length, room)
         proposal = None
         if num_tokens or (takes_room and room):
@@ -259,11 +276,17 @@ def speculative_steps(
         emitted += accepted + 1
         prompt_cache.record([anchor_id, *committed[:-1]])  # the bonus, the new anchor, is not in the caches
         anchor_id = committed[-1]
+        length = None
         yield Round(
             tokens=committed, proposed=num_draft, accepted=accepted, verified=True,
             logprobs=processor.read_logprobs(logprobs, committed),
             source=None if proposal is None or num_draft == 0 else proposal.source,
         )
+
+
+def _parked_round(tokens: list[int], logprobs: list | None) -> Round:
+    """A parked round's Round: a verify of the anchor alone (counted as a round with nothing proposed)."""
+    return Round(tokens=tokens, verified=True, logprobs=logprobs)
 
 
 def _commit(processor: LogitsProcessor, proposer: Proposer, tokens: list[int]) -> None:
