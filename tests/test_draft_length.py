@@ -75,7 +75,7 @@ def test_auto_parks_when_verify_2_already_costs_more_than_the_gain_and_never_pro
     policy = AutoLength(LINEAR, 7)
     lengths = run(policy, lambda i, length: length, 200)  # even perfect acceptance cannot pay
     assert set(lengths) == {0}
-    assert policy.parked_rounds == 200 and policy.summary() == {"lengths": {0: 200}, "parked_rounds": 200}
+    assert policy.parked_rounds == 200 and policy.summary() == {"lengths": {0: 200}, "parked_rounds": 200, "probes": 0, "explorations": 0}
 
 
 def test_auto_parks_when_nothing_is_accepted_then_probes_rarely():

@@ -103,6 +103,9 @@ class AutoLength:
         probe_length: int = 2,
         probe_every: int = 8,
         max_probe_every: int = 128,
+        probe_budget: float = 0.02,
+        explore_every: int = 4,
+        max_explore_every: int = 16,
     ) -> None:
         if cap < 1:
             raise ValueError(f"an auto draft length needs a cap >= 1, got {cap}")
@@ -123,6 +126,21 @@ class AutoLength:
         self._interval = probe_every  # parked rounds between probes (doubles after each that leaves it parked)
         self._until_probe = self._interval
         self._hopeless = False
+        # Probes cost a draft block and a wider verify: what they may spend is `probe_budget` of the parked
+        # rounds' time (in plain steps), so a draft that keeps failing costs ~2% at most; the probe
+        # that follows a park by the prior alone is free (it is how a good draft starts drafting at once).
+        self.probe_budget = probe_budget
+        self._probe_cost = curve.round_ms(self.probe_length) / max(curve.verify_ms[0], 1e-9)  # in plain steps
+        self._probes_charged = 0
+        self._free_probe = False
+        self.probes = 0
+        # Exploration: a length whose frontier keeps being accepted is tried longer now and then (the
+        # positions past it are never observed otherwise); backed off while the longer rounds fail.
+        self.explore_every, self.max_explore_every = explore_every, max_explore_every
+        self._explore_after = explore_every
+        self._streak = 0  # rounds in a row whose every proposed draft was accepted
+        self._exploring = 0  # the length an exploring round extends (0: not exploring)
+        self.explorations = 0
 
     def start_length(self, position: int = 0) -> int:
         """The length the first round would take at context `position` (the prior acceptance)."""
@@ -135,11 +153,21 @@ class AutoLength:
             self._due = self.every
         self._due -= 1
         if not self.parked:
+            if self._streak >= self._explore_after and self.length < self.cap:
+                self._exploring, self._streak, self._due = self.length, 0, 0  # choose again after it
+                self.explorations += 1
+                return min(self.cap, 2 * self.length)
             return self.length
         self._until_probe -= 1
-        if self._hopeless or self._until_probe > 0:
+        affordable = self._free_probe or (self._probes_charged + 1) * self._probe_cost <= self.probe_budget * self.parked_rounds
+        if self._hopeless or self._until_probe > 0 or not affordable:
             self.parked_rounds += 1
             return 0
+        if self._free_probe:
+            self._free_probe = False
+        else:
+            self._probes_charged += 1
+        self.probes += 1
         self._due = 0  # choose again right after the probe's observation
         return self.probe_length
 
@@ -151,12 +179,20 @@ class AutoLength:
         if probe:  # back off while probes do not show a paying length (leaving the park resets the interval)
             self._interval = min(2 * self._interval, self.max_probe_every)
             self._until_probe = self._interval
+        exploring, self._exploring = self._exploring, 0
+        if exploring:  # reaching past the old frontier: explore as often again; else less often
+            self._explore_after = self.explore_every if accepted > exploring else min(2 * self._explore_after, self.max_explore_every)
+        elif not probe:
+            self._streak = self._streak + 1 if accepted == proposed else 0
         for k in range(min(accepted + 1, proposed, self.cap)):
-            # a probe's sample weighs more: the estimates it corrects are as old as the park
-            self._update(k, 1.0 if k < accepted else 0.0, weight=2.5 if probe else 1.0)
-        if confidence is not None and accepted + 1 < proposed:
-            # positions after the first rejection: the draft's own estimate of q(k) (one small host read)
-            for k, c in enumerate(confidence[0, accepted + 1 : proposed].tolist(), start=accepted + 1):
+            # a probe's or an exploration's sample weighs more: the estimates it corrects are old
+            self._update(k, 1.0 if k < accepted else 0.0, weight=2.5 if probe or (exploring and k >= exploring) else 1.0)
+        if confidence is not None:
+            # positions after the first rejection, and past an accepted frontier: the draft's own estimate
+            # of q(k) where the proposal carries it (one small host read)
+            start = accepted + 1 if accepted < proposed else proposed
+            stop = min(self.cap, confidence.shape[1]) if accepted == proposed else proposed
+            for k, c in enumerate(confidence[0, start:stop].tolist(), start=start):
                 if k < self.cap:
                     self._update(k, float(c), weight=0.5)
         deepest = max((k for k in range(self.cap) if self.observed[k]), default=None)
@@ -187,12 +223,14 @@ class AutoLength:
         elif by_length[best] <= plain:
             # parked by the prior alone (the first choice): look at the real acceptance in the next round
             self._until_probe = self._interval if self.length else 1
-            self.parked, self.length = True, 0
+            self._free_probe = not self.length and not any(self.observed)
+            self.parked, self.length, self._streak = True, 0, 0
         elif self.length == 0 or by_length[best] > by_length[self.length] * (1 + self.margin):
             self.length = best
 
     def summary(self) -> dict:
-        return {"lengths": dict(sorted(self.lengths.items())), "parked_rounds": self.parked_rounds}
+        return {"lengths": dict(sorted(self.lengths.items())), "parked_rounds": self.parked_rounds,
+                "probes": self.probes, "explorations": self.explorations}
 
 
 def make_draft_length(max_draft_tokens: int | str | None, block_size: int, curve: CostCurve | None) -> DraftLength:

@@ -1,0 +1,108 @@
+"""Never slower (issue 39): parked rounds are plain decoding's pipelined steps, probes stay inside a
+budget, and `auto` explores past a frontier that keeps being accepted. Synthetic curves, nothing timed."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import mlx.core as mx
+
+import mlx_dspark
+from mlx_dspark.engine import decode
+from mlx_dspark.engine.decode import plain_steps, speculative_steps
+from mlx_dspark.engine.draft_length import AutoLength
+from mlx_dspark.engine.options import SpeculationOptions
+from mlx_dspark.engine.propose import DraftProposer
+from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.schedule import CostCurve
+
+# Verify widths nearly free (OpenBLAS here, a GPU): a long block pays as soon as it is accepted.
+CHEAP_WIDTH = CostCurve(draft_ms=2.0, verify_ms=[4.0, 4.6, 5.6, 6.6, 7.6, 8.6, 9.6, 10.6])
+# A draft block dearer than a target step: parks on unpredictable text, probes cost ~2.5 steps.
+DEAR_DRAFT = CostCurve(draft_ms=6.0, verify_ms=[4.0, 4.1, 4.2, 4.3, 4.4, 4.5, 4.6, 4.7])
+HOPELESS = CostCurve(draft_ms=1.0, verify_ms=[10.0 * n for n in range(1, 9)])
+
+
+def drive(policy: AutoLength, accepted_of, rounds: int) -> list[int]:
+    lengths = []
+    for i in range(rounds):
+        length = policy.next_length(position=0)
+        policy.observe(proposed=length, accepted=0 if length == 0 else min(length, accepted_of(i, length)))
+        lengths.append(length)
+    return lengths
+
+
+def test_a_length_stuck_short_reaches_the_full_block_once_its_frontier_keeps_being_accepted():
+    rng = random.Random(0)
+    policy = AutoLength(CHEAP_WIDTH, 7)
+    # position 1 always accepted, position 2 one time in ten: length 1 is right, 2..7 go unobserved
+    early = drive(policy, lambda i, n: 1 if rng.random() > 0.1 else 2, 200)
+    assert early[-20:].count(1) >= 15
+    assert sum(n > 1 for n in early[50:]) <= 0.25 * 150  # exploring costs a little width, now and then
+    later = drive(policy, lambda i, n: n, 40)  # the text turns predictable: every position accepted
+    assert 7 in later[:20] and later[-10:] == [7] * 10, later
+
+
+def test_a_fresh_policy_with_a_perfect_frontier_reaches_the_full_block_within_a_few_rounds():
+    for curve in (CHEAP_WIDTH, DEAR_DRAFT):
+        lengths = drive(AutoLength(curve, 7), lambda i, n: n, 12)
+        assert lengths.index(7) <= 6 and lengths[-3:] == [7] * 3, (curve, lengths)
+
+
+def test_nothing_accepted_parks_and_the_probes_spend_at_most_their_budget():
+    for curve in (CHEAP_WIDTH, DEAR_DRAFT):
+        policy = AutoLength(curve, 7)
+        lengths = drive(policy, lambda i, n: 0, 2000)
+        assert lengths[-1] == 0 and policy.parked
+        probes = policy.summary()["probes"]
+        probe_steps = curve.round_ms(policy.probe_length) / curve.verify_ms[0]
+        # at most one free probe (a park by the prior), the others paid from 2% of the parked rounds
+        assert probes >= 2 and (probes - 1) * probe_steps <= 0.02 * policy.parked_rounds + 1e-9
+        assert sum(1 for n in lengths[-1000:] if n) == sum(1 for n in lengths[-1000:] if n == policy.probe_length)
+
+
+class CountingProposer(DraftProposer):
+    proposals = 0
+
+    def propose(self, *args, **kwargs):
+        self.proposals += 1
+        return super().propose(*args, **kwargs)
+
+
+def test_parked_rounds_run_as_plain_steps_one_token_forward_each_no_acceptance(tiny_spark_pair, monkeypatch):
+    pair = mlx_dspark.load(*tiny_spark_pair)
+    target, ids = pair.target, pair.tokenizer.encode("def add(a, b):")
+
+    def no_acceptance(**kwargs):
+        raise AssertionError("a parked round ran the acceptance of a verify round")
+
+    monkeypatch.setattr(decode, "accept_greedy", no_acceptance)
+    proposer = CountingProposer(pair.draft, target, greedy=True, temperature=1.0)
+    steps = speculative_steps(
+        target, proposer, ids, sampler=Sampler(), speculation=SpeculationOptions(max_draft_tokens="auto", cost_curve=HOPELESS),
+    )
+    rounds = list(itertools.islice(steps, 60))
+    tokens = [t for r in rounds for t in r.tokens]
+    reference = [r.tokens[0] for r in itertools.islice(plain_steps(target, ids, sampler=Sampler()), 60)]
+    assert tokens == reference
+    assert proposer.proposals == 0
+    assert all(len(r.tokens) == 1 and r.proposed == 0 for r in rounds)
+    assert all(c.offset == len(ids) for c in proposer.context)  # the prompt only: the park batches the draft context
+    proposer.flush()
+    # every yielded token: like plain decoding, the step after the last yield is queued, its token in the caches
+    assert all(c.offset == len(ids) + 60 for c in proposer.context)
+
+
+def test_a_long_park_computes_the_draft_context_of_the_window_only(tiny_spark_pair):
+    pair = mlx_dspark.load(*tiny_spark_pair)
+    proposer = DraftProposer(pair.draft, pair.target, greedy=True, temperature=1.0)
+    keep = pair.draft.context_rows(proposer.context)
+    if keep is None:  # a full-attention draft needs every position: nothing is dropped
+        return
+    features = mx.zeros((1, 1, pair.draft.fc.weight.shape[1]))
+    for _ in range(keep + 40):
+        proposer.extend_later(features)
+    assert sum(f.shape[1] for f in proposer._pending) == keep
+    proposer.flush()
+    assert all(c.offset == keep + 40 for c in proposer.context)
