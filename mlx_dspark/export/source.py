@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten
 from mlx_dspark.loading.checkpoint import read_checkpoint, resolve_path
 from mlx_dspark.loading.load import build_draft, build_target
 from mlx_dspark.models.dspark_args import DraftArgs
+from mlx_dspark.models.heads import target_head
 
 EMBED, HEAD = "embed_tokens.weight", "lm_head.weight"
 
@@ -73,7 +74,8 @@ def _target_copies(target: nn.Module) -> dict[str, mx.array]:
     """The target's embedding and LM head (the embedding again when tied), dequantized if need be."""
     params, _ = float_parameters(target)
     embed = params[f"model.{target.embed_name}.weight"]
-    head = embed if target.args.tie_word_embeddings else params["lm_head.weight"]
+    head_module = target_head(target)
+    head = embed if head_module is target.embedding else next(v for k, v in params.items() if k.endswith("lm_head.weight"))
     return {EMBED: embed, HEAD: head}
 
 

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
 
+from mlx_dspark.models.heads import target_head
 from mlx_dspark.models.dspark_args import DraftArgs
 
 
@@ -90,10 +91,7 @@ def check_shared_tensors(
                 f"type cannot be compared with the target's (supported: {', '.join(FLOAT_STORAGE + tuple(GGUF_COPY_STEPS))}); "
                 "use a draft file without the copy or with it in BF16"
             )
-        module = target.embedding
-        if kind == "head" and not target.args.tie_word_embeddings:
-            # an mlx-lm target names its head module (a multimodal wrapper keeps it under its language model)
-            module = target.output_head if hasattr(type(target), "output_head") else target.lm_head
+        module = target_head(target) if kind == "head" else target.embedding
         quant = _quantization(module)
         reference = module.weight
         ref_shape = tuple(reference.shape) if quant is None else (reference.shape[0], quant[0].shape[1] * quant[2])

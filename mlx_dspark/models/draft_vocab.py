@@ -16,6 +16,8 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_dspark.models.heads import target_head
+
 
 class RestrictedRows:
     """The rows `ids` of a (V, in) linear map (float or MLX-quantized), applied as x @ W[ids].T."""
@@ -40,11 +42,6 @@ class RestrictedRows:
         return mx.quantized_matmul(
             x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode
         )
-
-
-def target_head(target: Any) -> nn.Module:
-    """The module whose rows are the target's LM head: the embedding when tied, else `lm_head`."""
-    return target.embedding if target.args.tie_word_embeddings else target.lm_head
 
 
 class DraftVocabulary:

@@ -117,6 +117,8 @@ class MLXLMTarget:
 
     def __init__(self, args: Any):
         super().__init__(args)
+        if getattr(self, "args", None) is None:  # plamo3, youtu_llm, ... keep their ModelArgs as `config`
+            object.__setattr__(self, "args", args)
         self.mlx_lm_model_type = getattr(args, "model_type", type(self).__mro__[2].__module__.rsplit(".", 1)[-1])
         layers = getattr(self, "layers", None)
         if not isinstance(layers, list) or not layers:
@@ -160,8 +162,8 @@ class MLXLMTarget:
     @property
     def output_head(self) -> Optional[nn.Module]:
         """The untied LM head module (under a wrapper's language model too); None when tied."""
-        if self.args.tie_word_embeddings:
-            return None
+        if self.args.tie_word_embeddings or getattr(self, "tie_word_embeddings", False) is True:
+            return None  # mlx-lm's own flag too: gemma3_text's sanitize ties (and pops lm_head) on load
         return next((m for p, m in self.named_modules() if p == "lm_head" or p.endswith(".lm_head")), None)
 
     def make_cache(self, *, max_rollback: int = 8) -> RollbackCaches:
@@ -173,7 +175,10 @@ class MLXLMTarget:
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         own = getattr(super(), "sanitize", None)
-        return own(weights) if own is not None else weights
+        weights = own(weights) if own is not None else weights
+        if getattr(self, "tie_word_embeddings", False) is True:  # gemma3_text's sanitize ties a head-less checkpoint
+            self.args.tie_word_embeddings = True
+        return weights
 
     def embed(self, ids: mx.array) -> mx.array:
         """The raw rows of the input embedding table (no family scale: a draft family that scales its

@@ -26,6 +26,9 @@ MLX_LM_FAMILIES = ("llama", "gemma4_text", "qwen3_moe")
 HYBRID_FAMILIES = ("qwen3_5", "lfm2", "nemotron_h")
 # A MoE hybrid (GatedDeltaNet + attention, MoE MLPs with a shared expert), mlx-lm's layout too.
 MOE_HYBRID_FAMILIES = ("qwen3_5_moe",)
+# Families that stress one target contract point each: gemma3_text's head is tied by its sanitize,
+# youtu_llm keeps its ModelArgs as `config` (MLA attention).
+CONTRACT_FAMILIES = ("gemma3_text", "youtu_llm")
 
 
 def _base(ids: dict[str, Any]) -> dict[str, Any]:
@@ -64,6 +67,14 @@ def tiny_mlx_lm_config(family: str, ids: dict[str, Any], **overrides: Any) -> di
                 "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 10000.0, "rope_type": "default"},
             },
         )  # fmt: skip
+    elif family == "gemma3_text":  # tied head that mlx-lm's sanitize ties (its args never name it)
+        config.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh",
+                      query_pre_attn_scalar=32, sliding_window=512, sliding_window_pattern=2, rope_theta=1000000.0,
+                      rope_local_base_freq=10000.0, tie_word_embeddings=True)  # fmt: skip
+    elif family == "youtu_llm":  # mlx-lm keeps its args as `self.config`
+        config.update(architectures=["YoutuLLMForCausalLM"], model_type="youtu_llm", kv_lora_rank=32, q_lora_rank=64,
+                      qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, rope_theta=10000.0, tie_word_embeddings=True,
+                      attention_bias=False, mlp_bias=False)  # fmt: skip
     elif family == "qwen3_moe":
         config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu", rope_theta=10000.0,
                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
@@ -89,7 +100,7 @@ def tiny_mlx_lm_config(family: str, ids: dict[str, Any], **overrides: Any) -> di
                       layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, tie_word_embeddings=False,
                       layers_block_type=["mamba", "mlp", "attention", "mlp"])  # fmt: skip
     else:
-        raise ValueError(f"family {family!r} is not one of {MLX_LM_FAMILIES + HYBRID_FAMILIES + MOE_HYBRID_FAMILIES}")
+        raise ValueError(f"family {family!r} is not one of {MLX_LM_FAMILIES + HYBRID_FAMILIES + MOE_HYBRID_FAMILIES + CONTRACT_FAMILIES}")
     config.update(overrides)
     return dict(sorted(config.items()))
 
@@ -131,6 +142,8 @@ def tiny_mlx_lm_weights(config: dict[str, Any], *, seed: int) -> dict[str, np.nd
     rng = np.random.default_rng(seed)
     shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
     weights = {k: _random(rng, k, shape) for k, shape in sorted(shapes.items())}
+    if config.get("tie_word_embeddings") or config.get("text_config", {}).get("tie_word_embeddings"):
+        weights = {k: v for k, v in weights.items() if not k.endswith("lm_head.weight")}  # a tied checkpoint has none
     return dict(sorted(_hf_names(config["model_type"], weights).items()))
 
 
