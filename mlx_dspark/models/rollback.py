@@ -29,6 +29,7 @@ recorded. Longer rewinds (the prompt cache) restore a `layer_state` snapshot ins
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -283,7 +284,7 @@ class RollbackCaches(list):
         restore_layer(self[i], forward.before[i])
         if kept:
             layer, args, kwargs = forward.calls[i]
-            args, kwargs = _prefix_call(args, kwargs, forward.width, kept)
+            args, kwargs = _prefix_call(layer, args, kwargs, forward.width, kept)
             if i in forward.projections:
                 with _projections(layer, list(forward.projections[i]), record=False, width=forward.width, kept=kept):
                     layer(*args, **kwargs)
@@ -324,24 +325,46 @@ def _hidden(args: tuple, kwargs: dict) -> mx.array:
     raise ValueError("RollbackCaches.record: the layer's input hidden states are not its first argument")
 
 
-def _prefix_call(args: tuple, kwargs: dict, width: int, kept: int) -> tuple[tuple, dict]:
-    """The recorded call cut to its first `kept` positions: the hidden input, masks, per-position arrays."""
-
-    def cut(value: Any, hidden: bool = False) -> Any:
-        if not isinstance(value, mx.array) or value.ndim < 2:
-            return value
-        if hidden:
-            return value[:, :kept]
-        if value.shape[-2] == width and value.shape[-1] >= width:  # an attention mask (..., L, offset + L)
-            return value[..., :kept, : value.shape[-1] - width + kept]
-        if value.shape[1] == width:  # (B, L, ...): an SSM mask, per-position inputs
-            return value[:, :kept]
-        return value
-
+def _prefix_call(layer: Any, args: tuple, kwargs: dict, width: int, kept: int) -> tuple[tuple, dict]:
+    """The recorded call cut to its first `kept` positions, each argument by what its parameter name says
+    it is: the hidden input and other per-position arrays (B, L, ...) on their position axis, masks
+    (`*mask*`: attention (..., L, offset + L) or per-position (B, L)) on theirs; anything else as it was.
+    Names, not shapes: a tensor handed from layer to layer can have a mask's shape."""
     hidden = _hidden(args, kwargs)
-    new_args = tuple(cut(a, a is hidden) for a in args)
-    new_kwargs = {k: cut(v, v is hidden) for k, v in kwargs.items()}
+    names = _parameter_names(layer, len(args))
+
+    def cut(value: Any, name: str) -> Any:
+        if isinstance(value, (tuple, list)):  # (cos, sin) position embeddings and the like
+            return type(value)(cut(v, name) for v in value)
+        if not isinstance(value, mx.array) or value.ndim < 2 or value is hidden and value.shape[1] != width:
+            return value
+        if "mask" in name.lower():
+            if value.ndim >= 3 or value.shape[-2] == width and value.shape[-1] > width:  # (..., L, offset + L)
+                rows = value[..., :kept, :] if value.shape[-2] == width else value
+                return rows[..., : value.shape[-1] - width + kept]
+            return value[:, :kept] if value.shape[1] == width else value  # (B, L): an SSM mask
+        return value[:, :kept] if value.shape[1] == width else value  # (B, L, ...): per position
+
+    new_args = tuple(cut(a, names[i] if i < len(names) else "") for i, a in enumerate(args))
+    new_kwargs = {k: cut(v, k) for k, v in kwargs.items()}
     return new_args, new_kwargs
+
+
+def _parameter_names(layer: Any, count: int) -> list[str]:
+    """The names of a layer's first `count` positional parameters, from its class's own `__call__` (the
+    first one in the MRO that names them: a recording subclass's `(*args, **kwargs)` is passed over)."""
+    for cls in type(layer).__mro__:
+        call = cls.__dict__.get("__call__")
+        if call is None:
+            continue
+        try:
+            parameters = list(inspect.signature(call).parameters.values())[1:]  # past self
+        except (TypeError, ValueError):
+            continue
+        named = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if named or not any(p.kind == p.VAR_POSITIONAL for p in parameters):
+            return named[:count]
+    return []
 
 
 # -- the verify's own projections, reused by a replay ----------------------------------------------
