@@ -326,33 +326,27 @@ def _hidden(args: tuple, kwargs: dict) -> mx.array:
 
 
 def _prefix_call(layer: Any, args: tuple, kwargs: dict, width: int, kept: int) -> tuple[tuple, dict]:
-    """The recorded call cut to its first `kept` positions, each argument by what its parameter name says
-    it is: the hidden input and other per-position arrays (B, L, ...) on their position axis, masks
-    (`*mask*`: attention (..., L, offset + L) or per-position (B, L)) on theirs; anything else as it was.
-    Names, not shapes: a tensor handed from layer to layer can have a mask's shape."""
-    hidden = _hidden(args, kwargs)
+    """The recorded call cut to its first `kept` positions, each argument by its parameter name (a tensor
+    handed from layer to layer can have a mask's shape): `*mask*` by mask rules, other (B, L, ...) arrays
+    on their position axis, anything else as it was."""
     names = _parameter_names(layer, len(args))
 
     def cut(value: Any, name: str) -> Any:
         if isinstance(value, (tuple, list)):  # (cos, sin) position embeddings and the like
             return type(value)(cut(v, name) for v in value)
-        if not isinstance(value, mx.array) or value.ndim < 2 or value is hidden and value.shape[1] != width:
+        if not isinstance(value, mx.array) or value.ndim < 2:
             return value
-        if "mask" in name.lower():
-            if value.ndim >= 3 or value.shape[-2] == width and value.shape[-1] > width:  # (..., L, offset + L)
-                rows = value[..., :kept, :] if value.shape[-2] == width else value
-                return rows[..., : value.shape[-1] - width + kept]
-            return value[:, :kept] if value.shape[1] == width else value  # (B, L): an SSM mask
-        return value[:, :kept] if value.shape[1] == width else value  # (B, L, ...): per position
+        if "mask" in name.lower() and (value.ndim >= 3 or value.shape[-2] == width and value.shape[-1] > width):
+            rows = value[..., :kept, :] if value.shape[-2] == width else value  # (..., L, offset + L)
+            return rows[..., : value.shape[-1] - width + kept]
+        return value[:, :kept] if value.shape[1] == width else value  # (B, L, ...): per position, an SSM mask
 
-    new_args = tuple(cut(a, names[i] if i < len(names) else "") for i, a in enumerate(args))
-    new_kwargs = {k: cut(v, k) for k, v in kwargs.items()}
-    return new_args, new_kwargs
+    return tuple(cut(a, names[i] if i < len(names) else "") for i, a in enumerate(args)), {k: cut(v, k) for k, v in kwargs.items()}
 
 
 def _parameter_names(layer: Any, count: int) -> list[str]:
-    """The names of a layer's first `count` positional parameters, from its class's own `__call__` (the
-    first one in the MRO that names them: a recording subclass's `(*args, **kwargs)` is passed over)."""
+    """A layer's first `count` positional parameter names (its class's own `__call__`, past a recording
+    subclass's `(*args, **kwargs)`)."""
     for cls in type(layer).__mro__:
         call = cls.__dict__.get("__call__")
         if call is None:
