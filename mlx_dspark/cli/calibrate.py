@@ -36,7 +36,28 @@ def report(pair, curve, path) -> dict:
             "auto_start_length": AutoLength(curve, block).start_length(at.context),
         })  # fmt: skip
     return {"machine": machine(), "target": str(pair.target_path), "draft": str(pair.draft_path), "cache_file": str(path),
-            "source": curve.source, "depths": rows}  # fmt: skip
+            "source": curve.source, **_trust(path), "depths": rows}  # fmt: skip
+
+
+def _trust(path) -> dict:
+    """How old the cached curve is and how far generations' own round times have confirmed it (cost_heal.py)."""
+    import time
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        age_s = time.time() - float(data.get("measured_at", path.stat().st_mtime))
+    except (OSError, ValueError, TypeError):
+        return {}
+    healing = data.get("healing")
+    if not healing:
+        trust = "not yet checked by any generation's round times"
+    elif healing.get("healed"):
+        trust = (f"corrected by observed rounds at {healing.get('at')} (verify x{healing.get('verify_scale')}, draft block "
+                 f"{healing.get('draft_block_ms_before', 0):.2f} -> {data.get('draft_block_ms', 0):.2f} ms)")
+    else:
+        trust = f"confirmed by observed rounds at {healing.get('at')}"
+    return {"measured": data.get("source"), "age_hours": round(age_s / 3600, 2), "checked_rounds": data.get("checked", 0),
+            "trust": trust}  # fmt: skip
 
 
 PLAN_ACCEPTANCES = (0.5, 0.7, 0.9)  # per-position acceptances the batch table shows
@@ -69,6 +90,9 @@ def format_report(data: dict) -> str:
         f"pair: {data['target']} + {data['draft']}",
         f"cost curve: {data['cache_file']} ({data['source']})",
     ]
+    if "trust" in data:
+        lines.append(f"  {data['measured']}, {data['age_hours']:.1f} h ago; {data['trust']}; "
+                     f"{data['checked_rounds']} rounds observed (generations correct it as they run)")
     for row in data["depths"]:
         verify = " ".join(f"{ms:.2f}" for ms in row["verify_ms"].values())
         even = " ".join("-" if q is None else f"{q:.2f}" for q in row["break_even_acceptance"].values())

@@ -112,7 +112,8 @@ class BatchRow:
         speculation = self.speculation
         curve = speculation.cost_curve
         if curve is None and speculation.speculative and (speculation.auto_length or speculation.verify_schedule == "confidence"):
-            curve = cost_curve_for(model)
+            # a batch round's time is the batch's, not this row's: it must not heal the single-request curve
+            curve = dataclasses.replace(cost_curve_for(model), cache_path=None)
         self.length: DraftLength | None = None  # the row's own length policy (auto: its acceptance, the curve)
         if self.proposer is not None:
             self.max_draft = speculation.draft_length(self.proposer.block_size)

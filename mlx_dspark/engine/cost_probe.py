@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from mlx_dspark.engine.cost_heal import write_cached  # noqa: F401  (the cache's one writer; callers import it from here)
 from mlx_dspark.engine.decode import prefill
 from mlx_dspark.engine.propose import DraftProposer
 from mlx_dspark.engine.schedule import CostCurve
@@ -93,19 +94,12 @@ def cost_curve_for(
     measured (`measure`, default `measure_cost_curve`) and written there."""
     path = cost_curve_path(model, cache_dir)
     cache_dir = path.parent
-    if path.is_file():
-        return CostCurve.from_file(path)
-    curve = (measure or measure_cost_curve)(model.target, model.draft)
-    write_cached(path, {**curve.to_json(), "source": f"measured at first use, {time.strftime('%Y-%m-%d %H:%M')}"})
-    return CostCurve.from_file(path)
-
-
-def write_cached(path: Path, data: dict) -> None:
-    """Write a measurement into the cost cache as JSON, atomically: a concurrent reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    if not path.is_file():
+        curve = (measure or measure_cost_curve)(model.target, model.draft)
+        write_cached(path, {**curve.to_json(), "source": f"measured at first use, {time.strftime('%Y-%m-%d %H:%M')}",
+                            "measured_at": time.time()})  # fmt: skip
+    # cache_path: generations write what their rounds observed back here (engine/cost_heal.py)
+    return dataclasses.replace(CostCurve.from_file(path), cache_path=path)
 
 
 def measure_cost_curve(

@@ -21,9 +21,12 @@ is an ordinary speculative block (the greedy output and the sampled distribution
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any, Protocol, Sequence
 
+from mlx_dspark.engine import cost_heal
+from mlx_dspark.engine.cost_heal import CurveHealer
 from mlx_dspark.engine.schedule import CostCurve
 
 AUTO = "auto"
@@ -106,10 +109,16 @@ class AutoLength:
         probe_budget: float = 0.02,
         explore_every: int = 4,
         max_explore_every: int = 16,
+        heal: bool = False,
     ) -> None:
         if cap < 1:
             raise ValueError(f"an auto draft length needs a cap >= 1, got {cap}")
-        self.curve = curve
+        # The curve as the rounds' own times correct it (engine/cost_heal.py): a curve measured under
+        # load heals within the generation. A curve no round has checked yet gets one probe at once.
+        self.healer = CurveHealer(curve) if heal else None
+        self._check_probe = heal and not curve.checked
+        self._last_observed: float | None = None
+        self._curve = curve
         self.cap = min(cap, curve.max_width - 1)
         if self.cap < 1:
             raise ValueError(f"cost curve {curve.source} covers verify width 1 only: auto needs widths 1..{cap + 1}")
@@ -130,7 +139,6 @@ class AutoLength:
         # rounds' time (in plain steps), so a draft that keeps failing costs ~2% at most; the probe
         # that follows a park by the prior alone is free (it is how a good draft starts drafting at once).
         self.probe_budget = probe_budget
-        self._probe_cost = curve.round_ms(self.probe_length) / max(curve.verify_ms[0], 1e-9)  # in plain steps
         self._probes_charged = 0
         self._free_probe = False
         self.probes = 0
@@ -142,12 +150,23 @@ class AutoLength:
         self._exploring = 0  # the length an exploring round extends (0: not exploring)
         self.explorations = 0
 
+    @property
+    def curve(self) -> CostCurve:
+        return self._curve if self.healer is None else self.healer.curve
+
+    @property
+    def _probe_cost(self) -> float:
+        curve = self.curve  # in plain steps
+        return curve.round_ms(self.probe_length) / max(curve.verify_ms[0], 1e-9)
+
     def start_length(self, position: int = 0) -> int:
         """The length the first round would take at context `position` (the prior acceptance)."""
         best, pays = self._best(self.curve.at(position))
         return best if pays else 0
 
     def next_length(self, *, position: int) -> int:
+        if self._last_observed is None:
+            self._last_observed = time.perf_counter()  # the first round's time starts here
         if self._due <= 0:
             self._choose(self.curve.at(position))
             self._due = self.every
@@ -159,6 +178,11 @@ class AutoLength:
                 return min(self.cap, 2 * self.length)
             return self.length
         self._until_probe -= 1
+        if self._check_probe:  # one round that times the draft block: the curve may have been measured under load
+            self._check_probe = False
+            self.probes += 1
+            self._due = 0
+            return self.probe_length
         affordable = self._free_probe or (self._probes_charged + 1) * self._probe_cost <= self.probe_budget * self.parked_rounds
         if self._hopeless or self._until_probe > 0 or not affordable:
             self.parked_rounds += 1
@@ -172,6 +196,10 @@ class AutoLength:
         return self.probe_length
 
     def observe(self, *, proposed: int, accepted: int, confidence: Any = None) -> None:
+        now = time.perf_counter()
+        if self.healer is not None and self._last_observed is not None:
+            self.healer.observe(proposed=proposed, ms=1000 * (now - self._last_observed))
+        self._last_observed = now
         self.lengths[proposed] += 1
         if proposed == 0:
             return
@@ -239,4 +267,5 @@ def make_draft_length(max_draft_tokens: int | str | None, block_size: int, curve
         return FixedLength(max_draft_tokens or block_size)
     if curve is None:
         raise ValueError("max_draft_tokens 'auto' needs speculation.cost_curve (api.stream_generate fills in this machine's)")
-    return AutoLength(curve, block_size)
+    # a curve from the cost cache heals by the rounds' times; one given (a file, a test) is taken as given
+    return AutoLength(curve, block_size, heal=cost_heal.ENABLED and curve.cache_path is not None)

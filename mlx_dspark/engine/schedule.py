@@ -41,6 +41,8 @@ class CostCurve:
     source: str = "given"  # where it came from, for logs and benchmark JSON
     context: int = 0  # the context depth (positions in the caches) it was measured at
     deep: "CostCurve | None" = None  # the same costs at a deeper context, for `at(depth)`; None: depth-free
+    checked: int = 0  # rounds of generations that have confirmed or corrected it (engine/cost_heal.py)
+    cache_path: "Path | None" = dataclasses.field(default=None, compare=False, repr=False)  # the cost cache file it came from
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify_ms", tuple(float(v) for v in self.verify_ms))
@@ -99,6 +101,7 @@ class CostCurve:
             "source": self.source,
             "context": self.context,
             **({} if self.deep is None else {"deep": self.deep.to_json()}),
+            **({"checked": self.checked} if self.checked else {}),
         }
 
     @classmethod
@@ -130,7 +133,10 @@ class CostCurve:
         if deep is not None and deep.context <= context:
             raise ValueError(f"cost curve file {path}: 'deep' must be measured past context {context}, got context {deep.context}")
         shallow = cls.from_measurements(draft_ms=draft, verify_ms=[verify[str(w)] for w in widths], source=str(path))
-        return dataclasses.replace(shallow, context=context, deep=deep)
+        checked = data.get("checked", 0)
+        if not (isinstance(checked, int) and checked >= 0):
+            raise ValueError(f"cost curve file {path}: 'checked' must be a count of rounds (an integer >= 0), got {checked!r}")
+        return dataclasses.replace(shallow, context=context, deep=deep, checked=checked)
 
 
 def _nondecreasing(values: Sequence[float]) -> list[float]:
