@@ -33,6 +33,7 @@ from mlx_dspark.loading.checkpoint import (
 )
 from mlx_dspark.models import runs_on_mlx_lm, target_module
 from mlx_dspark.models.mlx_lm_target import from_config as mlx_lm_target_from_config
+from mlx_dspark.models.dflash2 import draft_class
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_name, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.precision import DRAFT_SOURCE_PRECISION, check_quantize_options, parse_dtype, quant_predicate
@@ -56,7 +57,8 @@ def _skeleton(config: dict, files: list[Path], *, src: Path) -> tuple[nn.Module,
         shapes = {canonical_name(name): shape for path in files for name, (_, shape) in read_header(path).items()}
         family = layer_family(list(shapes), source=str(src))
         config = with_tensor_fields(config, shapes)
-        return DSparkDraft(DraftArgs.from_dict(config, family=family, source=source)), "draft"
+        args = DraftArgs.from_dict(config, family=family, source=source)
+        return draft_class(args)(args), "draft"
     if runs_on_mlx_lm(config):
         return mlx_lm_target_from_config(config, source=source), "target"
     module = target_module(config, source=source)

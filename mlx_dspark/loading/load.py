@@ -22,6 +22,7 @@ from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint, resolve_p
 from mlx_dspark.models.finite import check_finite_weights
 from mlx_dspark.models import runs_on_mlx_lm, target_module
 from mlx_dspark.models.mlx_lm_target import from_config as mlx_lm_target_from_config, is_mlx_lm_target, probe_target
+from mlx_dspark.models.dflash2 import draft_class
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.mtp import MTP_DRAFT, build_mtp, quantize_mtp
@@ -112,7 +113,7 @@ def build_draft(
     own_head = args.packaging.draft_vocab_size is not None
     shared = {k: v for k, v in weights.items() if k.startswith(SHARED_PREFIXES) and not (own_head and k.startswith("lm_head."))}
     model = fill_model(
-        DSparkDraft(args), config, weights, origin,
+        draft_class(args)(args), config, weights, origin,
         source=source, what="draft", dtype=checkpoint.default_dtype if dtype is None else dtype, config_name=Path(config_source).name,
     )  # fmt: skip
     return model, shared

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from mlx_dspark.models import FAMILIES, family_module
 from mlx_dspark.models.dspark_heads import MARKOV_HEAD_TYPES
+from mlx_dspark.models.dflash2_args import DFlash2Fields, dflash2_fields
 from mlx_dspark.models.dspark_packaging import (
     BONUS_ANCHOR_ARCHITECTURES,
     EAGLE3_MARKERS,
@@ -232,6 +233,7 @@ class DraftArgs:
     packaging: Packaging = Packaging()
     # false: q/k (and their norms) are stored in the interleaved RoPE order; permuted to rotate-half on load
     rope_is_neox_style: bool = True
+    dflash2: Optional[DFlash2Fields] = None  # a DFlash 2 draft's convolutions and selector (models/dflash2.py)
 
     @classmethod
     def from_dict(
@@ -270,6 +272,9 @@ class DraftArgs:
         temperatures = _confidence_temperatures(fields.get("confidence_temperatures"), block_size=block_size, confidence=confidence, source=source)
         # a packaging field the layer family itself reads (gemma4's final_logit_softcapping) is the family's
         own = {k: v for k, v in fields.items() if not hasattr(layers, k)}
+        dflash2 = dflash2_fields(config, hidden_size=layers.hidden_size, vocab_size=layers.vocab_size, source=source)
+        if dflash2 is not None:  # its selector applies these (DSpark's graph would not)
+            own = {k: v for k, v in own.items() if k not in ("output_multiplier", "final_logit_softcapping")}
         packaging = Packaging.from_fields(own, vocab_size=layers.vocab_size, source=source)
         if not packaging.sample_from_anchor and block_size < 2:
             raise ValueError(f"{source}: block_size {block_size} leaves no draft row (sample_from_anchor is false: row 0 is the anchor)")
@@ -292,6 +297,7 @@ class DraftArgs:
             confidence_temperatures=temperatures,
             packaging=packaging,
             rope_is_neox_style=neox,
+            dflash2=dflash2,
         )
 
     @property

@@ -36,14 +36,12 @@ PACKAGING_FIELDS = (
 EAGLE3_MARKERS = ("transformer_layer_config", "aux_hidden_state_layer_ids")
 # Drafts whose block is [anchor, mask ...] with drafts from row 1 although their config does not say
 # so: z-lab's DFlash (`dflash/model.py` drafts from logits[:, 1 - block_size:]).
-BONUS_ANCHOR_ARCHITECTURES = ("DFlashDraftModel",)
+BONUS_ANCHOR_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 # vLLM speculators' draft kinds (`speculators_model_type`) whose graph is ours (a DFlash backbone,
 # DSpark's Markov and confidence heads on top)
 SPECULATORS_TYPES = ("dflash", "dspark")
 # Config keys of drafts that share the DFlash name but not its graph: one line naming the key.
 _OTHER_GRAPHS = {
-    "conv_kernel_size": "a DFlash2 draft (dynamic convolutions and a candidate-path selector)",
-    "selector_rank": "a DFlash2 draft (dynamic convolutions and a candidate-path selector)",
     "hyper_connection_count": "a DeepSeek-V4 DSpark draft (hyper-connections)",
 }
 
@@ -53,12 +51,9 @@ def check_graph(config: dict, *, source: str) -> None:
     nested = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
     for where, fields in (("", config), ("dflash_config.", nested)):
         for key in fields:
-            kind = _OTHER_GRAPHS.get(key) or (_OTHER_GRAPHS["selector_rank"] if key.startswith("selector_") else None)
+            kind = _OTHER_GRAPHS.get(key)
             if kind is not None:
                 raise ValueError(f"{source}: field '{where}{key}' is set: this is {kind}, which we do not run; use a DSpark or DFlash draft")
-    arch = (config.get("architectures") or [""])[0]
-    if isinstance(arch, str) and "dflash2" in arch.lower():
-        raise ValueError(f"{source}: architectures {arch!r} is {_OTHER_GRAPHS['selector_rank']}, which we do not run; use a DSpark or DFlash draft")
     kind = config.get("speculators_model_type")
     if kind is not None and kind not in SPECULATORS_TYPES:
         raise ValueError(

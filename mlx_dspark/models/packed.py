@@ -74,6 +74,8 @@ def packing_problem(model: Any) -> Optional[str]:
     elif not isinstance(model.target, TargetModel):
         return f"the target ({type(model.target).__name__}) is neither one of our target families nor an mlx-lm model"
     draft = model.draft
+    if draft is not None and getattr(draft.args, "dflash2", None) is not None:
+        return "a DFlash2 draft's block forward (its convolutions and selector) is not packed yet"
     if draft is not None and draft.args.family not in PACKED_DRAFT_FAMILIES:
         return f"the draft's layer family {draft.args.family!r} is not packed (only {', '.join(PACKED_DRAFT_FAMILIES)})"
     return None

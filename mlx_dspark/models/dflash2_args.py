@@ -1,0 +1,49 @@
+"""The DFlash 2 fields of a draft config (models/dflash2.py runs the draft): read apart from the model
+so that `DraftArgs` can parse them without importing it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+ARCHITECTURE = "DFlash2DraftModel"
+FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@dataclass(frozen=True)
+class DFlash2Fields:
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None
+
+
+def dflash2_fields(config: dict, *, hidden_size: int, vocab_size: int, source: str) -> Optional[DFlash2Fields]:
+    """The DFlash 2 fields of a draft config (top level or `dflash_config`); None for any other draft."""
+    nested = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
+    arch = (config.get("architectures") or [""])[0]
+    given = {k: nested.get(k, config.get(k)) for k in (*FIELDS, "output_multiplier", "final_logit_softcapping")}
+    if arch != ARCHITECTURE and all(given[k] is None for k in FIELDS):
+        return None
+    missing = [k for k in FIELDS if given[k] is None]
+    if missing:
+        raise ValueError(f"{source}: a DFlash2 draft needs dflash_config field(s) {missing}")
+    for k in FIELDS:
+        v = given[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{source}: field 'dflash_config.{k}' must be an integer >= 1, got {v!r}")
+    if hidden_size % given["conv_group_size"]:
+        raise ValueError(f"{source}: dflash_config.conv_group_size {given['conv_group_size']} must divide hidden_size {hidden_size}")
+    if given["selector_top_k"] > vocab_size:
+        raise ValueError(f"{source}: dflash_config.selector_top_k {given['selector_top_k']} exceeds the vocabulary ({vocab_size})")
+    scale, cap = given["output_multiplier"], given["final_logit_softcapping"]
+    for name, v in (("output_multiplier", scale), ("final_logit_softcapping", cap)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+            raise ValueError(f"{source}: field 'dflash_config.{name}' must be a number >= 0, got {v!r}")
+    return DFlash2Fields(
+        **{k: given[k] for k in FIELDS},
+        output_multiplier=1.0 if scale is None else float(scale),
+        final_logit_softcapping=float(cap) if cap else None,
+    )

@@ -1,0 +1,99 @@
+"""DFlash 2 drafts (issue 35.1) in z-lab's Hugging Face layout: they load (no longer refused), their
+greedy proposals are an independent NumPy restatement's (tests/dflash2_reference.py), a sampled
+proposal reports the selector's q over its K candidates, and speculative greedy output is plain
+decoding's, token for token."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import mlx_dspark
+from mlx_dspark.bench.runner import RunSettings, prepare_model
+from mlx_dspark.models.dflash2 import DFlash2Draft
+from mlx_dspark.models.heads import target_head
+from mlx_dspark.testing.dflash2_tiny import write_dflash2_draft
+from mlx_dspark.testing.tiny import write_tiny_draft
+from tests.dflash2_reference import DFlash2Reference
+
+PROMPT = [1, 5, 9, 20, 33, 7, 100, 250, 3, 64, 17, 42]
+
+
+@pytest.fixture(scope="module", params=[{}, {"output_multiplier": 0.7, "softcap": 20.0}], ids=["plain", "scaled_capped"])
+def dflash2_pair(request, tiny_qwen3_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash2")
+    deepspec = write_tiny_draft(root / "deepspec", target_path=tiny_qwen3_target, seed=3)
+    draft = write_dflash2_draft(deepspec, root / "dflash2", seed=4, **request.param)
+    return tiny_qwen3_target, draft, mlx_dspark.load(str(tiny_qwen3_target), draft=str(draft), dtype="float32")
+
+
+def _reference(draft_dir) -> DFlash2Reference:
+    config = json.loads((draft_dir / "config.json").read_text())
+    weights = {}
+    for f in sorted(draft_dir.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    return DFlash2Reference({**config, **config["dflash_config"]}, weights)
+
+
+def test_greedy_proposals_are_the_reference_selectors_path(dflash2_pair):
+    _, draft_dir, pair = dflash2_pair
+    draft = pair.draft
+    assert isinstance(draft, DFlash2Draft) and draft.args.packaging.first_draft_row == 1
+    reference = _reference(draft_dir)
+    embedding = np.array(pair.target.embedding.weight)
+    lm_head = np.array(target_head(pair.target).weight)
+    width = len(draft.args.target_layer_ids) * pair.target.args.hidden_size
+    features = np.random.default_rng(0).standard_normal((1, 20, width)).astype(np.float32)
+    ctx = draft.make_cache()
+    draft.append_context(mx.array(features), ctx)
+    for anchor in (17, 250, 3):
+        out = draft.propose(mx.array([anchor]), ctx, target=pair.target)
+        want = reference.select(features[0], anchor, embedding=embedding, lm_head=lm_head, n=draft.num_drafts)
+        assert out.tokens[0].tolist() == want["tokens"]
+        q = np.exp(want["scores"][0] - want["scores"][0].max())
+        np.testing.assert_allclose(float(out.token_probs[0, 0]), (q / q.sum()).max(), rtol=1e-4)
+
+
+def test_a_sampled_proposal_reports_the_selectors_q_over_its_candidates(dflash2_pair):
+    _, draft_dir, pair = dflash2_pair
+    draft = pair.draft
+    width = len(draft.args.target_layer_ids) * pair.target.args.hidden_size
+    features = np.random.default_rng(1).standard_normal((1, 12, width)).astype(np.float32)
+    ctx = draft.make_cache()
+    draft.append_context(mx.array(features), ctx)
+    mx.random.seed(5)
+    out = draft.propose(mx.array([9]), ctx, target=pair.target, greedy=False, temperature=0.8)
+    reference = _reference(draft_dir)
+    embedding, lm_head = np.array(pair.target.embedding.weight), np.array(target_head(pair.target).weight)
+    first = reference.select(features[0], 9, embedding=embedding, lm_head=lm_head, n=1)
+    probs = np.array(out.draft_probs[0, 0])
+    support = set(np.nonzero(probs)[0].tolist())
+    assert support <= set(first["candidates"][0].tolist()) and np.isclose(probs.sum(), 1.0, atol=1e-5)
+    q = np.exp((first["scores"][0] - first["scores"][0].max()) / 0.8)
+    np.testing.assert_allclose(probs[first["candidates"][0]], q / q.sum(), rtol=1e-4, atol=1e-7)
+    assert int(out.tokens[0, 0]) in support  # the draw is one of the K
+
+
+def test_speculative_greedy_with_a_dflash2_draft_is_plain_decoding(dflash2_pair):
+    pair = prepare_model(dflash2_pair[2], RunSettings(ignore_eos=True))
+    plain = mlx_dspark.generate(pair, PROMPT, max_tokens=200, speculative=False)
+    spec = mlx_dspark.generate(pair, PROMPT, max_tokens=200)
+    assert spec.tokens == plain.tokens and len(spec.tokens) == 200
+    assert spec.rounds < 200 and spec.acceptance_lengths  # it drafted, and some drafts were kept
+
+
+def test_penalties_inside_the_round_keep_a_dflash2_pair_lossless(dflash2_pair):
+    """The engine's logits processing reaches the selector (its candidates are taken from the processed
+    logits), so a penalised greedy run is plain decoding's; the pair is served one request at a time."""
+    from mlx_dspark.models.packed import packing_problem
+
+    pair = prepare_model(dflash2_pair[2], RunSettings(ignore_eos=True))
+    penalties = dict(repetition_penalty=1.7, presence_penalty=0.8, penalty_last_n=4)
+    plain = mlx_dspark.generate(pair, PROMPT, max_tokens=80, speculative=False, **penalties)
+    spec = mlx_dspark.generate(pair, PROMPT, max_tokens=80, **penalties)
+    assert spec.tokens == plain.tokens and spec.rounds < 80
+    assert "DFlash2" in packing_problem(pair)
