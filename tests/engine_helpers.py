@@ -116,13 +116,15 @@ class OracleProposer:
 
 
 def make_draft(
-    target, *, seed: int = 0, markov_head_type: str = "vanilla", window: int = 4, layers: int = 2, layer_types=None
+    target, *, seed: int = 0, markov_head_type: str = "vanilla", window: int = 4, layers: int = 2, layer_types=None,
+    dflash2: dict | None = None,
 ):
     """A random in-memory DSpark draft of the target's family (copy of its config + DSpark fields).
 
     Its layers are all sliding unless `layer_types` says otherwise.
     """
-    from mlx_dspark.models.dspark import DraftArgs, DSparkDraft
+    from mlx_dspark.models.dflash2 import draft_class
+    from mlx_dspark.models.dspark import DraftArgs
 
     family = "spark2_5" if isinstance(target, spark2_5.Model) else "qwen3"
     config = spark_config() if family == "spark2_5" else qwen3_config()
@@ -141,8 +143,19 @@ def make_draft(
         enable_confidence_head=True,
         confidence_head_with_markov=True,
     )
+    if dflash2 is not None:  # a DFlash 2 draft (models/dflash2.py): its fields, no DSpark heads
+        config.update(dflash_config=dict(dflash2), markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False)
+        config.pop("markov_head_type")
     mx.random.seed(seed)
-    draft = DSparkDraft(DraftArgs.from_dict(config, family=family))
+    args = DraftArgs.from_dict(config, family=family)
+    draft = draft_class(args)(args)
+    if dflash2 is not None:  # random convolutions (tap 0 near the identity) and selector codebooks
+        for layer in draft.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel = 0.2 * mx.random.normal(conv.base_kernel.shape) + mx.array([1.0, 0.0])[None, :, None][:, : conv.kernel_size]
+        selector = draft.candidate_selector
+        selector.predecessor_codebook = mx.random.normal(selector.predecessor_codebook.shape)
+        selector.successor_codebook = mx.random.normal(selector.successor_codebook.shape)
     mx.eval(draft.parameters())
     return draft
 

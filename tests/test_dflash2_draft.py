@@ -19,6 +19,7 @@ from mlx_dspark.models.heads import target_head
 from mlx_dspark.testing.dflash2_tiny import write_dflash2_draft
 from mlx_dspark.testing.tiny import write_tiny_draft
 from tests.dflash2_reference import DFlash2Reference
+from tests.engine_helpers import make_draft
 
 PROMPT = [1, 5, 9, 20, 33, 7, 100, 250, 3, 64, 17, 42]
 
@@ -97,3 +98,29 @@ def test_penalties_inside_the_round_keep_a_dflash2_pair_lossless(dflash2_pair):
     spec = mlx_dspark.generate(pair, PROMPT, max_tokens=80, **penalties)
     assert spec.tokens == plain.tokens and spec.rounds < 80
     assert "DFlash2" in packing_problem(pair)
+
+
+@pytest.mark.parametrize("drafting", ["sample", "greedy"])
+def test_sampled_rounds_with_a_dflash2_draft_keep_the_target_distribution(drafting):
+    """Sampled drafts come from the selector's q over its K candidates (zero elsewhere), and the verify's
+    residual is taken against that q: thousands of short runs fit the target's exact distribution."""
+    from tests.engine_helpers import make_target
+    from tests.test_lossless_sampling import SAMPLERS, VOCAB, chi_square_p_value, exact_distribution, marginals, sample_runs, to_array
+
+    from mlx_dspark.engine.propose import DraftProposer
+
+    target = make_target("qwen3", seed=5, vocab_size=VOCAB, layers=4, embedding_scale=0.5)
+    fields = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=4)
+    draft = make_draft(target, seed=6, dflash2=fields)
+    assert isinstance(draft, DFlash2Draft)
+    sampler = SAMPLERS["temperature"]
+    exact = exact_distribution(target, sampler, 3)
+    outcomes = sample_runs(
+        target, sampler, lambda: DraftProposer(draft, target, greedy=drafting == "greedy", temperature=sampler.temperature),
+        length=3, seed=99,
+    )  # fmt: skip
+    counts = to_array(outcomes, 3)
+    assert outcomes.stats["accepted"] > 0 and outcomes.stats["all_accepted"] < outcomes.stats["rounds"]
+    assert chi_square_p_value(counts.reshape(-1), exact.reshape(-1)) > 1e-4
+    for observed, expected in zip(marginals(counts), marginals(exact)):
+        assert chi_square_p_value(observed, expected) > 1e-4
