@@ -439,7 +439,7 @@ def test_the_command_line_binds_loopback_loads_and_serves(tiny_spark_pair, tmp_p
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_file)
     try:
-        assert wait_for(lambda: "ready" in log_path.read_text() or process.poll() is not None, timeout=90), log_path.read_text()
+        assert wait_for(lambda: "[mlx_dspark] ready (" in log_path.read_text() or process.poll() is not None, timeout=90), log_path.read_text()
         match = re.search(r"listening on http://127\.0\.0\.1:(\d+)/v1", log_path.read_text())
         assert match and process.poll() is None, log_path.read_text()
         conn = http.client.HTTPConnection("127.0.0.1", int(match.group(1)), timeout=60)

@@ -281,7 +281,7 @@ def start_command_line(pair: tuple[Path, Path], log_path: Path) -> tuple[subproc
                "--port", "0", "--served-model-name", MODEL_ID]
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_file)
-    assert wait_for(lambda: "ready" in log_path.read_text() or process.poll() is not None, timeout=120), log_path.read_text()
+    assert wait_for(lambda: "[mlx_dspark] ready (" in log_path.read_text() or process.poll() is not None, timeout=120), log_path.read_text()
     match = re.search(r"listening on http://127\.0\.0\.1:(\d+)/v1", log_path.read_text())
     assert match and process.poll() is None, log_path.read_text()
     return process, int(match.group(1))

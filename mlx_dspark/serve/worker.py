@@ -225,7 +225,7 @@ class ModelWorker:
         except (OSError, ValueError, RuntimeError) as err:
             log.warning("no cost curve at load (%s: %s): the first request measures it", type(err).__name__, err)
             return
-        log.info("cost curve (%s) ready in %.1f s", curve.source, time.perf_counter() - started)
+        log.info("cost curve (%s) measured in %.1f s", curve.source, time.perf_counter() - started)
         self.phase = "preparing"
 
     def serve_jobs(self) -> None:
