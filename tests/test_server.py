@@ -168,7 +168,9 @@ def test_streaming_chat_deltas_join_to_the_non_streaming_text_and_end_with_done(
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == whole["choices"][0]["message"]["content"]
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    # the second request may reuse the first one's prompt cache: only cached_tokens may differ
+    uncached = lambda usage: {k: v for k, v in usage.items() if k != "prompt_tokens_details"}  # noqa: E731
+    assert usage_chunk["choices"] == [] and uncached(usage_chunk["usage"]) == uncached(whole["usage"])
     assert chunks[-1]["dspark"]["rounds"] == whole["dspark"]["rounds"]
 
 

@@ -329,3 +329,31 @@ def test_a_model_with_nan_weights_answers_500_naming_the_first_step_not_nonsense
     with running_server(broken_loader) as srv:
         status, _, body = call(srv, "POST", "/v1/completions", {"prompt": "Once", "max_tokens": 4})
         assert status == 500 and body["error"]["code"] == "non_finite_logits" and "first step" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("max_batch", [1, 2], ids=["one-at-a-time", "batch"])
+def test_an_interrupt_that_a_round_swallowed_still_stops_serving(tiny_spark_pair, max_batch):
+    """The command line's signal handler sets `worker.interrupted` beside raising KeyboardInterrupt: an
+    interrupt swallowed inside a round (seen under load: the signal lost, the server never stopped)
+    still stops serving at the next step or round, the job unfinished."""
+    from mlx_dspark.engine.options import GenerationOptions
+    from mlx_dspark.serve.batch_worker import BatchWorker
+    from mlx_dspark.serve.protocol import GenerationRequest
+    from tests.test_server import pair_loader
+
+    worker = BatchWorker(pair_loader(tiny_spark_pair), max_batch=max_batch, max_tokens=400)
+    worker.load()
+    job = worker.submit(GenerationRequest(kind="text", prompt=[1, 2, 3], options=GenerationOptions(max_tokens=400)))
+    job.events = _SetOnFirstPut(worker.interrupted)  # the "signal" arrives with the first step, no exception raised
+    worker._jobs.put(None)  # without the check, serving ends after the job instead of waiting for more
+    with pytest.raises(KeyboardInterrupt):
+        worker.serve_jobs()
+    assert 0 < job.generated_tokens < 400 and job.finish_reason is None
+
+
+class _SetOnFirstPut:
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def put(self, item: Any) -> None:
+        self.event.set()

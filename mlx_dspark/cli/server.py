@@ -181,7 +181,12 @@ def run_until_interrupted(server, defaults: GenerationOptions) -> None:
     """
     from mlx_dspark.serve.worker import FAILED
 
-    previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM behaves as Ctrl-C
+    def interrupt(signum, frame):  # SIGTERM behaves as Ctrl-C
+        server.worker.interrupted.set()  # seen by the serving loop even if the KeyboardInterrupt is swallowed
+        raise KeyboardInterrupt
+
+    previous_int = signal.signal(signal.SIGINT, interrupt)
+    previous_term = signal.signal(signal.SIGTERM, interrupt)
     try:
         server.start_http()
         server.worker.load()
@@ -209,8 +214,10 @@ def run_until_interrupted(server, defaults: GenerationOptions) -> None:
         typer.echo("[mlx_dspark] shutting down", err=True)
         server.abort(grace_s=1.0)
     finally:
-        if signal.getsignal(signal.SIGTERM) is signal.default_int_handler:
+        if signal.getsignal(signal.SIGTERM) is interrupt:
             signal.signal(signal.SIGTERM, previous_term)
+        if signal.getsignal(signal.SIGINT) is interrupt:
+            signal.signal(signal.SIGINT, previous_int)
 
 
 def _prompt_cache_budget(size: int, nbytes: str) -> PromptCacheBudget:

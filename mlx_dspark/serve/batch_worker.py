@@ -219,6 +219,7 @@ class BatchWorker(ModelWorker):
             return super().serve_jobs()
         stopping = False
         while True:
+            self.check_interrupted()
             while len(self.active) < self.max_batch:
                 if self.held is not None:  # in order: nothing passes a job waiting for room
                     job, prepared = self.held

@@ -132,6 +132,10 @@ class ModelWorker:
         self.current: Job | None = None  # the job being generated
         self.recent: deque[Job] = deque(maxlen=history)  # finished jobs, newest last
         self._stopped = threading.Event()
+        # Set by the command line's signal handler beside the KeyboardInterrupt it raises: an interrupt
+        # that lands inside code that swallows it (seen under load: a signal during a round, and the
+        # round ran on to the end) still stops serving at the next job or round (`check_interrupted`).
+        self.interrupted = threading.Event()
 
     # -- running -------------------------------------------------------------------------------
 
@@ -228,9 +232,15 @@ class ModelWorker:
         log.info("cost curve (%s) measured in %.1f s", curve.source, time.perf_counter() - started)
         self.phase = "preparing"
 
+    def check_interrupted(self) -> None:
+        """Raise KeyboardInterrupt when a signal asked the server to stop (see `interrupted`)."""
+        if self.interrupted.is_set():
+            raise KeyboardInterrupt
+
     def serve_jobs(self) -> None:
         """Run submitted jobs in order on this thread until `stop()`."""
         while True:
+            self.check_interrupted()
             try:
                 # Wake up now and then: on the main thread, a signal handled by another thread just
                 # before an untimed wait would not interrupt it, and Ctrl-C would go unanswered.
@@ -305,6 +315,7 @@ class ModelWorker:
             steps = stream_generate(self.model, prompt, options=options, prompt_cache=cache, cancel=watch,
                                     tools=tools.tools, tool_choice=tools.choice, parallel_tool_calls=tools.parallel)
             for step in steps:
+                self.check_interrupted()
                 job.steps += 1
                 job.generated_tokens = step.generation_tokens
                 job.finish_reason = step.finish_reason
