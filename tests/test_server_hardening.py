@@ -345,7 +345,7 @@ def test_an_interrupt_that_a_round_swallowed_still_stops_serving(tiny_spark_pair
     worker.load()
     job = worker.submit(GenerationRequest(kind="text", prompt=[1, 2, 3], options=GenerationOptions(max_tokens=400)))
     job.events = _SetOnFirstPut(worker.interrupted)  # the "signal" arrives with the first step, no exception raised
-    worker._jobs.put(None)  # without the check, serving ends after the job instead of waiting for more
+    worker.stop()  # queued after the job: without the check, serving ends after the job instead of raising
     with pytest.raises(KeyboardInterrupt):
         worker.serve_jobs()
     assert 0 < job.generated_tokens < 400 and job.finish_reason is None

@@ -229,7 +229,7 @@ class ModelWorker:
         except (OSError, ValueError, RuntimeError) as err:
             log.warning("no cost curve at load (%s: %s): the first request measures it", type(err).__name__, err)
             return
-        log.info("cost curve (%s) measured in %.1f s", curve.source, time.perf_counter() - started)
+        log.info("cost curve (%s) read or measured in %.1f s", curve.source, time.perf_counter() - started)
         self.phase = "preparing"
 
     def check_interrupted(self) -> None:
