@@ -88,7 +88,7 @@ def test_parked_rounds_run_as_plain_steps_one_token_forward_each_no_acceptance(t
     assert tokens == reference
     assert proposer.proposals == 0
     assert all(len(r.tokens) == 1 and r.proposed == 0 for r in rounds)
-    assert all(c.offset == len(ids) for c in proposer.context)  # the prompt only: the park batches the draft context
+    assert all(c.offset == 0 for c in proposer.context)  # the park batches the draft context, the prompt's rows too
     proposer.flush()
     # every yielded token: like plain decoding, the step after the last yield is queued, its token in the caches
     assert all(c.offset == len(ids) + 60 for c in proposer.context)
@@ -106,3 +106,51 @@ def test_a_long_park_computes_the_draft_context_of_the_window_only(tiny_spark_pa
     assert sum(f.shape[1] for f in proposer._pending) == keep
     proposer.flush()
     assert all(c.offset == keep + 40 for c in proposer.context)
+
+
+def test_a_never_checked_curve_gets_one_probe_at_the_start_not_a_check_and_a_free_look():
+    # a curve no generation has checked gets a probe at once; it is also the look a park by the prior
+    # gets (two probes cost ~2.5 plain steps each of a 256-token answer: over 1%, seen as x0.96)
+    demo_here = CostCurve(draft_ms=6.4, verify_ms=[4.5, 5.7, 6.7, 7.4, 8.5, 9.0, 10.1, 10.9])  # parks by the prior
+    policy = AutoLength(demo_here, 7, heal=True)
+    lengths = drive(policy, lambda i, n: 0, 250)
+    assert lengths[0] == policy.probe_length and sum(1 for n in lengths if n) == 1, lengths[:40]
+
+
+def test_a_catch_up_and_the_rounds_the_policy_does_not_observe_are_not_timed_as_the_draft_block(monkeypatch):
+    from mlx_dspark.engine import draft_length
+
+    clock = [0.0]
+    monkeypatch.setattr(draft_length.time, "perf_counter", lambda: clock[0])
+    policy = AutoLength(DEAR_DRAFT, 7, heal=True)
+    seen = []
+    monkeypatch.setattr(policy.healer, "observe", lambda *, proposed, ms: seen.append((proposed, round(ms, 6))))
+    policy.next_length(position=0)
+    clock[0] += 0.050  # a probe whose draft context caught up on 40 ms of waiting rows, then ran 10 ms
+    policy.untimed(40.0)
+    policy.observe(proposed=2, accepted=0)
+    clock[0] += 0.100  # a lookup block the policy does not observe
+    policy.restart_clock()
+    clock[0] += 0.011
+    policy.observe(proposed=2, accepted=0)
+    assert seen == [(2, 10.0), (2, 11.0)]
+
+
+def test_probes_are_charged_what_they_really_took_not_what_the_curve_predicts(monkeypatch):
+    from mlx_dspark.engine import draft_length
+
+    clock = [0.0]
+    monkeypatch.setattr(draft_length.time, "perf_counter", lambda: clock[0])
+    demo_here = CostCurve(draft_ms=6.4, verify_ms=[4.5, 5.7, 6.7, 7.4, 8.5, 9.0, 10.1, 10.9])
+    policy = AutoLength(demo_here, 7, heal=True)
+    for _ in range(2000):  # plain steps of 4.5 ms; every probe 27 ms (6 steps: its catch-up 9 ms, untimed)
+        length = policy.next_length(position=0)
+        if length:
+            clock[0] += 0.018
+            policy.untimed(9.0)
+            clock[0] += 0.009
+        else:
+            clock[0] += 0.0045
+        policy.observe(proposed=length, accepted=0)
+    charged = policy.summary()["probes"] - 1  # the first is the free look
+    assert charged >= 1 and charged * 6.0 <= 0.02 * policy.parked_rounds + 1e-9, (charged, policy.parked_rounds)

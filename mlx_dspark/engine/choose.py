@@ -155,6 +155,10 @@ class Chooser:
         if self.draft is not None:
             getattr(self.draft, "flush", lambda: None)()
 
+    def take_catch_up_ms(self) -> float:
+        """The draft's catch-up time since the last call (propose.DraftProposer.take_catch_up_ms)."""
+        return getattr(self.draft, "take_catch_up_ms", lambda: 0.0)()
+
     def commit(self, tokens: Sequence[int]) -> None:
         """The committed tokens of a round (accepted drafts, then the bonus): index them, learn the rates;
         a draft that reads them (an MTP proposer) takes them too."""

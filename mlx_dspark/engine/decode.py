@@ -63,10 +63,13 @@ def prefill(
     proposer: Proposer | None = None,
     step_size: int = PREFILL_STEP_SIZE,
     cancel: threading.Event | None = None,
+    later: bool = False,
 ) -> mx.array:
     """Run the prompt through the target in chunks; returns the logits (V,) at the last position.
 
-    Chunking bounds the memory of long prompts; each chunk's tapped features go to the proposer.
+    Chunking bounds the memory of long prompts; each chunk's tapped features go to the proposer
+    (`later`: through its `extend_later`, so a generation that starts parked computes only the rows a
+    windowed draft context keeps, and those when it first drafts).
     `cancel`, when set, stops the prefill before its next chunk (GenerationCancelled): a long prompt
     nobody waits for any more costs at most the chunk in flight.
     """
@@ -79,7 +82,7 @@ def prefill(
         is_last = start + step_size >= len(prompt)
         logits, features = target(chunk, cache=cache, tap_ids=tap_ids, last_only=True)
         if proposer is not None:
-            proposer.extend(features)
+            (getattr(proposer, "extend_later", proposer.extend) if later else proposer.extend)(features)
         if not is_last:
             # Evaluate chunk by chunk so a long prompt never builds one giant graph.
             mx.eval(logits, *([] if features is None else [features]))
@@ -107,10 +110,13 @@ def prefill_cached(
     for end in prompt_cache.prefill_stops(start, len(prompt)):
         chunk = prompt[start:end]
         logits = prefill(
-            target, prompt_cache.target_cache, chunk, tap_ids=tap_ids, proposer=proposer, step_size=step_size, cancel=cancel
-        )
+            target, prompt_cache.target_cache, chunk, tap_ids=tap_ids, proposer=proposer, step_size=step_size,
+            cancel=cancel, later=True,
+        )  # fmt: skip
         prompt_cache.record(chunk)
         if end < len(prompt):
+            if proposer is not None:
+                getattr(proposer, "flush", lambda: None)()  # the snapshot holds the draft context too
             prompt_cache.snapshot()
         start = end
     # Once per prompt, on its last logits (not per prefill stop: each check is a host read)
@@ -238,6 +244,9 @@ def speculative_steps(
             extra = {} if hook is None else {"logits_hook": hook}
             extra.update({"room": room} if takes_room else {})
             proposal = proposer.propose(anchor, position=position, num_tokens=num_tokens, **extra)
+            catch_up = getattr(proposer, "take_catch_up_ms", None)
+            if catch_up is not None:
+                getattr(draft_length, "untimed", lambda ms: None)(catch_up())
         if proposal is not None:
             # Start the draft on the device while the host builds the verify graph.
             mx.async_eval(proposal.tokens)
@@ -265,6 +274,8 @@ def speculative_steps(
         _commit(processor, proposer, committed)
         if proposal is None or proposal.source == "draft":  # lookup / forced blocks say nothing of the draft
             draft_length.observe(proposed=num_draft, accepted=accepted, confidence=None if proposal is None else proposal.confidence)
+        else:  # its time is no round of the draft's: the next one is timed from here
+            getattr(draft_length, "restart_clock", lambda: None)()
 
         # Roll back: the target caches keep positions 0 .. position + accepted.
         trim_caches(cache, num_draft - accepted)

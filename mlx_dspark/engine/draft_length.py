@@ -118,6 +118,9 @@ class AutoLength:
         self.healer = CurveHealer(curve) if heal else None
         self._check_probe = heal and not curve.checked
         self._last_observed: float | None = None
+        self._catch_up_ms = 0.0  # this round's one-off work (untimed), part of what a probe costs
+        self._probe_ms: float | None = None  # the last probe round, start to end, catch-up included
+        self._plain_ms: float | None = None  # a plain step (running median-ish estimate)
         self._curve = curve
         self.cap = min(cap, curve.max_width - 1)
         if self.cap < 1:
@@ -157,7 +160,12 @@ class AutoLength:
     @property
     def _probe_cost(self) -> float:
         curve = self.curve  # in plain steps
-        return curve.round_ms(self.probe_length) / max(curve.verify_ms[0], 1e-9)
+        predicted = curve.round_ms(self.probe_length) / max(curve.verify_ms[0], 1e-9)
+        # what the last probe really took, its draft context's catch-up included (measured here: a probe
+        # after a long park took ~6 plain steps where the curve says 2.8), once plain steps were timed
+        if self._probe_ms is None or self._plain_ms is None:
+            return predicted
+        return max(predicted, self._probe_ms / self._plain_ms)
 
     def start_length(self, position: int = 0) -> int:
         """The length the first round would take at context `position` (the prior acceptance)."""
@@ -180,6 +188,7 @@ class AutoLength:
         self._until_probe -= 1
         if self._check_probe:  # one round that times the draft block: the curve may have been measured under load
             self._check_probe = False
+            self._free_probe = False  # it is also the look at the real acceptance a park by the prior gets
             self.probes += 1
             self._due = 0
             return self.probe_length
@@ -195,10 +204,28 @@ class AutoLength:
         self._due = 0  # choose again right after the probe's observation
         return self.probe_length
 
+    def restart_clock(self) -> None:
+        """A round this policy does not observe (a lookup or forced block) ended: time the next from now."""
+        if self._last_observed is not None:
+            self._last_observed = time.perf_counter()
+
+    def untimed(self, ms: float) -> None:
+        """`ms` of this round was one-off work (the draft context catching up after a park or a prompt):
+        the healer times the round without it, since it is no part of a round's steady cost."""
+        if self._last_observed is not None and ms > 0:
+            self._last_observed += ms / 1000
+            self._catch_up_ms += ms
+
     def observe(self, *, proposed: int, accepted: int, confidence: Any = None) -> None:
         now = time.perf_counter()
-        if self.healer is not None and self._last_observed is not None:
-            self.healer.observe(proposed=proposed, ms=1000 * (now - self._last_observed))
+        if self.healer is not None and self._last_observed is not None:  # real round times (a synthetic drive has none)
+            ms = 1000 * (now - self._last_observed)
+            self.healer.observe(proposed=proposed, ms=ms)
+            if proposed == 0:  # moves by at most 5% a step: robust to the odd slow step
+                self._plain_ms = ms if self._plain_ms is None else self._plain_ms * min(1.05, max(0.95, ms / self._plain_ms))
+            elif self.parked:
+                self._probe_ms = ms + self._catch_up_ms
+        self._catch_up_ms = 0.0
         self._last_observed = now
         self.lengths[proposed] += 1
         if proposed == 0:

@@ -9,11 +9,13 @@ protocol.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import time
 from typing import Any, Callable, Protocol, Sequence
 
 import mlx.core as mx
 
 PENDING_LIMIT = 32  # single committed positions batched into one context append
+CATCH_UP = 8  # waiting positions past which a proposal's context append is a catch-up, timed apart
 
 
 @dataclass
@@ -66,7 +68,9 @@ class DraftProposer:
         self.block_size = int(draft.num_drafts)
         self.context = draft.make_cache() if context is None else context
         self._pending: list[mx.array] = []  # features of single positions not in the context yet
-        self._pending_positions = 0
+        self._pending_positions = 0  # positions they stand for (windowed drafts drop the oldest entries)
+        self._waiting = 0  # positions the entries in `_pending` hold
+        self.catch_up_ms = 0.0  # time the proposals spent on catch-ups (take_catch_up_ms)
         rows = getattr(draft, "context_rows", None)
         self._keep = None if rows is None else rows(self.context)  # None: every position is needed
 
@@ -81,15 +85,15 @@ class DraftProposer:
         windowed, one for the positions the window keeps, however long the park."""
         self._pending.append(features)
         self._pending_positions += features.shape[1]
+        self._waiting += features.shape[1]
         if self._keep is None:
             if self._pending_positions >= PENDING_LIMIT:
                 self.flush()
             return
         # Windowed context layers keep the last `_keep` positions: older waiting features are never
         # computed (a long park costs no draft work beyond the window), only counted.
-        waiting = sum(f.shape[1] for f in self._pending)
-        while self._pending and waiting - self._pending[0].shape[1] >= self._keep:
-            waiting -= self._pending.pop(0).shape[1]
+        while self._pending and self._waiting - self._pending[0].shape[1] >= self._keep:
+            self._waiting -= self._pending.pop(0).shape[1]
 
     def flush(self) -> None:
         """Put the waiting positions into the context (a proposal calls it first, `steps.make_steps` when
@@ -99,14 +103,35 @@ class DraftProposer:
             return
         features = mx.concatenate(self._pending, axis=1) if len(self._pending) > 1 else self._pending[0]
         positions = self._pending_positions
-        self._pending, self._pending_positions = [], 0
+        self._pending, self._pending_positions, self._waiting = [], 0, 0
         self.draft.append_context(features, self.context, num_positions=positions)
-        mx.async_eval(*(a for c in self.context for a in (c.keys, c.values) if a is not None))
+        mx.async_eval(*self._context_arrays())
+
+    def _context_arrays(self) -> list[mx.array]:
+        return [a for c in self.context for a in (c.keys, c.values) if a is not None]
+
+    def _catch_up(self) -> None:
+        """Before a proposal: the waiting positions into the context. After a park or a prompt that is a
+        one-off append of many rows; it runs to its end here and is timed apart (`take_catch_up_ms`), so
+        the cost curve's healer does not charge it to the draft block (the device is idle here anyway:
+        the round before was read)."""
+        if self._waiting <= CATCH_UP:
+            self.flush()
+            return
+        start = time.perf_counter()
+        self.flush()
+        mx.eval(*self._context_arrays())
+        self.catch_up_ms += 1000 * (time.perf_counter() - start)
+
+    def take_catch_up_ms(self) -> float:
+        """The catch-up time since the last call (decode.py hands it to the length policy's `untimed`)."""
+        ms, self.catch_up_ms = self.catch_up_ms, 0.0
+        return ms
 
     def propose(
         self, anchor: mx.array, *, position: int, num_tokens: int, logits_hook: Callable | None = None
     ) -> Proposal:
-        self.flush()
+        self._catch_up()
         out = self.draft.propose(
             anchor,
             self.context,
