@@ -121,6 +121,7 @@ class AutoLength:
         self._catch_up_ms = 0.0  # this round's one-off work (untimed), part of what a probe costs
         self._probe_ms: float | None = None  # the last probe round, start to end, catch-up included
         self._plain_ms: float | None = None  # a plain step (running median-ish estimate)
+        self._after_probe = False
         self._curve = curve
         self.cap = min(cap, curve.max_width - 1)
         if self.cap < 1:
@@ -221,10 +222,14 @@ class AutoLength:
         if self.healer is not None and self._last_observed is not None:  # real round times (a synthetic drive has none)
             ms = 1000 * (now - self._last_observed)
             self.healer.observe(proposed=proposed, ms=ms)
-            if proposed == 0:  # moves by at most 5% a step: robust to the odd slow step
+            if proposed == 0 and self._after_probe and self._probe_ms is not None:
+                plain = self.curve.verify_ms[0] if self._plain_ms is None else self._plain_ms
+                self._probe_ms += max(0.0, ms - plain)  # the step after a probe is not pipelined: the probe's too
+            elif proposed == 0:  # moves by at most 5% a step: robust to the odd slow step
                 self._plain_ms = ms if self._plain_ms is None else self._plain_ms * min(1.05, max(0.95, ms / self._plain_ms))
             elif self.parked:
                 self._probe_ms = ms + self._catch_up_ms
+            self._after_probe = proposed > 0 and self.parked
         self._catch_up_ms = 0.0
         self._last_observed = now
         self.lengths[proposed] += 1
