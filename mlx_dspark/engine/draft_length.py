@@ -163,7 +163,8 @@ class AutoLength:
         curve = self.curve  # in plain steps
         predicted = curve.round_ms(self.probe_length) / max(curve.verify_ms[0], 1e-9)
         # what the last probe really took, its draft context's catch-up included (measured here: a probe
-        # after a long park took ~6 plain steps where the curve says 2.8), once plain steps were timed
+        # after a long park took 4-5 plain steps with the step after it, where the curve said 2.8), once
+        # plain steps were timed
         if self._probe_ms is None or self._plain_ms is None:
             return predicted
         return max(predicted, self._probe_ms / self._plain_ms)

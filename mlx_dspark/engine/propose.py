@@ -8,8 +8,8 @@ protocol.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import mlx.core as mx
