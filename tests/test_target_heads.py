@@ -95,3 +95,22 @@ def test_an_unexpected_load_failure_is_one_line_through_the_cli(pair):
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert [line for line in lines if line.startswith("error:")] == lines[-1:], run.stderr
     assert "AttributeError" in lines[-1] and "'weight'" in lines[-1], run.stderr
+
+
+def test_export_of_a_draft_without_its_copies_takes_them_from_an_mlx_lm_target(pair, tmp_path):
+    # our converter leaves the draft's embedding / head copies out: export takes them from the target,
+    # found on mlx-lm's class by identity (this crashed: it looked for our modules' `embed_name`)
+    from mlx_dspark.export.source import EMBED, HEAD, read_draft_for_export
+
+    family, target, _ = pair
+    draft = write_tiny_draft(tmp_path / "bare", target_path=target, layer_family="qwen3", seed=0, include_shared=False)
+    config_file = draft / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(rope_theta=10000.0, rope_parameters=None, rope_scaling=None)
+    config.pop("final_logit_softcapping", None)
+    config_file.write_text(json.dumps(config))
+    exported = read_draft_for_export(draft, target=target)
+    loaded = mlx_dspark.load(str(target))
+    embedding = loaded.target.embedding.weight
+    assert mx.array_equal(exported.shared[EMBED], embedding)
+    assert mx.array_equal(exported.shared[HEAD], target_head(loaded.target).weight)

@@ -73,10 +73,16 @@ def _shared_copies(stored: dict[str, mx.array]) -> dict[str, mx.array]:
 def _target_copies(target: nn.Module) -> dict[str, mx.array]:
     """The target's embedding and LM head (the embedding again when tied), dequantized if need be."""
     params, _ = float_parameters(target)
-    embed = params[f"model.{target.embed_name}.weight"]
+    # found by identity, not by name: our modules and mlx-lm's classes (any wrapper) name them differently
+    names = {id(module): name for name, module in target.named_modules()}
+
+    def weight(module: nn.Module) -> mx.array:
+        name = names[id(module)]
+        return params[f"{name}.weight" if name else "weight"]
+
+    embed = weight(target.embedding)
     head_module = target_head(target)
-    head = embed if head_module is target.embedding else next(v for k, v in params.items() if k.endswith("lm_head.weight"))
-    return {EMBED: embed, HEAD: head}
+    return {EMBED: embed, HEAD: embed if head_module is target.embedding else weight(head_module)}
 
 
 def read_draft_for_export(
