@@ -348,6 +348,8 @@ def _commit(plan: _Plan) -> None:
     if row.proposer is not None:
         if plan.source == "draft":  # as decode.py: lookup / forced blocks say nothing of the draft
             row.length.observe(proposed=num_draft, accepted=accepted)
+        else:  # as decode.py: the row's next draft round is timed from here
+            getattr(row.length, "restart_clock", lambda: None)()
         row.proposer.extend(plan.features[:, : accepted + 1])
     if row.proposer is not None or row.chooser is not None:
         row.proposed += num_draft
