@@ -8,7 +8,8 @@ from typing import Any, Iterable, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.decode import plain_steps
-from mlx_dspark.models import qwen3, spark2_5
+from mlx_dspark.models import target_model_class
+from mlx_dspark.models.mlx_lm_target import from_config as target_from_config, probe_target
 from mlx_dspark.engine.propose import Proposal
 from mlx_dspark.engine.sample import Sampler
 
@@ -57,19 +58,17 @@ def qwen3_config(*, vocab_size: int = 96, tie: bool = False, layers: int = 4) ->
 
 
 def make_target(family: str, *, seed: int = 0, embedding_scale: float = 0.03, **config_overrides):
-    """A random float32 target of the family; embeddings scaled so logits are not flat."""
+    """A random float32 target of the family (mlx-lm's class, as `load` builds it); embeddings scaled so
+    logits are not flat."""
     mx.random.seed(seed)
-    if family == "spark2_5":
-        module, config = spark2_5, spark_config(**config_overrides)
-    else:
-        module, config = qwen3, qwen3_config(**config_overrides)
-    model = module.Model(module.ModelArgs.from_dict(config))
+    config = spark_config(**config_overrides) if family == "spark2_5" else qwen3_config(**config_overrides)
+    model = target_from_config(config, model_class=target_model_class(config))
     if model.args.tie_word_embeddings:
         # With MLX's N(0, 1) embedding the residual stream is dominated by the input token and a tied
         # head just repeats it; a smaller embedding gives varied continuations (stronger tests).
-        embedding = model.model.embedding if family == "spark2_5" else model.model.embed_tokens
-        embedding.weight = embedding.weight * embedding_scale
+        model.embedding.weight = model.embedding.weight * embedding_scale
     mx.eval(model.parameters())
+    probe_target(model)
     return model
 
 
@@ -126,7 +125,7 @@ def make_draft(
     from mlx_dspark.models.dflash2 import draft_class
     from mlx_dspark.models.dspark import DraftArgs
 
-    family = "spark2_5" if isinstance(target, spark2_5.Model) else "qwen3"
+    family = "spark2_5" if target.args.model_type == "spark2_5" else "qwen3"
     config = spark_config() if family == "spark2_5" else qwen3_config()
     config.update(
         vocab_size=target.args.vocab_size,

@@ -15,7 +15,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.cache import QuantizedKVCache as MlxLmQuantizedKVCache
 from typer.testing import CliRunner
 
@@ -24,7 +24,7 @@ from mlx_dspark.cli.generate import app as generate_app
 from mlx_dspark.loading.convert import convert
 from mlx_dspark.loading.load import load
 from mlx_dspark.loading.precision import DRAFT_SOURCE_PRECISION
-from mlx_dspark.models.cache import SlidingKVCache, trim_caches
+from mlx_dspark.models.cache import trim_caches
 
 PROMPT = [5, 17, 42, 99, 300, 7, 11, 200, 3, 64, 128, 250]
 
@@ -104,7 +104,7 @@ def test_kv_bits_quantizes_the_full_attention_caches_and_stays_lossless(tiny_spa
     pair = load(target, draft, kv_bits=bits)
     caches = pair.target.make_cache()
     kinds = {layer_type: type(c) for layer_type, c in zip(pair.target.layer_types, caches)}
-    assert kinds["sliding_attention"] is SlidingKVCache and issubclass(kinds["full_attention"], MlxLmQuantizedKVCache)
+    assert kinds["sliding_attention"] is RotatingKVCache and issubclass(kinds["full_attention"], MlxLmQuantizedKVCache)
     assert all(c.bits == bits for c in caches if isinstance(c, MlxLmQuantizedKVCache))
     spec = _greedy(pair, max_tokens=40)
     assert spec == _greedy(pair, speculative=False, max_tokens=40)  # the same (quantized-cache) target

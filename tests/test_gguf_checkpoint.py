@@ -15,7 +15,8 @@ from gguf.quants import dequantize
 
 from mlx_dspark.loading.checkpoint import resolve_path
 from mlx_dspark.loading.gguf_checkpoint import read_gguf
-from mlx_dspark.models import target_module
+from mlx_dspark.models import target_model_class
+from mlx_dspark.models.mlx_lm_target import from_config as target_from_config, mlx_lm_classes
 from mlx_dspark.models.dspark import DraftArgs
 from mlx_dspark.models.dspark_args import layer_family
 from mlx_dspark.testing.gguf_writer import write_gguf_draft, write_gguf_target
@@ -73,8 +74,8 @@ def test_target_gguf_f32_has_the_safetensors_weights_bitwise_and_the_config(fami
     assert all(_bits_equal(ck.weights[k], v) for k, v in expected.items())
     fields = TARGET_FIELDS + (SPARK_FIELDS if family == "spark2_5" else QWEN3_FIELDS)
     _check_config(ck.config, _config(source), fields)
-    module = target_module(ck.config)
-    module.ModelArgs.from_dict(ck.config, source=str(ck.path))
+    target_from_config(ck.config, source=str(ck.path))  # mlx-lm's class takes the config as it is
+    assert mlx_lm_classes(ck.config)[0].__module__ == f"mlx_lm.models.{family}"
     assert "quantization" not in ck.config and ck.role == "target" and ck.origin["model.norm.weight"] == ck.path
 
 
@@ -125,8 +126,7 @@ def test_q8_0_q4_0_q4_1_stay_quantized_with_exactly_ggufs_values(tiny_qwen3_targ
     # the stored quantization loads into a model as mlx-lm's would
     from mlx_dspark.loading.weights import apply_stored_quantization
 
-    module = target_module(ck.config)
-    model = module.Model(module.ModelArgs.from_dict(ck.config))
+    model = target_from_config(ck.config, model_class=target_model_class(ck.config))
     apply_stored_quantization(model, ck.config, ck.weights, source=ck.path)
     model.load_weights(list(ck.weights.items()), strict=True)
 

@@ -20,7 +20,7 @@ from mlx_dspark.engine.choose import Chooser, RoundCost, expected_tokens
 from mlx_dspark.engine.constraints import Constraint, ToolCallShape
 from mlx_dspark.engine.decode import speculative_steps
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.lookup import ContextIndex, LookupProposer
+from mlx_dspark.engine.lookup import LOOKUP_MAX_TOKENS, ContextIndex, LookupProposer
 from mlx_dspark.engine.mask_choice import MaskChoice
 from mlx_dspark.engine.sample import Sampler
 from tests.engine_helpers import greedy_reference, make_target, sampled_prefix
@@ -89,22 +89,20 @@ def test_lookup_alone_saves_target_forwards_on_a_looping_target():
     prompt = [5, 17, 33, 5, 17, 60, 2, 9, 5, 17]
     reference = greedy_reference(target, prompt, 64)
     long_blocks = 0
-    for proposer, rollback in ((Chooser(draft=None, index=ContextIndex(prompt)), None),
-                               (Chooser(draft=None, index=ContextIndex(prompt)), 32),
-                               (LookupProposer(prompt, max_tokens=8), None)):
+    for proposer in (Chooser(draft=None, index=ContextIndex(prompt)), LookupProposer(prompt, max_tokens=LOOKUP_MAX_TOKENS)):
         tokens, rounds = [], 0
-        # max_rollback 32: blocks longer than 8 on a target with sliding-window layers, rolled back past 8
-        cache = PromptCache(target, max_snapshots=0, max_rollback=rollback)
+        # the target's rotating windows roll back any verify exactly: blocks longer than a window's 8 spare rows
+        cache = PromptCache(target, max_snapshots=0, max_rollback=LOOKUP_MAX_TOKENS)
         for step in speculative_steps(target, proposer, prompt, sampler=Sampler(), max_tokens=64, prompt_cache=cache):
             tokens.extend(step.tokens)
             rounds += step.verified
-            assert step.proposed <= (rollback or 8)
+            assert step.proposed <= LOOKUP_MAX_TOKENS
             long_blocks += step.proposed > 8
             if len(tokens) >= 64:
                 break
         assert tokens[:64] == reference
         assert rounds < 40, rounds  # lookup verified runs of the loop: fewer forwards than tokens
-    assert long_blocks > 0  # with caches that roll back 32, blocks longer than 8 were verified (and trimmed)
+    assert long_blocks > 0  # blocks longer than 8 were verified (and rolled back where rejected)
 
 
 def test_greedy_lookup_with_penalties_and_logprobs_equals_plain(model):

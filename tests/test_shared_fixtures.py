@@ -5,6 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models import qwen3 as mlx_lm_qwen3
+from mlx_lm.models import spark2_5 as mlx_lm_spark2_5
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file
 
@@ -30,7 +32,7 @@ def _params(model) -> dict[str, np.ndarray]:
 def test_spark_tiny_target_loads_with_its_tokenizer(shared_fixtures):
     path = shared_fixtures / "spark-tiny" / "target"
     loaded = load(path)
-    assert type(loaded.target).__module__ == "mlx_dspark.models.spark2_5"
+    assert isinstance(loaded.target, mlx_lm_spark2_5.Model)  # mlx-lm's class
     logits = _logits(loaded.target)
     assert logits.shape == (1, PROMPT.shape[1], 272) and np.isfinite(logits).all()
     assert loaded.tokenizer.eos_token_ids == {1}
@@ -43,7 +45,7 @@ def test_spark_tiny_target_loads_with_its_tokenizer(shared_fixtures):
 
 def test_deepspec_tiny_target_loads_with_generation_config_eos_ids(shared_fixtures):
     loaded = load(shared_fixtures / "deepspec-tiny" / "target")
-    assert type(loaded.target).__module__ == "mlx_dspark.models.qwen3"
+    assert isinstance(loaded.target, mlx_lm_qwen3.Model)
     assert loaded.tokenizer.eos_token_ids == {258, 256}
     assert np.isfinite(_logits(loaded.target)).all()
 

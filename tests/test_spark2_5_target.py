@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_dspark.models import base, spark2_5
+from mlx_dspark.models import base, target_model_class
+from mlx_dspark.models.mlx_lm_target import from_config, probe_target
 from tests import spark_reference
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -46,9 +47,14 @@ def tiny_config(**overrides) -> dict:
     return config
 
 
-def random_model(config: dict, *, seed: int = 0) -> tuple[spark2_5.Model, dict[str, np.ndarray]]:
+def build(config: dict):
+    """The target as `load` builds it: mlx-lm's spark2_5 class (ours over it: models/mlx_lm_spark2_5.py)."""
+    return from_config(config, model_class=target_model_class(config))
+
+
+def random_model(config: dict, *, seed: int = 0):
     """A float32 model with random weights (norm weights around 1), and the same weights as numpy."""
-    model = spark2_5.Model(spark2_5.ModelArgs.from_dict(config))
+    model = build(config)
     rng = np.random.default_rng(seed)
     weights = {}
     for name, param in tree_flatten(model.parameters()):
@@ -62,6 +68,7 @@ def random_model(config: dict, *, seed: int = 0) -> tuple[spark2_5.Model, dict[s
         weights[name] = value.astype(np.float32)
     model.update(tree_unflatten([(k, mx.array(v)) for k, v in weights.items()]))
     mx.eval(model.parameters())
+    probe_target(model)
     return model, weights
 
 
@@ -98,30 +105,6 @@ def test_rope_matches_rotate_half_formula_on_first_r_dims(head_dim, factor, thet
 def test_gelu_is_the_exact_erf_form():
     x = np.linspace(-6, 6, 101)
     np.testing.assert_allclose(np.array(base.gelu(mx.array(x, dtype=mx.float32))), spark_reference.gelu(x), atol=1e-6)
-
-
-@pytest.mark.parametrize("q_start,L,K,window", [(0, 5, 5, None), (10, 3, 13, None), (10, 3, 7, 4), (20, 1, 9, 4), (0, 6, 6, 2)])
-def test_attention_mask_follows_the_position_rule(q_start, L, K, window):
-    mask = base.attention_mask(q_start, L, K, window=window)
-    want = np.array(
-        [[spark_reference.visible(q_start + i, q_start + L - K + j, window) for j in range(K)] for i in range(L)]
-    )
-    if mask is None:
-        assert want.all()
-    elif isinstance(mask, str):
-        assert mask == "causal"  # bottom-right aligned: query i sees keys up to K - L + i
-        np.testing.assert_array_equal(np.tril(np.ones((L, K), bool), K - L), want)
-    else:
-        np.testing.assert_array_equal(np.array(mask), want)
-
-
-def test_attention_mask_is_none_when_nothing_is_masked():
-    assert base.attention_mask(7, 1, 8, window=None) is None
-    assert base.attention_mask(7, 1, 4, window=4) is None
-    assert base.attention_mask(7, 1, 5, window=4) is not None
-    assert base.attention_mask(7, 3, 10, window=None) == "causal"
-    assert base.attention_mask(7, 3, 4, window=4) == "causal"
-    assert isinstance(base.attention_mask(7, 3, 6, window=4), mx.array)
 
 
 # --- the model against the NumPy reference ---
@@ -170,7 +153,7 @@ def test_tapped_features_are_the_layer_outputs_in_the_order_given():
     assert model(ids)[1] is None
 
 
-@pytest.mark.parametrize("bad", [-2, 3, 10])
+@pytest.mark.parametrize("bad", [-3, 4, 10])
 def test_tap_ids_out_of_range_are_refused(bad):
     model, _ = random_model(tiny_config())
     with pytest.raises(ValueError, match="tap ids"):
@@ -212,36 +195,36 @@ def test_sanitize_drops_tied_head_and_rotary_buffers():
     assert set(model.sanitize(extra)) == set(weights)
 
 
-def test_make_cache_gives_sliding_caches_to_sliding_layers():
+def test_make_cache_gives_rotating_windows_to_sliding_layers():
     model, _ = random_model(tiny_config())
     kinds = [type(c).__name__ for c in model.make_cache()]
-    assert kinds == ["SlidingKVCache", "KVCache", "SlidingKVCache", "KVCache"]
+    assert kinds == ["RotatingKVCache", "KVCache", "RotatingKVCache", "KVCache"]
     assert model.layer_types == tiny_config()["layer_types"]
 
 
 @pytest.mark.parametrize(
-    "overrides,field",
+    "overrides,message",
     [
-        ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]}, "layer_types"),
-        ({"layer_types": ["full_attention"] * 3}, "layer_types"),
-        ({"rope_parameters": {"full_attention": {"rope_theta": 1e6}}}, "rope_parameters"),
-        ({"gate_attn_act_mode": "silu"}, "gate_attn_act_mode"),
-        ({"hidden_act": "silu"}, "hidden_act"),
+        ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]}, "Unsupported layer types"),
+        ({"layer_types": ["full_attention"] * 3}, "layer_types length"),
+        ({"rope_parameters": {"full_attention": {"rope_theta": 1e6}}}, "Missing RoPE parameters"),
+        ({"gate_attn_act_mode": "silu"}, "sigmoid attention gates"),
+        ({"hidden_act": "silu"}, "GELU"),
         ({"rope_parameters": {"sliding_attention": {"rope_theta": 1e4, "rope_type": "yarn"}, "full_attention": {"rope_theta": 1e6}}}, "rope_parameters.sliding_attention"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
-        ({"rope_parameters": {"sliding_attention": {"rope_theta": 1e4, "partial_rotary_factor": 0.3}, "full_attention": {"rope_theta": 1e6}}}, "partial_rotary_factor"),
+        ({"rope_parameters": {"sliding_attention": {"rope_theta": 1e4, "partial_rotary_factor": 0.3}, "full_attention": {"rope_theta": 1e6}}}, "rotary dimension"),
     ],
 )
-def test_bad_config_is_refused_naming_the_field(overrides, field):
-    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        spark2_5.ModelArgs.from_dict(tiny_config(**overrides))
+def test_bad_config_is_refused_naming_the_file_and_the_problem(overrides, message):
+    with pytest.raises(ValueError, match=r"^cfg\.json: .*" + message.replace(".", r"\.")):
+        from_config(tiny_config(**overrides), source="cfg.json", model_class=target_model_class(tiny_config()))
 
 
 def test_missing_field_is_refused_naming_it():
     config = tiny_config()
     del config["head_dim"]
     with pytest.raises(ValueError, match="head_dim"):
-        spark2_5.ModelArgs.from_dict(config)
+        build(config)
 
 
 def test_shared_fixture_matches_numpy_reference():
@@ -249,7 +232,7 @@ def test_shared_fixture_matches_numpy_reference():
     if not target.is_dir():
         pytest.skip(f"shared fixture {target} is absent")
     config = json.loads((target / "config.json").read_text())
-    model = spark2_5.Model(spark2_5.ModelArgs.from_dict(config))
+    model = build(config)
     weights = model.sanitize(mx.load(str(target / "model.safetensors")))
     model.load_weights(list(weights.items()), strict=True)
     ids = random_ids(24, config["vocab_size"])

@@ -10,14 +10,14 @@ always prefilled, because the first generated token needs its logits.
 
 Rewinding is exact, never approximate, and picks the first of:
 1. the live caches, trimmed to the common prefix: always possible for full-attention layers
-   (mlx-lm's `KVCache` and the draft's full context trim any amount); sliding layers only while the
-   rolled-back span is within what they still keep (`trimmable()`: about 8 target positions); a
-   hybrid's caches (`models/rollback.RollbackCaches`: recurrent states, rotating windows) only within
-   their latest recorded forward (a verify);
+   (mlx-lm's `KVCache` and the draft's full context trim any amount); the draft's windowed layers only
+   while the rolled-back span is within what they still keep (`trimmable()`); the target's other caches
+   (`models/rollback.RollbackCaches`: rotating windows, recurrent states) only within their latest
+   recorded forward (a verify);
 2. the newest snapshot at or before the common prefix: a snapshot copies, at one position, only what
-   cannot be trimmed back to, i.e. the last `window - 1` keys/values of every sliding target layer
-   and of every windowed draft layer, and a hybrid's recurrent / rotating layer states (`LayerState`)
-   (full layers are trimmed to its position instead). Snapshots are
+   cannot be trimmed back to, i.e. the target's rotating-window and recurrent layer states
+   (`LayerState`) and the last `window - 1` keys/values of every windowed draft layer (full layers are
+   trimmed to its position instead). Snapshots are
    taken during the prefill at `len(prompt) - 1` (so re-sending a prompt, or a next turn that extends
    it, resumes there) and at `len(prompt) - 1 - snapshot_margin` (for chat templates that re-render
    the generation prompt differently in the history); the newest `max_snapshots` are kept, which
@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.models.cache import SlidingKVCache, trim_caches
+from mlx_dspark.models.cache import trim_caches
 from mlx_dspark.models.rollback import TRIM, LayerState, RollbackCaches, layer_state, restore_layer
 from mlx_dspark.engine.propose import Proposer
 
@@ -213,10 +213,7 @@ class PromptCache:
         snap = Snapshot(position)
         kinds = getattr(self.target_cache, "kinds", None)  # a RollbackCaches: which layers cannot trim
         for i, cache in enumerate(self.target_cache):
-            if isinstance(cache, SlidingKVCache):
-                assert cache.offset == position
-                snap.target[i] = cache.snapshot()
-            elif kinds is not None and kinds[i] != TRIM:
+            if kinds is not None and kinds[i] != TRIM:
                 snap.target[i] = layer_state(cache, copy=True)  # rotating buffers are written in place later
         if self._speculative and self.draft_context is not None:
             snap.draft = {i: ctx.snapshot() for i, ctx in enumerate(self.draft_context) if ctx.keep is not None}
@@ -246,11 +243,10 @@ class PromptCache:
 
     def _live_reaches(self, position: int, *, speculative: bool) -> bool:
         n = len(self._tokens) - position
-        sliding = [c for c in self.target_cache if isinstance(c, SlidingKVCache)]
         draft = self.draft_context if speculative else []
         if isinstance(self.target_cache, RollbackCaches) and n > self.target_cache.trimmable():
             return False  # a hybrid's recurrent state rewinds only within the latest forward
-        return all(n <= c.trimmable() for c in sliding) and all(n <= c.trimmable() for c in draft or [])
+        return all(n <= c.trimmable() for c in draft or [])
 
     def _rewind(self, start: int, snapshot: Snapshot | None, *, speculative: bool) -> None:
         n = len(self._tokens) - start
@@ -258,10 +254,8 @@ class PromptCache:
             trim_caches(self.target_cache, n)
         else:
             for i, cache in enumerate(self.target_cache):
-                if isinstance(snapshot.target.get(i), LayerState):
+                if i in snapshot.target:
                     restore_layer(cache, snapshot.target[i], copy=True)  # the snapshot stays reusable
-                elif i in snapshot.target:
-                    cache.restore(snapshot.target[i])
                 else:
                     cache.trim(n)  # a full layer: any amount
             if isinstance(self.target_cache, RollbackCaches):

@@ -31,7 +31,7 @@ from mlx_dspark.loading.checkpoint import (
     resolve_path,
     weight_files,
 )
-from mlx_dspark.models import runs_on_mlx_lm, target_module
+from mlx_dspark.models import target_model_class
 from mlx_dspark.models.mlx_lm_target import from_config as mlx_lm_target_from_config
 from mlx_dspark.models.dflash2 import draft_class
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
@@ -59,10 +59,7 @@ def _skeleton(config: dict, files: list[Path], *, src: Path) -> tuple[nn.Module,
         config = with_tensor_fields(config, shapes)
         args = DraftArgs.from_dict(config, family=family, source=source)
         return draft_class(args)(args), "draft"
-    if runs_on_mlx_lm(config):
-        return mlx_lm_target_from_config(config, source=source), "target"
-    module = target_module(config, source=source)
-    return module.Model(module.ModelArgs.from_dict(config, source=source)), "target"
+    return mlx_lm_target_from_config(config, source=source, model_class=target_model_class(config)), "target"
 
 
 def convert(

@@ -20,8 +20,8 @@ import mlx.nn as nn
 
 from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint, resolve_path
 from mlx_dspark.models.finite import check_finite_weights
-from mlx_dspark.models import runs_on_mlx_lm, target_module
-from mlx_dspark.models.mlx_lm_target import from_config as mlx_lm_target_from_config, is_mlx_lm_target, probe_target
+from mlx_dspark.models import target_model_class
+from mlx_dspark.models.mlx_lm_target import check_quantized_caches, from_config as mlx_lm_target_from_config, probe_target
 from mlx_dspark.models.dflash2 import draft_class
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
@@ -36,7 +36,7 @@ from mlx_dspark.loading.precision import (
 )
 from mlx_dspark.loading.rank_vocab import find_rank_file, read_ranked_ids
 from mlx_dspark.loading.tokenizer import load_tokenizer
-from mlx_dspark.models.cache import check_kv_bits, kv_group_size
+from mlx_dspark.models.cache import check_kv_bits
 from mlx_dspark.models.draft_vocab import DraftVocabulary
 from mlx_dspark.loading.weights import fill_model
 
@@ -59,11 +59,7 @@ def build_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) ->
     config, source = checkpoint.config, checkpoint.config_source
     if is_draft_config(config):
         raise ValueError(f"{source}: this is a DSpark draft (it has target_layer_ids); pass it as draft=, with its target")
-    if runs_on_mlx_lm(config):  # any other architecture: mlx-lm's own model of its model_type
-        model = mlx_lm_target_from_config(config, source=source)
-    else:
-        module = target_module(config, source=source)
-        model = module.Model(module.ModelArgs.from_dict(config, source=source))
+    model = mlx_lm_target_from_config(config, source=source, model_class=target_model_class(config))
     return fill_model(
         model, config, dict(checkpoint.weights), checkpoint.origin,
         source=str(checkpoint.path), what="target", dtype=checkpoint.default_dtype if dtype is None else dtype, config_name=Path(source).name,
@@ -187,11 +183,6 @@ def load(
         raise ValueError("draft_vocab_file needs draft_vocab (K, the number of ranked tokens the draft scores)")
     target_path = resolve_path(target, role="target")
     target_checkpoint = read_checkpoint(target_path, role="target")
-    if kv_bits is not None and runs_on_mlx_lm(target_checkpoint.config):
-        raise ValueError(
-            f"{target_checkpoint.config_source}: kv_bits applies to our own spark2_5 / qwen3 targets; model_type "
-            f"{target_checkpoint.config.get('model_type')!r} runs on mlx-lm's own model and caches (load it without kv_bits)"
-        )
     target_model = build_target(target_checkpoint, dtype=mx_dtype)
     mtp_model = build_mtp(target_checkpoint, dtype=draft_mx_dtype) if use_mtp else None
     check_finite_weights(target_model, what=f"target ({target_path})")
@@ -216,18 +207,16 @@ def load(
         own_rows = check_shared_tensors(shared, target_model, draft_source=str(draft_path), storage=draft_checkpoint.storage)
         if own_rows:
             draft_model.set_embedding_rows(list(own_rows), mx.stack(list(own_rows.values())))
-    target_config = target_checkpoint.config
+    target_config, target_source = target_checkpoint.config, target_checkpoint.config_source
     del target_checkpoint  # the raw (uncast, unsanitized) weights are no longer needed
 
     if quantize is not None:
         nn.quantize(target_model, q_group_size, quantize, class_predicate=quant_predicate(target_model, group_size=q_group_size))
     target_model.eval()
     mx.eval(target_model.parameters())
-    if is_mlx_lm_target(target_model):
-        probe_target(target_model)  # our forward must give mlx-lm's own logits, or the target is refused
+    probe_target(target_model)  # our forward must give mlx-lm's own logits, or the target is refused
     if kv_bits is not None:
-        kv_group_size(target_model.args.head_dim)  # a head_dim the caches cannot group is refused here, not mid-prefill
-        target_model.kv_bits = kv_bits  # read by make_cache: the full-attention layers' caches
+        check_quantized_caches(target_model, kv_bits, source=target_source)
     if mtp_model is not None:
         check_finite_weights(mtp_model, what=f"MTP layers ({target_path})")
         bits = quantize if draft_quantize is None else draft_quantize

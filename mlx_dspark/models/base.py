@@ -1,10 +1,5 @@
-"""Model pieces shared by the targets and the draft: masks, partial-rotary RoPE, GELU, tap checks,
-the attention call both families share.
-
-Position convention (ARCHITECTURE.md, "Caches"): an attention call has `L` queries at positions
-`q_start .. q_start + L - 1` and `K` keys at positions `q_start + L - K .. q_start + L - 1` (the keys
-always end with the queries' own positions, as mlx-lm's `KVCache` and our `SlidingKVCache` return them).
-"""
+"""Model pieces shared by the draft layer families and the target adapter: partial-rotary RoPE, GELU,
+tap checks, the draft attention's call over given context K/V."""
 
 from __future__ import annotations
 
@@ -14,36 +9,9 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import scaled_dot_product_attention
 
 # Exact (erf) GELU, as the reference's `ACT2FN["gelu"]`; never the tanh approximation.
 gelu = nn.gelu
-
-
-def attention_mask(
-    q_start: int, num_queries: int, num_keys: int, *, window: Optional[int] = None
-) -> Optional[mx.array | str]:
-    """Mask for `mx.fast.scaled_dot_product_attention`: None when nothing is masked, "causal" when only
-    causality masks (sdpa aligns it to the last key, and can skip building a boolean array), else a
-    boolean (L, K) array.
-
-    Key `j` sits at position `q_start + L - K + j`. Query `q` sees key `k` iff `k <= q` and, with a
-    window, `q - window < k` (the window counts the query itself).
-    """
-    L, K = num_queries, num_keys
-    if K < L:
-        raise ValueError(f"attention_mask: {K} keys cannot cover {L} queries (keys end with the queries' positions)")
-    # The window cuts nothing iff the last query sees the first key (K <= window); then only
-    # causality masks: nothing for one query, sdpa's "causal" for several.
-    window_cuts = window is not None and K > window
-    if not window_cuts:
-        return None if L == 1 else "causal"
-    q_pos = mx.arange(q_start, q_start + L)[:, None]
-    k_pos = mx.arange(q_start + L - K, q_start + L)[None]
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask = mask & (k_pos > q_pos - window)
-    return mask
 
 
 def rotary_dims(head_dim: int, partial_rotary_factor: float, *, source: str = "config.json") -> int:
@@ -124,9 +92,9 @@ def check_rope_default(params: Optional[dict], *, field: str, source: str = "con
 
 
 class FamilyAttention(nn.Module):
-    """What both families' attention share: the target's cached causal call and the draft's call over
-    given context K/V. A family supplies `project` (queries, keys, values with RoPE from `offset`,
-    each (B, heads, L, head_dim)) and `output` (attention result (B, H, L, D) -> hidden)."""
+    """What the draft layer families' attention share: the call over given context K/V. A family supplies
+    `project` (queries, keys, values with RoPE from `offset`, each (B, heads, L, head_dim)) and `output`
+    (attention result (B, H, L, D) -> hidden)."""
 
     def __init__(self, args: Any, layer_type: str):
         # args: the family's ModelArgs (head counts, head_dim, `layer_window`, `rope` per layer type)
@@ -146,25 +114,6 @@ class FamilyAttention(nn.Module):
         """Keys (RoPE from `offset`) and values of rows x (B, n, hidden) -> (B, kv_heads, n, head_dim)."""
         _, keys, values = self.project(x, offset)
         return keys, values
-
-    def __call__(self, x: mx.array, cache: Optional[Any] = None) -> mx.array:
-        offset = 0 if cache is None else cache.offset  # a packed forward's cache gives one position per row
-        queries, keys, values = self.project(x, offset)
-        if getattr(cache, "packed", False):  # rows of several sequences side by side (models/packed.py)
-            return self.output(cache.attend(self, queries, keys, values), x)
-        return self.output(self.cached_attention(queries, keys, values, cache, offset), x)
-
-    def cached_attention(
-        self, queries: mx.array, keys: mx.array, values: mx.array, cache: Optional[Any], offset: int
-    ) -> mx.array:
-        """Attention of L queries at `offset ..` (B, H, L, D) over the cache's keys and their own -> (B, H, L, D)."""
-        L = queries.shape[2]
-        if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)  # (B, Hkv, K, D)
-        num_keys = (keys[0] if isinstance(keys, tuple) else keys).shape[2]  # a quantized cache returns (w, scales, biases)
-        mask = attention_mask(offset, L, num_keys, window=self.window)
-        # mlx-lm's call: the fast kernel, or its quantized-KV attention for a QuantizedKVCache
-        return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
 
     def attend(
         self,

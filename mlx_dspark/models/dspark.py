@@ -128,8 +128,7 @@ class DSparkDraft(nn.Module):
 
     def quant_predicate(self, path: str, module: nn.Module) -> bool:
         """The layer family's choice of what stays in source precision when quantizing (as its target's)."""
-        model = getattr(family_module(self.args.family), "Model", None)  # a draft-only family keeps nothing back
-        keep = getattr(model, "keep_in_source_precision", ())
+        keep = getattr(family_module(self.args.family), "KEEP_IN_SOURCE_PRECISION", ())
         return not (keep and path.endswith(keep))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

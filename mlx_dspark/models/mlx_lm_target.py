@@ -33,11 +33,14 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_dspark.models.base import FINAL_TAP, check_tap_ids, gather_taps
+from mlx_dspark.models.cache import QuantizedKVCache, kv_group_size
 from mlx_dspark.models.rollback import RollbackCaches, recording
 
+# Config fields that would change a model's forward where mlx-lm's class ignores them: refused, never run wrong.
+UNRUN_FIELDS = {"qwen3": {"use_sliding_window": "mlx-lm's qwen3 model has no sliding-window layers"}}
 # Names of our contract that an mlx-lm model must not already use for something of its own.
 CONTRACT_NAMES = ("embed", "lm_head_logits", "model_head_logits", "head_is_models_own", "embedding", "output_head", "layer_types", "kv_bits", "mlx_lm_model_type")
 
@@ -113,7 +116,7 @@ def _record_through(module: nn.Module, call, capture: Capture, subclasses: dict[
 class MLXLMTarget:
     """Mixin put before an mlx-lm `Model` class by `target_class`; see the module docstring."""
 
-    kv_bits: Optional[int] = None  # load(kv_bits=) is refused for these targets (mlx-lm's caches)
+    kv_bits: Optional[int] = None  # load(kv_bits=): mlx-lm's full KV caches become its QuantizedKVCache
 
     def __init__(self, args: Any):
         super().__init__(args)
@@ -171,8 +174,11 @@ class MLXLMTarget:
         `RollbackCaches`: every forward through it is recorded, so that `trim_caches` rolls back any kind
         exactly (recurrent states, rotating windows). A verify is at most `max_record` (64) positions wide."""
         own = getattr(super(), "make_cache", None)
-        return RollbackCaches(own() if own is not None else make_prompt_cache(SimpleNamespace(layers=self.layers)))
-
+        caches = own() if own is not None else make_prompt_cache(SimpleNamespace(layers=self.layers))
+        if self.kv_bits is not None:  # full-attention layers only: rotating windows and states stay in float
+            group = kv_group_size(_head_dim(self.args))
+            caches = [QuantizedKVCache(group_size=group, bits=self.kv_bits) if type(c) is KVCache else c for c in caches]
+        return RollbackCaches(caches)
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         own = getattr(super(), "sanitize", None)
         weights = own(weights) if own is not None else weights
@@ -229,7 +235,18 @@ class MLXLMTarget:
             capture.start("off")
         if not tap_ids:
             return logits, None
-        return logits, gather_taps(taps, tap_ids, taps[tap_ids[0]].dtype)
+        return logits, gather_taps(taps, tap_ids, feature_dtype(self, taps[tap_ids[0]]))
+
+
+def feature_dtype(model: Any, first_tap: mx.array) -> mx.Dtype:
+    """The dtype the draft gets the tapped features in: the layers' own, unless the class says otherwise
+    (spark2_5's float32 residual is handed over in the compute dtype, as the reference does)."""
+    return getattr(model, "feature_dtype", None) or first_tap.dtype
+
+
+def _head_dim(args: Any) -> int:
+    """The attention heads' width (what a quantized KV cache groups)."""
+    return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
 
 
 def _lists(value: Any, layer: nn.Module) -> bool:
@@ -292,8 +309,19 @@ def from_config(config: dict, *, source: str = "config.json", model_class: Optio
     clashes = [n for n in CONTRACT_NAMES if hasattr(model_class, n)]
     if clashes:
         raise ValueError(f"{source}: model_type {config['model_type']!r}: mlx-lm's model already defines {clashes}, names the target contract uses")
+    model_type = config["model_type"]
+    check_config = getattr(model_class, "check_config", None)  # a class of ours may refuse what it cannot run
+    if check_config is not None:
+        check_config(config, source=source)
+    for name, why in UNRUN_FIELDS.get(model_type, {}).items():
+        if config.get(name):
+            raise ValueError(f"{source}: {name} {config[name]!r}: {why}; such a {model_type} target is not supported")
     try:
-        model = target_class(model_class)(args_class.from_dict(config))
+        args = args_class.from_dict(config)
+    except (ValueError, TypeError) as e:  # mlx-lm's own checks of its ModelArgs
+        raise ValueError(f"{source}: {e}") from None
+    try:
+        model = target_class(model_class)(args)
     except AttributeError as e:  # its __init__ assigns a name our contract defines as a property
         raise ValueError(f"{source}: model_type {config['model_type']!r}: mlx-lm's model does not fit the target contract: {e}") from None
     clashes = [n for n in CONTRACT_NAMES if n in model]
@@ -373,3 +401,25 @@ def _probe_problems(model: MLXLMTarget, ids: mx.array, reference: mx.array) -> l
 
 def _same(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def check_quantized_caches(model: MLXLMTarget, bits: int, *, source: str) -> None:
+    """Give the target `bits`-bit full-attention KV caches (load(kv_bits=)), after checking on a two-token
+    forward that its attention runs on mlx-lm's quantized cache; ValueError naming the model_type otherwise."""
+    try:
+        kv_group_size(_head_dim(model.args))
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    model.kv_bits = bits
+    caches = model.make_cache()
+    problem = None
+    if not any(isinstance(c, QuantizedKVCache) for c in caches):
+        problem = "it has no full-attention KV cache to quantize"
+    else:
+        try:
+            mx.eval(model(mx.array([[1, 2]], dtype=mx.int32), cache=caches)[0])
+        except (ValueError, RuntimeError, TypeError, AttributeError, NotImplementedError) as e:
+            problem = f"its attention does not run on mlx-lm's quantized KV cache ({type(e).__name__}: {e})"
+    if problem is not None:
+        model.kv_bits = None
+        raise ValueError(f"{source}: kv_bits: model_type {model.mlx_lm_model_type!r}: {problem}; load it without kv_bits")

@@ -5,7 +5,7 @@ prefill chunk) differ in length and in position, and each request rolls back on 
 padding them into a (B, L) batch with one shared cache, the rows are packed side by side as a
 (T, 1, hidden) batch of single-row sequences: the matmuls (projections, MLP, heads) see T rows at once,
 RoPE takes one position per row (`mx.fast.rope` with an array offset), and only the attention splits the
-rows again, per sequence, over that sequence's own caches (`KVCache`, `SlidingKVCache`, quantized): the
+rows again, per sequence, over that sequence's own caches (`KVCache`, `RotatingKVCache`, quantized): the
 same call as a forward of that sequence alone. Nothing is padded, rollback stays `trim_caches` on each
 sequence's cache list, and on a BLAS whose matmul rows do not depend on the other rows (the bundled
 one) every row is bitwise the row of its sequence's own forward.
@@ -22,7 +22,6 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 
 from mlx_dspark.models import packed_mlx_lm
-from mlx_dspark.models.base import gather_taps
 from mlx_dspark.models.mlx_lm_target import is_mlx_lm_target
 from mlx_dspark.models.dspark import block_mask
 
@@ -32,47 +31,18 @@ def positions(offsets: Sequence[int], lengths: Sequence[int]) -> mx.array:
     return mx.array([o + j for o, n in zip(offsets, lengths) for j in range(n)], dtype=mx.int32)
 
 
-class PackedLayerCache:
-    """One target layer's view of a packed forward: the sequences' caches of that layer and their row counts.
-
-    `offset` is the position of every row (what the family's `project` hands RoPE); `attend` runs each
-    sequence's rows through its own cache, exactly as the layer does for that sequence alone.
-    """
-
-    packed = True
-
-    def __init__(self, caches: Sequence[Any], lengths: Sequence[int], offset: mx.array):
-        self.caches = list(caches)
-        self.lengths = list(lengths)
-        self.offset = offset  # (T,)
-
-    def attend(self, attention: Any, queries: mx.array, keys: mx.array, values: mx.array) -> mx.array:
-        """queries (T, H, 1, D), keys / values (T, Hkv, 1, D) -> attention output (T, H, 1, D)."""
-        outs, start = [], 0
-        for cache, n in zip(self.caches, self.lengths):
-            rows = slice(start, start + n)
-            q, k, v = (a[rows].transpose(2, 1, 0, 3) for a in (queries, keys, values))  # (1, heads, n, D)
-            out = attention.cached_attention(q, k, v, cache, cache.offset)
-            outs.append(out.transpose(2, 1, 0, 3))
-            start += n
-        return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
-
-
 PACKED_DRAFT_FAMILIES = ("qwen3", "spark2_5", "gemma4")  # the draft layer families packed_block_hidden runs
 
 
 def packing_problem(model: Any) -> Optional[str]:
-    """Why a loaded pair cannot run packed (continuous batching), or None: the packed forwards follow our
-    own target families' layer loop, mlx-lm's models where its load-time probe passes
-    (models/packed_mlx_lm.py) and the draft layer families (`DecoderLayer`), nothing else."""
-    from mlx_dspark.models.target import TargetModel
-
-    if is_mlx_lm_target(model.target):
-        problem = packed_mlx_lm.packing_problem(model.target)
-        if problem is not None:
-            return problem
-    elif not isinstance(model.target, TargetModel):
-        return f"the target ({type(model.target).__name__}) is neither one of our target families nor an mlx-lm model"
+    """Why a loaded pair cannot run packed (continuous batching), or None: the packed forwards follow
+    mlx-lm's models where its load-time probe passes (models/packed_mlx_lm.py) and the draft layer
+    families (`DecoderLayer`), nothing else."""
+    if not is_mlx_lm_target(model.target):
+        return f"the target ({type(model.target).__name__}) is not an mlx-lm model"
+    problem = packed_mlx_lm.packing_problem(model.target)
+    if problem is not None:
+        return problem
     draft = model.draft
     if draft is not None and getattr(draft.args, "dflash2", None) is not None:
         return "a DFlash2 draft's block forward (its convolutions and selector) is not packed yet"
@@ -95,31 +65,13 @@ def packed_target_forward(
     tokens: (T,) the rows of sequence 0, then 1, ...; `caches[i]` is sequence i's cache list (one per
     layer), advanced by `lengths[i]` positions. `head_rows`: the packed rows that need logits (default
     all; a prefill chunk needs only its last). Returns logits (R, V) for those rows and the tapped
-    features (T, F) of every row (None without tap ids). The loop is `TargetModel.__call__`'s, with the
-    family's own `residual` / `run_layer` / `final_norm` hooks.
+    features (T, F) of every row (None without tap ids): models/packed_mlx_lm.py.
     """
     tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens
     total = sum(lengths)
     if tokens.shape != (total,) or len(caches) != len(lengths):
         raise ValueError(f"packed forward: {tokens.shape} tokens for {len(lengths)} sequences of {list(lengths)} rows")
-    if is_mlx_lm_target(target):
-        return packed_mlx_lm.packed_target_forward(target, tokens, caches, lengths, tap_ids=tap_ids, head_rows=head_rows)
-    tap_ids = tuple(tap_ids)
-    row_positions = positions([c[0].offset for c in caches], lengths)
-    x = target.embed(tokens.reshape(total, 1))  # (T, 1, hidden): T single-row sequences
-    dtype = x.dtype
-    h = target.residual(x)
-    taps = {-1: h}
-    for i, layer in enumerate(target.layers):
-        view = PackedLayerCache([c[i] for c in caches], lengths, row_positions)
-        h = target.run_layer(layer, h, view, dtype)
-        if i in tap_ids:
-            taps[i] = h
-    features = gather_taps(taps, tap_ids, dtype)
-    if head_rows is not None:
-        h = h[mx.array(list(head_rows), dtype=mx.int32)]
-    logits = target.lm_head_logits(target.final_norm(h, dtype))  # (R, 1, V)
-    return logits[:, 0], None if features is None else features[:, 0]
+    return packed_mlx_lm.packed_target_forward(target, tokens, caches, lengths, tap_ids=tap_ids, head_rows=head_rows)
 
 
 def packed_block_hidden(draft: Any, anchors: mx.array, contexts: Sequence[list], *, target: Any) -> mx.array:

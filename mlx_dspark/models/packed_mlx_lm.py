@@ -44,7 +44,7 @@ from mlx_lm.models.cache import CacheList
 
 from mlx_dspark.models.base import check_tap_ids, gather_taps
 from mlx_dspark.models.cache import trim_caches
-from mlx_dspark.models.mlx_lm_target import MLXLMTarget
+from mlx_dspark.models.mlx_lm_target import MLXLMTarget, feature_dtype
 from mlx_dspark.models.rollback import REPLAY, ROTATING, RollbackCaches, cache_kind, layer_owner
 
 
@@ -306,7 +306,7 @@ def packed_target_forward(
     if head_rows is not None:
         final = final[mx.array(list(head_rows), dtype=mx.int32)]
     logits = target.model_head_logits(final)  # (R, 1, V): mlx-lm's own head code
-    features = gather_taps(taps, tap_ids, taps[tap_ids[0]].dtype) if tap_ids else None
+    features = gather_taps(taps, tap_ids, feature_dtype(target, taps[tap_ids[0]])) if tap_ids else None
     return logits[:, 0], None if features is None else features[:, 0]
 
 

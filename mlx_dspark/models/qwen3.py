@@ -1,8 +1,7 @@
-"""Qwen3ForCausalLM target: q/k RMSNorm per head before RoPE, SwiGLU MLP, tied or untied head.
+"""Qwen3-style DSpark draft layers: q/k RMSNorm per head before RoPE, SwiGLU MLP, optional sliding layers.
 
-Numerically the same as `mlx_lm.models.qwen3`; this one also honours sliding layers, rolls back its
-caches and returns the tapped features the DSpark draft is conditioned on. Its pieces (`ModelArgs`,
-`Attention`, `MLP`, `Norm`) also build qwen3-style DSpark draft layers (`models/dspark.py`).
+`ModelArgs`, `Attention`, `MLP`, `Norm` build `models/dspark.DecoderLayer`; a qwen3 target is mlx-lm's
+own class (`models/mlx_lm_target.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import mlx.nn as nn
 
 from mlx_dspark.models.layer_types import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, check_layer_types
 from mlx_dspark.models.base import FamilyAttention, RoPE, args_from_config, check_rope_default, gelu, rotary_dims
-from mlx_dspark.models.target import TargetModel
 
 # The tensor that marks a layer of this family (a draft's layer family is read from its tensors).
 ATTENTION_TENSOR = "self_attn.q_proj.weight"
@@ -164,20 +162,3 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_type: str):
-        super().__init__()
-        self.self_attn = Attention(args, layer_type)
-        self.mlp = MLP(args)
-        self.input_layernorm = Norm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = Norm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, cache=None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Model(TargetModel):
-    embed_name = "embed_tokens"
-    decoder_layer = DecoderLayer
-    norm_class = Norm

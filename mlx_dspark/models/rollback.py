@@ -2,7 +2,7 @@
 
 A verify runs `[anchor, x1..xn]` through the target and keeps the first `k + 1` positions. Afterwards every
 cache must hold what plain decoding of those `k + 1` tokens would have left. Per cache kind:
-- `KVCache`, `QuantizedKVCache`, `ConcatenateKVCache`, `ChunkedKVCache`, our `SlidingKVCache`: move the
+- `KVCache`, `QuantizedKVCache`, `ConcatenateKVCache`, `ChunkedKVCache`: move the
   offset back (`trim`), as before;
 - `RotatingKVCache` (sliding windows): mlx-lm's `trim` only moves offsets and, once the window wrapped,
   leaves the rejected keys visible and the oldest kept ones dropped. We keep the cache's state from before
@@ -46,9 +46,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from mlx_dspark.models.cache import SlidingKVCache
-
-TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache, SlidingKVCache)
+TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache)
 TRIM, ROTATING, REPLAY = "trim", "rotating", "replay"
 
 
@@ -296,8 +294,6 @@ def _trim_limit(cache: Any) -> float:
     """How far `trim` alone may move this cache back (inf: it does not bound a rollback by itself)."""
     if isinstance(cache, CacheList):
         return min((_trim_limit(c) for c in cache.caches), default=float("inf"))
-    if isinstance(cache, SlidingKVCache):
-        return cache.trimmable()
     if isinstance(cache, ChunkedKVCache):
         return cache.offset - cache.start_position
     return getattr(cache, "offset", float("inf"))

@@ -1,9 +1,10 @@
-"""Spark2_5ForCausalLM target (Spark-X2.5 / X2.6): fused QKV, head-wise sigmoid output gate, GELU MLP.
+"""Spark2_5-style DSpark draft layers (Spark-X2.5 / X2.6): fused QKV, head-wise sigmoid output gate, GELU MLP.
 
 Layers are sliding or full attention (`layer_types`), each type with its own `rope_parameters`
 (theta and a partial rotary factor). As the reference, the residual stream, the norms and the gate are
 computed in float32 and the projections in the weights' dtype (`compute dtype`, the embedding's).
-Its pieces (`ModelArgs`, `Attention`, `MLP`, `Norm`) also build spark2_5-style DSpark draft layers.
+`ModelArgs`, `Attention`, `MLP`, `Norm` build `models/dspark.DecoderLayer`; a spark2_5 target is mlx-lm's
+class (`models/mlx_lm_spark2_5.py`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from mlx_dspark.models.base import (
     gelu,
     rotary_dims,
 )
-from mlx_dspark.models.target import TargetModel
 
+# As mlx-lm's spark2_5: the tiny per-head gate stays in source precision when quantizing.
+KEEP_IN_SOURCE_PRECISION = ("self_attn.g_proj",)
 # The tensor that marks a layer of this family (a draft's layer family is read from its tensors).
 ATTENTION_TENSOR = "self_attn.q_k_v_proj.weight"
 Norm = Float32RMSNorm
@@ -150,40 +152,3 @@ class MLP(nn.Module):
         return self.down_proj(gelu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_type: str):
-        super().__init__()
-        self.layer_type = layer_type
-        self.self_attn = Attention(args, layer_type)
-        self.mlp = MLP(args)
-        self.input_layernorm = Norm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = Norm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, cache: Optional[Any] = None, *, dtype: mx.Dtype) -> mx.array:
-        # x: float32 residual stream; the sublayers run in the compute dtype.
-        h = x + self.self_attn(self.input_layernorm(x, dtype), cache).astype(mx.float32)
-        return h + self.mlp(self.post_attention_layernorm(h, dtype)).astype(mx.float32)
-
-
-class Model(TargetModel):
-    embed_name = "embedding"
-    # As mlx-lm's spark2_5: the tiny per-head gate stays in source precision ("preserves the sigmoid
-    # gate values").
-    keep_in_source_precision = ("self_attn.g_proj",)
-    decoder_layer = DecoderLayer
-    norm_class = Norm
-
-    def residual(self, x: mx.array) -> mx.array:
-        return x.astype(mx.float32)
-
-    def run_layer(self, layer: DecoderLayer, h: mx.array, cache: Optional[Any], dtype: mx.Dtype) -> mx.array:
-        return layer(h, cache, dtype=dtype)
-
-    def final_norm(self, h: mx.array, dtype: mx.Dtype) -> mx.array:
-        return self.model.norm(h, dtype)
-
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        # As mlx-lm's spark2_5: some MLX conversions name the embedding model.embed_tokens.
-        if "model.embed_tokens.weight" in weights and "model.embedding.weight" not in weights:
-            weights = {(k.replace("model.embed_tokens.", "model.embedding.", 1)): v for k, v in weights.items()}
-        return super().sanitize(weights)
