@@ -61,8 +61,8 @@ def test_speculation_on_a_split_target_is_lossless(llama_pair, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_target_that_cannot_be_split_is_one_line(tiny_qwen3_pair, llama_pair, tmp_path):
-    target, draft = map(str, tiny_qwen3_pair)  # our own qwen3 module: no mlx-lm `shard`
+def test_a_target_that_cannot_be_split_is_one_line(tiny_spark_pair, llama_pair, tmp_path):
+    target, draft = map(str, tiny_spark_pair)  # mlx-lm's spark2_5 has no `shard`
     result = launched(["--model", target, "--draft", draft, "--prompt", "hi", "--max-tokens", "4"], tmp_path)
     assert "Traceback" not in result.stderr and "exited with code 2" in result.stderr  # mlx.launch itself exits 0
     assert "error: rank 0: the target (" in result.stderr and "cannot be split over 2 ranks" in result.stderr
