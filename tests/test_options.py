@@ -80,6 +80,33 @@ def test_draft_length_is_the_block_size_unless_capped_below_it():
         SpeculationOptions(max_draft_tokens=8).draft_length(7)
 
 
+def test_from_keywords_builds_what_the_nested_classes_build():
+    keywords = dict(
+        max_tokens=9, clamp_max_tokens=True, stop="END", stop_token_ids=None, temperature=0.7, seed=3,
+        logit_bias={"5": 2.0}, lookup="off", max_draft_tokens=None, fast_forward=False, logprobs=2,
+    )  # fmt: skip
+    nested = GenerationOptions(
+        max_tokens=9, clamp_max_tokens=True, stop=("END",), logprobs=2,
+        sampling=SamplingOptions(temperature=0.7, seed=3, logit_bias=((5, 2.0),)),
+        speculation=SpeculationOptions(lookup="off", max_draft_tokens=None, fast_forward=False),
+    )  # fmt: skip
+    assert GenerationOptions.from_keywords(**keywords) == nested
+    assert GenerationOptions.from_keywords() == DEFAULT_OPTIONS
+    assert GenerationOptions.from_keywords(stop=None, stop_token_ids=None, logit_bias=None) == DEFAULT_OPTIONS
+    with pytest.raises(OptionError) as info:
+        GenerationOptions.from_keywords(top_p=0.0)  # the classes still check the values
+    assert info.value.field == "top_p"
+
+
+def test_replace_changes_only_the_named_options_in_every_group():
+    base = GenerationOptions.from_keywords(max_tokens=7, temperature=0.5, seed=1, lookup="only")
+    changed = base.replace(seed=2, speculative=False)
+    assert changed == GenerationOptions.from_keywords(max_tokens=7, temperature=0.5, seed=2, lookup="only", speculative=False)
+    assert base.replace() == base
+    with pytest.raises(TypeError, match="'max_token'"):
+        base.replace(max_token=3)
+
+
 # -- the API front ------------------------------------------------------------------------------------
 
 
