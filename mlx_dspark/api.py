@@ -8,9 +8,10 @@ plain and the speculative path share exactly the same rules.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -18,22 +19,37 @@ from mlx_dspark.chat_format.prompt import encode_prompt  # noqa: F401  (re-expor
 from mlx_dspark.chat_format.tools import ToolChoice
 from mlx_dspark.chat_format.turn import OutputCollector, ToolSetup
 from mlx_dspark.engine.context import ContextLengthError, context_length, fit_max_tokens  # noqa: F401  (re-exported)
-from mlx_dspark.engine.constraints import Constraint
 from mlx_dspark.engine.decode import GenerationCancelled, Round, plain_steps, speculative_steps  # noqa: F401  (re-exported)
 from mlx_dspark.engine.grammar import GrammarState
-from mlx_dspark.engine.options import DEFAULT_OPTIONS, GenerationOptions, SamplingOptions, SpeculationOptions
+from mlx_dspark.engine.options import DEFAULT_OPTIONS, GenerationOptions, keyword_fields
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import Proposer
 from mlx_dspark.engine.results import GenerationResult, ResultCollector, StepResponse, length_histogram  # noqa: F401  (re-exported)
-from mlx_dspark.engine.schedule import CostCurve
 from mlx_dspark.engine.stops import StopReader
 from mlx_dspark.engine.token_origins import TextOrigins, token_origins
 from mlx_dspark.engine.steps import compile_request, make_steps
 
 
-_SAMPLING, _SPECULATION = DEFAULT_OPTIONS.sampling, DEFAULT_OPTIONS.speculation
+def _with_option_keywords(function: Callable) -> Callable:
+    """Show `function`'s `**option_keywords` as what they are: every generation option as a keyword-only
+    parameter with its default (engine/options.py's `keyword_fields`), so `help()` and `inspect` list them."""
+    signature = inspect.signature(function)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    at = [p.name for p in own].index("options") + 1  # the options right after `options=`, the object they make
+    keywords = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=_annotation(f))
+        for f in keyword_fields().values()
+    ]
+    function.__signature__ = signature.replace(parameters=own[:at] + keywords + own[at:])
+    return function
 
 
+def _annotation(field: dataclasses.Field) -> str:
+    """The field's type, where None is accepted for an empty default (GenerationOptions.replace)."""
+    return f"{field.type} | None" if field.default == () else str(field.type)
+
+
+@_with_option_keywords
 def stream_generate(
     model: Any,
     prompt: str | Sequence[int] | Sequence[dict],
@@ -42,43 +58,20 @@ def stream_generate(
     proposer: Proposer | None = None,
     prompt_cache: PromptCache | None = None,
     cancel: threading.Event | None = None,
-    max_tokens: int = DEFAULT_OPTIONS.max_tokens,
-    max_context: int | None = DEFAULT_OPTIONS.max_context,
-    prefill_step_size: int = DEFAULT_OPTIONS.prefill_step_size,
-    temperature: float = _SAMPLING.temperature,
-    top_p: float = _SAMPLING.top_p,
-    top_k: int = _SAMPLING.top_k,
-    min_p: float = _SAMPLING.min_p,
-    seed: int | None = _SAMPLING.seed,
-    presence_penalty: float = _SAMPLING.presence_penalty,
-    frequency_penalty: float = _SAMPLING.frequency_penalty,
-    repetition_penalty: float = _SAMPLING.repetition_penalty,
-    penalty_last_n: int = _SAMPLING.penalty_last_n,
-    logit_bias: dict[int, float] | None = None,
-    logprobs: int | None = DEFAULT_OPTIONS.logprobs,
-    constraint: Constraint | None = DEFAULT_OPTIONS.constraint,
-    draft_sampling: str = _SPECULATION.draft_sampling,
-    speculative: bool = _SPECULATION.speculative,
-    confidence_threshold: float = _SPECULATION.confidence_threshold,
-    p_min: float = _SPECULATION.p_min,
-    max_draft_tokens: int | str | None = _SPECULATION.max_draft_tokens,
-    verify_schedule: str = _SPECULATION.verify_schedule,
-    cost_curve: CostCurve | None = _SPECULATION.cost_curve,
-    mask_draft: bool = _SPECULATION.mask_draft,
-    lookup: str = _SPECULATION.lookup,
-    fast_forward: bool = _SPECULATION.fast_forward,
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    chat_template_kwargs: dict | None = None,
     tools: Sequence[dict] | None = None,
     tool_choice: str | dict | ToolChoice | None = None,
     parallel_tool_calls: bool = True,
+    **option_keywords: Any,
 ) -> Iterator[StepResponse]:
     """Yield a StepResponse per target forward; the last one carries the finish reason.
 
     The options come either whole as `options` (what the CLIs, the server and the benchmark pass) or
-    as the keywords, the documented front that builds the same object here, once; giving both is an
-    error. `proposer` replaces the loaded draft (tests and benchmarks plug in controlled proposers).
+    as keywords, the documented front that builds the same object here, once; giving both is an
+    error. Every field of `GenerationOptions`, `SamplingOptions` and `SpeculationOptions` (engine/options.py
+    says what each does) is a keyword with the field's default; `stop` may be one string, `logit_bias` a
+    {token id: bias} dict, and None for `stop`, `stop_token_ids` or `logit_bias` means none. A keyword that
+    names no option is a TypeError naming it.
+    `proposer` replaces the loaded draft (tests and benchmarks plug in controlled proposers).
     `prompt_cache` (from `make_prompt_cache`) keeps a conversation warm: the prompt's prefix that it
     already holds is not prefilled again (`cached_tokens`).
     The prompt plus `max_tokens` must fit in `max_context` (default: the target's
@@ -98,33 +91,7 @@ def stream_generate(
     `lookup` "on" adds prompt-lookup drafts beside the draft, "only" without it; `fast_forward` verifies
     a constraint's forced runs in the round's block (engine/choose.py).
     """
-    built = GenerationOptions(
-        max_tokens=max_tokens,
-        max_context=max_context,
-        prefill_step_size=prefill_step_size,
-        stop=stop or (),
-        stop_token_ids=stop_token_ids or (),
-        chat_template_kwargs=chat_template_kwargs,
-        logprobs=logprobs,
-        constraint=constraint,
-        sampling=SamplingOptions(
-            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, penalty_last_n=penalty_last_n,
-            logit_bias=logit_bias or (),
-        ),
-        speculation=SpeculationOptions(
-            speculative=speculative,
-            draft_sampling=draft_sampling,
-            p_min=p_min,
-            confidence_threshold=confidence_threshold,
-            max_draft_tokens=max_draft_tokens,
-            verify_schedule=verify_schedule,
-            cost_curve=cost_curve,
-            mask_draft=mask_draft,
-            lookup=lookup,
-            fast_forward=fast_forward,
-        ),
-    )
+    built = GenerationOptions.from_keywords(**option_keywords)  # a TypeError naming a keyword that is no option
     if options is None:
         options = built
     elif built != DEFAULT_OPTIONS:
@@ -241,91 +208,13 @@ def make_prompt_cache(
                        max_rollback=max_rollback)
 
 
-def generate(
-    model: Any,
-    prompt: str | Sequence[int] | Sequence[dict],
-    *,
-    options: GenerationOptions | None = None,
-    proposer: Proposer | None = None,
-    prompt_cache: PromptCache | None = None,
-    cancel: threading.Event | None = None,
-    max_tokens: int = DEFAULT_OPTIONS.max_tokens,
-    max_context: int | None = DEFAULT_OPTIONS.max_context,
-    prefill_step_size: int = DEFAULT_OPTIONS.prefill_step_size,
-    temperature: float = _SAMPLING.temperature,
-    top_p: float = _SAMPLING.top_p,
-    top_k: int = _SAMPLING.top_k,
-    min_p: float = _SAMPLING.min_p,
-    seed: int | None = _SAMPLING.seed,
-    presence_penalty: float = _SAMPLING.presence_penalty,
-    frequency_penalty: float = _SAMPLING.frequency_penalty,
-    repetition_penalty: float = _SAMPLING.repetition_penalty,
-    penalty_last_n: int = _SAMPLING.penalty_last_n,
-    logit_bias: dict[int, float] | None = None,
-    logprobs: int | None = DEFAULT_OPTIONS.logprobs,
-    constraint: Constraint | None = DEFAULT_OPTIONS.constraint,
-    draft_sampling: str = _SPECULATION.draft_sampling,
-    speculative: bool = _SPECULATION.speculative,
-    confidence_threshold: float = _SPECULATION.confidence_threshold,
-    p_min: float = _SPECULATION.p_min,
-    max_draft_tokens: int | str | None = _SPECULATION.max_draft_tokens,
-    verify_schedule: str = _SPECULATION.verify_schedule,
-    cost_curve: CostCurve | None = _SPECULATION.cost_curve,
-    mask_draft: bool = _SPECULATION.mask_draft,
-    lookup: str = _SPECULATION.lookup,
-    fast_forward: bool = _SPECULATION.fast_forward,
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    chat_template_kwargs: dict | None = None,
-    tools: Sequence[dict] | None = None,
-    tool_choice: str | dict | ToolChoice | None = None,
-    parallel_tool_calls: bool = True,
-) -> GenerationResult:
-    """Generate a whole completion: `stream_generate` with the same parameters, joined.
-
-    The signature is stream_generate's, spelled out so that both stay documented, typed functions
-    without a `**kwargs` pass-through (tests/test_package_api.py keeps the two in step).
-    """
-    steps = stream_generate(
-        model,
-        prompt,
-        options=options,
-        proposer=proposer,
-        prompt_cache=prompt_cache,
-        cancel=cancel,
-        max_tokens=max_tokens,
-        max_context=max_context,
-        prefill_step_size=prefill_step_size,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        seed=seed,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty,
-        penalty_last_n=penalty_last_n,
-        logit_bias=logit_bias,
-        logprobs=logprobs,
-        constraint=constraint,
-        draft_sampling=draft_sampling,
-        speculative=speculative,
-        confidence_threshold=confidence_threshold,
-        p_min=p_min,
-        max_draft_tokens=max_draft_tokens,
-        verify_schedule=verify_schedule,
-        cost_curve=cost_curve,
-        mask_draft=mask_draft,
-        lookup=lookup,
-        fast_forward=fast_forward,
-        stop=stop,
-        stop_token_ids=stop_token_ids,
-        chat_template_kwargs=chat_template_kwargs,
-        tools=tools,
-        tool_choice=tool_choice,
-        parallel_tool_calls=parallel_tool_calls,
-    )
+def generate(model: Any, prompt: str | Sequence[int] | Sequence[dict], **keywords: Any) -> GenerationResult:
+    """Generate a whole completion: `stream_generate` with the same parameters (its signature, shown here
+    too), joined."""
     collector = ResultCollector()
-    for step in steps:
+    for step in stream_generate(model, prompt, **keywords):
         collector.add(step)
     return collector.result()
+
+
+generate.__signature__ = inspect.signature(stream_generate).replace(return_annotation="GenerationResult")

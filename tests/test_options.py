@@ -80,6 +80,33 @@ def test_draft_length_is_the_block_size_unless_capped_below_it():
         SpeculationOptions(max_draft_tokens=8).draft_length(7)
 
 
+def test_from_keywords_builds_what_the_nested_classes_build():
+    keywords = dict(
+        max_tokens=9, clamp_max_tokens=True, stop="END", stop_token_ids=None, temperature=0.7, seed=3,
+        logit_bias={"5": 2.0}, lookup="off", max_draft_tokens=None, fast_forward=False, logprobs=2,
+    )  # fmt: skip
+    nested = GenerationOptions(
+        max_tokens=9, clamp_max_tokens=True, stop=("END",), logprobs=2,
+        sampling=SamplingOptions(temperature=0.7, seed=3, logit_bias=((5, 2.0),)),
+        speculation=SpeculationOptions(lookup="off", max_draft_tokens=None, fast_forward=False),
+    )  # fmt: skip
+    assert GenerationOptions.from_keywords(**keywords) == nested
+    assert GenerationOptions.from_keywords() == DEFAULT_OPTIONS
+    assert GenerationOptions.from_keywords(stop=None, stop_token_ids=None, logit_bias=None) == DEFAULT_OPTIONS
+    with pytest.raises(OptionError) as info:
+        GenerationOptions.from_keywords(top_p=0.0)  # the classes still check the values
+    assert info.value.field == "top_p"
+
+
+def test_replace_changes_only_the_named_options_in_every_group():
+    base = GenerationOptions.from_keywords(max_tokens=7, temperature=0.5, seed=1, lookup="only")
+    changed = base.replace(seed=2, speculative=False)
+    assert changed == GenerationOptions.from_keywords(max_tokens=7, temperature=0.5, seed=2, lookup="only", speculative=False)
+    assert base.replace() == base
+    with pytest.raises(TypeError, match="'max_token'"):
+        base.replace(max_token=3)
+
+
 # -- the API front ------------------------------------------------------------------------------------
 
 
@@ -88,11 +115,52 @@ def pair(tiny_spark_pair):
     return mlx_dspark.load(str(tiny_spark_pair[0]), draft=str(tiny_spark_pair[1]))
 
 
+def _option_fields():
+    """The fields of the three option classes, read off the dataclasses (not off the API's own list)."""
+    groups = {"sampling": SamplingOptions, "speculation": SpeculationOptions}
+    out = [f for f in dataclasses.fields(GenerationOptions) if f.name not in groups]
+    return out + [f for cls in groups.values() for f in dataclasses.fields(cls)]
+
+
+@pytest.mark.parametrize("function", ["generate", "stream_generate"])
+def test_every_option_field_is_a_keyword_only_parameter_with_its_default(function):
+    parameters = inspect.signature(getattr(mlx_dspark, function)).parameters
+    fields = _option_fields()
+    assert len(fields) >= 29  # the three classes' fields today, groups opened
+    for field in fields:
+        assert field.name in parameters, field.name
+        assert parameters[field.name].kind is inspect.Parameter.KEYWORD_ONLY, field.name
+        assert parameters[field.name].default == field.default, field.name
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())  # nothing swallowed unseen
+
+
 def test_generate_and_stream_generate_take_the_same_parameters():
     generate = inspect.signature(mlx_dspark.generate).parameters
     stream = inspect.signature(mlx_dspark.stream_generate).parameters
     assert list(generate) == list(stream)
     assert all(generate[name].default == stream[name].default for name in generate)
+    for name in ("options", "proposer", "prompt_cache", "cancel", "tools", "tool_choice", "parallel_tool_calls"):
+        assert stream[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+
+
+@pytest.mark.parametrize("function", ["generate", "stream_generate"])
+def test_a_misspelt_keyword_is_a_type_error_naming_it(function):
+    call = getattr(mlx_dspark, function)
+    with pytest.raises(TypeError, match="'temprature'.*did you mean 'temperature'"):
+        call(None, "hi", temprature=0.5)  # refused before the model is touched
+    with pytest.raises(TypeError, match="'temprature'"):
+        call(None, "hi", options=GenerationOptions(), temprature=0.5)
+    with pytest.raises(TypeError, match="'sampling'"):
+        call(None, "hi", sampling=SamplingOptions())  # the groups are opened, not keywords themselves
+
+
+def test_the_keywords_and_options_reach_the_stream_as_equal_objects(pair, monkeypatch):
+    seen = []
+    monkeypatch.setattr(mlx_dspark.api, "_stream", lambda model, prompt, options, *rest: seen.append(options))
+    keywords = dict(max_tokens=5, temperature=1.0, top_k=20, seed=5, stop=None, logit_bias={3: 1.0}, lookup="off")
+    mlx_dspark.stream_generate(pair, "hi", **keywords)
+    mlx_dspark.stream_generate(pair, "hi", options=GenerationOptions.from_keywords(**keywords))
+    assert seen[0] == seen[1] and seen[0].sampling.logit_bias == ((3, 1.0),) and seen[0].speculation.lookup == "off"
 
 
 def test_the_options_object_and_the_keywords_give_the_same_run(pair):

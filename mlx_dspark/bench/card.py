@@ -10,7 +10,6 @@ is the tok/s ratio confidence / fixed.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -83,18 +82,15 @@ def run_card_columns(
             for repeat in range(settings.repeats):
                 order = SCHEDULES if (i + repeat) % 2 == 0 else SCHEDULES[::-1]
                 for schedule in order:
-                    options = dataclasses.replace(
-                        base,
+                    options = base.replace(
                         max_tokens=max_tokens,
                         chat_template_kwargs=template_kwargs,
-                        sampling=dataclasses.replace(base.sampling, temperature=column.temperature, seed=settings.seed + repeat),
-                        speculation=dataclasses.replace(
-                            base.speculation,
-                            speculative=True,
-                            draft_sampling=column.draft_sampling,
-                            verify_schedule=schedule,
-                            cost_curve=cost_curve,
-                        ),
+                        temperature=column.temperature,
+                        seed=settings.seed + repeat,
+                        speculative=True,
+                        draft_sampling=column.draft_sampling,
+                        verify_schedule=schedule,
+                        cost_curve=cost_curve,
                     )
                     runs[schedule].append(generate(model, ids, options=options))
         summaries = {s: _summary(r) for s, r in runs.items()}

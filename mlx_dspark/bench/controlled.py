@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from mlx_dspark.api import generate
 from mlx_dspark.engine.decode import plain_steps
-from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions
+from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.propose import DraftProposer, Proposal
 from mlx_dspark.engine.sample import Sampler
 from mlx_dspark.bench.cost import CostProbe, ideal_speedup
@@ -122,9 +122,9 @@ def run_controlled(
     references = [greedy_reference(target, ids, max_tokens + block + 1) for ids in prompts]
     plain_tps: list[float] = []
     by_tau: dict[float, dict[str, list]] = {tau: {"tps": [], "lengths": [], "match": []} for tau in acceptance_lengths}
-    plain_options = GenerationOptions(max_tokens=max_tokens, speculation=SpeculationOptions(speculative=False))
+    plain_options = GenerationOptions.from_keywords(max_tokens=max_tokens, speculative=False)
     # full blocks: the efficiency's ideal is a round of block + 1 verified tokens (auto is bench/draft_length_ab.py's)
-    controlled_options = GenerationOptions(max_tokens=max_tokens, speculation=SpeculationOptions(max_draft_tokens=None))
+    controlled_options = GenerationOptions.from_keywords(max_tokens=max_tokens, max_draft_tokens=None)
     load_before = loadavg()
     for repeat in range(repeats):
         for ids, reference in zip(prompts, references):

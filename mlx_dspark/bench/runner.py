@@ -50,12 +50,7 @@ class RunSettings:
     def options(self, *, speculative: bool, seed: int, max_tokens: int | None = None) -> GenerationOptions:
         """The run's options: one mode, one seed, and `max_tokens` for the short warm-up runs."""
         generation = self.generation
-        return dataclasses.replace(
-            generation,
-            max_tokens=max_tokens or generation.max_tokens,
-            sampling=dataclasses.replace(generation.sampling, seed=seed),
-            speculation=dataclasses.replace(generation.speculation, speculative=speculative),
-        )
+        return generation.replace(max_tokens=max_tokens or generation.max_tokens, seed=seed, speculative=speculative)
 
 
 class _NoStopTokenizer:

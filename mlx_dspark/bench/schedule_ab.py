@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx_dspark.api import generate
 from mlx_dspark.bench.controlled import greedy_reference, reference_block
 from mlx_dspark.bench.stats import loadavg, mean, median
-from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions
+from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.propose import DraftProposer, Proposal
 from mlx_dspark.engine.schedule import CostCurve, scheduled_length
 
@@ -100,10 +100,11 @@ def run_schedule_ab(
                     profile=profile,
                     seed=1000 * repeat + i,  # the same stream for every mode
                 )
-                speculation = SpeculationOptions(
-                    verify_schedule="fixed" if curve is None else "confidence", cost_curve=curve, max_draft_tokens=None
-                )  # full blocks, cut by the schedule alone
-                result = generate(model, list(ids), options=GenerationOptions(max_tokens=max_tokens, speculation=speculation), proposer=proposer)
+                options = GenerationOptions.from_keywords(
+                    max_tokens=max_tokens, verify_schedule="fixed" if curve is None else "confidence", cost_curve=curve,
+                    max_draft_tokens=None,  # full blocks, cut by the schedule alone
+                )
+                result = generate(model, list(ids), options=options, proposer=proposer)
                 runs[name]["tps"].append(result.generation_tps)
                 runs[name]["lengths"].extend(result.acceptance_lengths)
                 runs[name]["proposed"].extend(result.proposal_lengths)

@@ -12,7 +12,6 @@ ids, `.gguf` files, `owner/name:FILE.gguf`); `--draft-tap-ids` overrides a draft
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,8 +28,6 @@ from mlx_dspark.engine.options import (
     LOOKUP_MODES,
     GenerationOptions,
     OptionError,
-    SamplingOptions,
-    SpeculationOptions,
 )
 from mlx_dspark.loading.precision import Q_BITS
 from mlx_dspark.engine.schedule import CostCurve
@@ -261,35 +258,31 @@ def generation_options(flags: Mapping[str, Any], *, max_tokens: int) -> Generati
     """
     curve_file = flags.get("cost_curve_file")  # a bad file is a ValueError naming it
     cost_curve = None if curve_file is None else CostCurve.from_file(curve_file)
-    return GenerationOptions(
+    return GenerationOptions.from_keywords(
         max_tokens=max_tokens,
         max_context=flags.get("max_context"),
         chat_template_kwargs=parse_template_args(flags.get("chat_template_args")),
-        sampling=SamplingOptions(
-            temperature=flags["temp"],
-            top_p=flags["top_p"],
-            top_k=flags["top_k"],
-            min_p=flags["min_p"],
-            seed=flags.get("seed", SAMPLING.seed),
-            presence_penalty=flags.get("presence_penalty", SAMPLING.presence_penalty),
-            frequency_penalty=flags.get("frequency_penalty", SAMPLING.frequency_penalty),
-            repetition_penalty=flags.get("repetition_penalty", SAMPLING.repetition_penalty),
-            penalty_last_n=flags.get("penalty_last_n", SAMPLING.penalty_last_n),
-            logit_bias=parse_logit_bias(flags.get("logit_bias")),
-        ),
+        temperature=flags["temp"],
+        top_p=flags["top_p"],
+        top_k=flags["top_k"],
+        min_p=flags["min_p"],
+        seed=flags.get("seed", SAMPLING.seed),
+        presence_penalty=flags.get("presence_penalty", SAMPLING.presence_penalty),
+        frequency_penalty=flags.get("frequency_penalty", SAMPLING.frequency_penalty),
+        repetition_penalty=flags.get("repetition_penalty", SAMPLING.repetition_penalty),
+        penalty_last_n=flags.get("penalty_last_n", SAMPLING.penalty_last_n),
+        logit_bias=parse_logit_bias(flags.get("logit_bias")),
         constraint=constraint_from_flags(flags),
-        speculation=SpeculationOptions(
-            speculative=not flags.get("no_draft", False),
-            draft_sampling=flags["draft_sampling"],
-            p_min=flags["p_min"],
-            confidence_threshold=flags["confidence_threshold"],
-            max_draft_tokens=parse_draft_tokens(flags["max_draft_tokens"]),
-            verify_schedule=flags.get("verify_schedule", SPECULATION.verify_schedule),
-            cost_curve=cost_curve,
-            mask_draft=not flags.get("no_mask_draft", False),
-            lookup=lookup_mode(flags),
-            fast_forward=not flags.get("no_fast_forward", False),
-        ),
+        speculative=not flags.get("no_draft", False),
+        draft_sampling=flags["draft_sampling"],
+        p_min=flags["p_min"],
+        confidence_threshold=flags["confidence_threshold"],
+        max_draft_tokens=parse_draft_tokens(flags["max_draft_tokens"]),
+        verify_schedule=flags.get("verify_schedule", SPECULATION.verify_schedule),
+        cost_curve=cost_curve,
+        mask_draft=not flags.get("no_mask_draft", False),
+        lookup=lookup_mode(flags),
+        fast_forward=not flags.get("no_fast_forward", False),
     )
 
 
@@ -375,7 +368,7 @@ def resolve_cost_curve(pair: Any, options: GenerationOptions) -> GenerationOptio
         require_confidence_head(pair.draft, source=pair.draft_path)
     curve = speculation.cost_curve or cost_curve_for(pair)
     speculation.draft_length(int(pair.draft.num_drafts))
-    return dataclasses.replace(options, speculation=dataclasses.replace(speculation, cost_curve=curve))
+    return options.replace(cost_curve=curve)
 
 
 def parse_template_args(text: Optional[str]) -> Optional[dict]:

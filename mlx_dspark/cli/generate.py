@@ -153,7 +153,7 @@ def generate(
     else:
         request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
-    plain_options = dataclasses.replace(options, speculation=dataclasses.replace(options.speculation, speculative=False))
+    plain_options = options.replace(speculative=False)
     if compare:  # warm both paths first (kernels, the cost curve): the first run in a process pays for them
         with flag_errors():
             for warm in (options, plain_options):

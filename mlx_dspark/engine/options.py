@@ -8,6 +8,9 @@ lets the CLIs name the flag and the server the request field.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -230,6 +233,45 @@ class GenerationOptions:
         object.__setattr__(self, "stop", tuple(s for s in stop if s))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         object.__setattr__(self, "chat_template_kwargs", None if kwargs is None else dict(kwargs))
+
+    @classmethod
+    def from_keywords(cls, **keywords: Any) -> GenerationOptions:
+        """The options that flat keywords set (the API's front: `temperature=`, `lookup=`, ...), the rest default."""
+        return cls().replace(**keywords)
+
+    def replace(self, **keywords: Any) -> GenerationOptions:
+        """A copy with the options that flat keywords name changed (see `keyword_fields`).
+
+        None for a field whose default is empty (`stop`, `stop_token_ids`, `logit_bias`) means empty. A
+        keyword that names no option is a TypeError naming it.
+        """
+        known = keyword_fields()
+        for name in keywords:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(f"unexpected keyword argument {name!r}: no generation option has that name{hint}")
+        values = {name: () if value is None and known[name].default == () else value for name, value in keywords.items()}
+        for field in dataclasses.fields(self):
+            if dataclasses.is_dataclass(field.default):  # a group (sampling, speculation): its fields are keywords
+                group = getattr(self, field.name)
+                changes = {f.name: values.pop(f.name) for f in dataclasses.fields(group) if f.name in values}
+                if changes:
+                    values[field.name] = dataclasses.replace(group, **changes)
+        return dataclasses.replace(self, **values)
+
+
+@functools.cache
+def keyword_fields() -> dict[str, dataclasses.Field]:
+    """Every generation option as one flat keyword, by name, in declaration order: GenerationOptions' fields,
+    its groups (`sampling`, `speculation`) opened into theirs. A new field here is a new API keyword."""
+    flat: dict[str, dataclasses.Field] = {}
+    for field in dataclasses.fields(GenerationOptions):
+        group = field.default
+        for option in dataclasses.fields(group) if dataclasses.is_dataclass(group) else (field,):
+            assert option.name not in flat, f"two generation options are named {option.name!r}"
+            flat[option.name] = option
+    return flat
 
 
 DEFAULT_OPTIONS = GenerationOptions()

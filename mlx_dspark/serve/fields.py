@@ -104,7 +104,7 @@ def sampling_extras(body: dict, options: GenerationOptions, *, vocab_size: int |
     if not changes:
         return options
     try:
-        return dataclasses.replace(options, sampling=dataclasses.replace(sampling, **changes))
+        return options.replace(**changes)
     except OptionError as err:
         raise APIError(400, str(err), param=err.field, code="invalid_value") from None
 
@@ -116,7 +116,7 @@ def draft_tokens(body: dict, options: GenerationOptions) -> GenerationOptions:
         return options
     if not (value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)):
         raise bad_value("max_draft_tokens", '"auto" or an integer >= 1', value)
-    return dataclasses.replace(options, speculation=dataclasses.replace(options.speculation, max_draft_tokens=value))
+    return options.replace(max_draft_tokens=value)
 
 
 def with_logprobs(options: GenerationOptions, count: int | None, *, field: str) -> GenerationOptions:

@@ -215,21 +215,17 @@ def request_options(body: dict, defaults: GenerationOptions, allowed_template_kw
     template_kwargs = _template_kwargs(body, allowed_template_kwargs)
     sampling = defaults.sampling
     try:
-        return dataclasses.replace(
-            defaults,
+        return defaults.replace(
             max_tokens=_integer(body, max_tokens_field, defaults.max_tokens),
             # without max_tokens the server's default is shortened to the context a long prompt leaves (as OpenAI does)
             clamp_max_tokens=body.get(max_tokens_field) is None,
             stop=_stop(body) or list(defaults.stop),  # the operator's --stop when the request has none
             chat_template_kwargs={**(defaults.chat_template_kwargs or {}), **(template_kwargs or {})} or None,
-            sampling=dataclasses.replace(
-                sampling,
-                temperature=_number(body, "temperature", sampling.temperature),
-                top_p=_number(body, "top_p", sampling.top_p),
-                top_k=_integer(body, "top_k", sampling.top_k),
-                min_p=_number(body, "min_p", sampling.min_p),
-                seed=_integer(body, "seed", sampling.seed),
-            ),
+            temperature=_number(body, "temperature", sampling.temperature),
+            top_p=_number(body, "top_p", sampling.top_p),
+            top_k=_integer(body, "top_k", sampling.top_k),
+            min_p=_number(body, "min_p", sampling.min_p),
+            seed=_integer(body, "seed", sampling.seed),
         )
     except OptionError as err:
         param = max_tokens_field if err.field == "max_tokens" else err.field
