@@ -124,3 +124,40 @@ def test_sampled_rounds_with_a_dflash2_draft_keep_the_target_distribution(drafti
     assert chi_square_p_value(counts.reshape(-1), exact.reshape(-1)) > 1e-4
     for observed, expected in zip(marginals(counts), marginals(exact)):
         assert chi_square_p_value(observed, expected) > 1e-4
+
+
+def test_a_dflash2_gguf_is_the_same_draft_as_its_hugging_face_files(tiny_qwen3_target, tmp_path):
+    """llama.cpp's `dflash` GGUF with the DFlash 2 keys and tensors (DRAFTERS.md section 1) loads as the
+    z-lab file it was written from: the same parameters, the same greedy proposals, lossless output."""
+    from mlx.utils import tree_flatten
+
+    from mlx_dspark.testing.gguf_writer import write_gguf_draft
+
+    deepspec = write_tiny_draft(tmp_path / "deepspec", target_path=tiny_qwen3_target, seed=3)
+    hf = write_dflash2_draft(deepspec, tmp_path / "dflash2", seed=4, output_multiplier=0.7, softcap=20.0)
+    config = json.loads((hf / "config.json").read_text())["dflash_config"]
+    weights = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    extra = {"selector_predecessor.weight": weights["candidate_selector.predecessor_codebook"],
+             "selector_successor.weight": weights["candidate_selector.successor_codebook"],
+             "selector_hidden.weight": weights["candidate_selector.hidden_projection.weight"]}  # fmt: skip
+    for name, array in weights.items():
+        for ours, theirs in (("attention_conv", "attn"), ("mlp_conv", "ffn")):
+            if f".{ours}." in name:
+                layer = name.split(".")[1]
+                kind = "base" if name.endswith("base_kernel") else "proj.weight"
+                extra[f"blk.{layer}.{theirs}_conv_{kind}"] = array
+    keys = {f"dflash.{k}": config[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}
+    keys.update({"dflash.logit_scale": 0.7, "dflash.final_logit_softcapping": 20.0, "dflash.has_confidence_head": False})
+    gguf = write_gguf_draft(deepspec, tmp_path / "d.gguf", target_path=tiny_qwen3_target, extra_keys=keys, extra_tensors=extra,
+                            drop_tensors=("markov_w1.weight", "markov_w2.weight", "markov_w2.scale", "conf_proj.weight", "conf_proj.bias"))
+    from_gguf = mlx_dspark.load(str(tiny_qwen3_target), draft=str(gguf), dtype="float32")
+    from_hf = mlx_dspark.load(str(tiny_qwen3_target), draft=str(hf), dtype="float32")
+    assert isinstance(from_gguf.draft, DFlash2Draft) and from_gguf.draft.args.dflash2 == from_hf.draft.args.dflash2
+    ours, theirs = dict(tree_flatten(from_gguf.draft.parameters())), dict(tree_flatten(from_hf.draft.parameters()))
+    assert set(ours) == set(theirs)
+    for name in ours:
+        np.testing.assert_array_equal(np.array(ours[name]), np.array(theirs[name]), err_msg=name)
+    from_gguf, from_hf = (prepare_model(m, RunSettings(ignore_eos=True)) for m in (from_gguf, from_hf))
+    spec = mlx_dspark.generate(from_gguf, PROMPT, max_tokens=64, max_draft_tokens=from_gguf.draft.num_drafts)
+    assert spec.tokens == mlx_dspark.generate(from_hf, PROMPT, max_tokens=64, speculative=False).tokens
+    assert spec.rounds < 64 and spec.tokens == mlx_dspark.generate(from_hf, PROMPT, max_tokens=64, max_draft_tokens=from_hf.draft.num_drafts).tokens

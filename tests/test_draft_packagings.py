@@ -332,7 +332,7 @@ def test_hidden_activation_key_picks_the_draft_mlp(qwen3, tmp_path, act):
         ({"dflash.hidden_activation": "relu"}, r"key 'dflash.hidden_activation' is 'relu'; expected one of"),
         ({"dflash.logit_scale": 0.5}, r"key 'dflash.logit_scale' is 0.5; not supported: upstream's DSpark graph"),
         ({"dflash.final_logit_softcapping": 30.0}, r"key 'dflash.final_logit_softcapping' is 30; not supported"),
-        ({"dflash.conv_kernel_size": 4}, r"key 'dflash.conv_kernel_size' is set: this is a DFlash2 draft"),
+        ({"dflash.conv_kernel_size": 4}, r"key 'dflash.conv_kernel_size' is set but the file has no DFlash2 selector"),
     ],
 )
 def test_keys_we_cannot_honour_are_refused_by_name_in_one_line(qwen3, tmp_path, keys, message):

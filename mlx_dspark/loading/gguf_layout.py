@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from mlx_dspark.loading import gguf_gemma4
+from mlx_dspark.loading import gguf_dflash2, gguf_gemma4
 from mlx_dspark.loading.gguf_metadata import Metadata
 
 TARGET_ARCHITECTURES = {"spark2_5": "Spark2_5ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -238,8 +238,11 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
         raise ValueError(f"{meta.path}: key {p + 'markov_rank'!r} is {declared_rank} but markov_w1.weight has shape {w1}")
     if meta.flag(p + "attention.causal", False):
         raise ValueError(f"{meta.path}: key {p + 'attention.causal'!r} is true; DSpark blocks attend without a causal mask")
-    _refuse_other_drafts(meta, p)
-    config.update(_packaging(meta, p, family))
+    dflash2 = gguf_dflash2.is_dflash2_draft(meta, p)
+    _refuse_other_drafts(meta, p, dflash2=dflash2)
+    config.update(_packaging(meta, p, family, dflash2=dflash2))
+    if dflash2:
+        config.update(gguf_dflash2.fields(meta, p))
     if not rank:
         # upstream runs a file without markov_w1 as DFlash (common/speculative.cpp): drafts from the mask
         # rows 1.., whatever sample_from_anchor says
@@ -293,6 +296,8 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
     for name in DRAFT_VALUES:  # read into the config / as offsets by gguf_checkpoint
         if name in meta.tensors:
             names[name] = name
+    if dflash2:
+        names.update(gguf_dflash2.tensor_names(num_layers))
     if family == "gemma4":
         names.update(gguf_gemma4.layer_names(num_layers))
         return dict(sorted(config.items())), names
@@ -322,15 +327,20 @@ DRAFT_VALUES = ("markov_w2.scale", "d2t", gguf_gemma4.ROPE_FREQS)
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_pytorch_tanh"}
 
 
-def _refuse_other_drafts(meta: Metadata, p: str) -> None:
-    """DFlash2 (conv / selector keys) and DeepSeek-V4 DSpark drafts share the architecture name, not the graph."""
-    for key in ("conv_kernel_size", "selector_rank", "hyper_connection_count"):
-        if meta.get(p + key) is not None:
-            kind = "a DeepSeek-V4 DSpark draft" if key == "hyper_connection_count" else "a DFlash2 draft"
-            raise ValueError(f"{meta.path}: key {p + key!r} is set: this is {kind}, a different graph; not supported")
+def _refuse_other_drafts(meta: Metadata, p: str, *, dflash2: bool) -> None:
+    """DeepSeek-V4 DSpark drafts share the architecture name, not the graph; so do DFlash2 drafts (read by
+    gguf_dflash2), whose conv keys without the selector are a file we cannot tell apart."""
+    if meta.get(p + "hyper_connection_count") is not None:
+        raise ValueError(f"{meta.path}: key {p + 'hyper_connection_count'!r} is set: this is a DeepSeek-V4 DSpark draft, a different graph; not supported")
+    for key in ("conv_kernel_size", "selector_rank"):
+        if meta.get(p + key) is not None and not dflash2:
+            raise ValueError(
+                f"{meta.path}: key {p + key!r} is set but the file has no DFlash2 selector (tensor 'selector_hidden.weight', "
+                f"key {p + 'selector_top_k'!r} > 0); not a graph we run"
+            )
 
 
-def _packaging(meta: Metadata, p: str, family: str) -> dict[str, Any]:
+def _packaging(meta: Metadata, p: str, family: str, *, dflash2: bool = False) -> dict[str, Any]:
     """The draft keys beyond DeepSpec's layout, as config fields (models/dspark_packaging.py)."""
     fields: dict[str, Any] = {"sample_from_anchor": meta.flag(p + "sample_from_anchor", True)}
     act = meta.get(p + "hidden_activation")
@@ -342,7 +352,7 @@ def _packaging(meta: Metadata, p: str, family: str) -> dict[str, Any]:
         fields["hidden_act"] = _ACTIVATIONS[act]
     for key, identity in (("logit_scale", 1.0), ("final_logit_softcapping", 0.0)):
         value = meta.number(p + key, None)
-        if value is not None and value != identity:
+        if value is not None and value != identity and not dflash2:  # DFlash2's selector applies them (gguf_dflash2)
             raise ValueError(
                 f"{meta.path}: key {p + key!r} is {value:g}; not supported: upstream's DSpark graph reads it but applies "
                 "it nowhere (only DFlash2's does), so how the draft was trained with it is unknown"
