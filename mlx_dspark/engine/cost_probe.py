@@ -56,8 +56,9 @@ def _taps(proposer: DraftProposer | None) -> tuple:
     return () if proposer is None else proposer.tap_ids
 
 
-def cache_key(model: Any) -> str:
-    """A hash of what the costs depend on: the pair (paths, configs, weight dtypes) and the machine."""
+def cache_key(model: Any, *, head: str = "draft") -> str:
+    """A hash of what the costs depend on: the pair (paths, configs, weight dtypes), the draft head whose
+    cost it holds ("draft": the draft model; "mtp": the target's own MTP layers) and the machine."""
     from mlx.utils import tree_flatten
 
     dtypes = {
@@ -72,6 +73,7 @@ def cache_key(model: Any) -> str:
         "draft_config": model.draft_config,
         "dtypes": dtypes,
         "machine": machine(),
+        **({} if head == "draft" else {"head": head}),
     }
     group = getattr(model.target, "_split_group", None)  # a target split over ranks (models/split_target.py)
     if group is not None:
@@ -79,9 +81,14 @@ def cache_key(model: Any) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def cost_curve_path(model: Any, cache_dir: Path | None = None) -> Path:
+def cost_curve_path(model: Any, cache_dir: Path | None = None, *, head: str = "draft") -> Path:
     """The file the loaded pair's curve on this machine is cached in."""
-    return (cache_dir or cost_cache_dir()) / f"{cache_key(model)}.json"
+    return (cache_dir or cost_cache_dir()) / f"{cache_key(model, head=head)}.json"
+
+
+def default_head(model: Any) -> str:
+    """The head a pair's one curve is for: its draft model, else the target's own MTP layers."""
+    return "mtp" if getattr(model, "draft", None) is None and getattr(model, "mtp", None) is not None else "draft"
 
 
 def cost_curve_for(
@@ -89,13 +96,19 @@ def cost_curve_for(
     *,
     cache_dir: Path | None = None,
     measure: Callable[[Any, Any], CostCurve] | None = None,
+    head: str | None = None,
 ) -> CostCurve:
-    """The loaded pair's curve on this machine: read from `cache_dir` (default `cost_cache_dir()`), else
-    measured (`measure`, default `measure_cost_curve`) and written there."""
-    path = cost_curve_path(model, cache_dir)
+    """The loaded pair's curve on this machine for one draft head (default `default_head`): read from
+    `cache_dir` (default `cost_cache_dir()`), else measured (`measure`, default `measure_cost_curve`, or
+    `measure_mtp_curve` for the "mtp" head) and written there."""
+    head = default_head(model) if head is None else head
+    path = cost_curve_path(model, cache_dir, head=head)
     cache_dir = path.parent
     if not path.is_file():
-        curve = (measure or measure_cost_curve)(model.target, model.draft)
+        if head == "mtp":
+            curve = (measure or measure_mtp_curve)(model.target, model.mtp)
+        else:
+            curve = (measure or measure_cost_curve)(model.target, model.draft)
         write_cached(path, {**curve.to_json(), "source": f"measured at first use, {time.strftime('%Y-%m-%d %H:%M')}",
                             "measured_at": time.time()})  # fmt: skip
     # cache_path: generations write what their rounds observed back here (engine/cost_heal.py)
@@ -138,6 +151,34 @@ def measure_cost_curve(
     if len(curves) == 2:
         return dataclasses.replace(curves[0], deep=curves[1])
     return curves[0]
+
+
+def measure_mtp_curve(
+    target: Any, mtp: Any, *, context: int = SHALLOW_CONTEXT, repeats: int = 3, seed: int = 0, chain: int = 4
+) -> CostCurve:
+    """The curve with the target's own MTP layers as the draft: verify widths as a draft-less pair's, and
+    the chain's cost from proposals of 1 and of `chain` drafts (interleaved, the fastest of `repeats`):
+    `draft_step_ms` per further draft, `draft_ms` the rest of the first (one context depth)."""
+    from mlx_dspark.engine.mtp_propose import MTPProposer  # the probe stays above the proposers it times
+
+    base = measure_cost_curve(target, None, context=context, deep_context=None, repeats=repeats, seed=seed)
+    rng = random.Random(seed + 1)
+    depth = min(base.context, (getattr(target.args, "max_position_embeddings", None) or 1 << 30) - chain - 2)
+    prompt = [rng.randrange(target.args.vocab_size) for _ in range(depth)]
+    proposer = MTPProposer(mtp, target, prompt=prompt, greedy=True, temperature=1.0, block_size=chain)
+    logits = prefill(target, target.make_cache(), prompt, tap_ids=proposer.tap_ids, proposer=proposer)
+    anchor = mx.argmax(logits).astype(mx.int32).reshape(1)
+    proposer.commit([int(anchor.item())])
+    samples: dict[int, list[float]] = {1: [], chain: []}
+    for repeat in range(repeats + 1):
+        for k in (1, chain) if repeat % 2 else (chain, 1):
+            start = time.perf_counter()
+            mx.eval(proposer.propose(anchor, position=depth, num_tokens=k).tokens)
+            if repeat:
+                samples[k].append(1000 * (time.perf_counter() - start))
+    one, full = min(samples[1]), min(samples[chain])
+    step = max(0.0, (full - one) / max(chain - 1, 1))
+    return dataclasses.replace(base, draft_ms=max(0.0, one - step), draft_step_ms=step, source="measured at first use (MTP chain)")
 
 
 def _measure_at(

@@ -34,7 +34,8 @@ VERIFY_SCHEDULES = ("fixed", "confidence")
 
 @dataclass(frozen=True)
 class CostCurve:
-    """Milliseconds of one draft block and of target verify forwards of 1, 2, ... tokens."""
+    """Milliseconds of one draft block and of target verify forwards of 1, 2, ... tokens; a chained draft
+    (MTP, EAGLE-3: one forward per draft) adds `draft_step_ms` per draft token."""
 
     draft_ms: float
     verify_ms: tuple[float, ...]  # verify_ms[n - 1]: a forward of n tokens (the anchor and n - 1 drafts)
@@ -43,12 +44,13 @@ class CostCurve:
     deep: "CostCurve | None" = None  # the same costs at a deeper context, for `at(depth)`; None: depth-free
     checked: int = 0  # rounds of generations that have confirmed or corrected it (engine/cost_heal.py)
     cache_path: "Path | None" = dataclasses.field(default=None, compare=False, repr=False)  # the cost cache file it came from
+    draft_step_ms: float = 0.0  # a chained draft's cost per draft token (0 for a block draft)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify_ms", tuple(float(v) for v in self.verify_ms))
         if self.deep is not None and not (isinstance(self.deep, CostCurve) and self.deep.context > self.context):
             raise ValueError(f"a deeper cost curve must be measured past context {self.context}, got {self.deep!r}")
-        values = (self.draft_ms, *self.verify_ms)
+        values = (self.draft_ms, self.draft_step_ms, *self.verify_ms)
         if not self.verify_ms or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
             raise ValueError(f"a cost curve needs finite times >= 0 for a draft block and verify widths 1.., got {values}")
         if any(b < a for a, b in zip(self.verify_ms, self.verify_ms[1:])):
@@ -83,15 +85,16 @@ class CostCurve:
         widths = min(self.max_width, self.deep.max_width)
         share = (depth - self.context) / (self.deep.context - self.context)
         mix = lambda a, b: max(0.0, a + share * (b - a))  # noqa: E731
-        return CostCurve.from_measurements(
+        return dataclasses.replace(CostCurve.from_measurements(
             draft_ms=mix(self.draft_ms, self.deep.draft_ms),
             verify_ms=[mix(a, b) for a, b in zip(self.verify_ms[:widths], self.deep.verify_ms[:widths])],
             source=f"{self.source} at context {depth}",
-        )
+        ), draft_step_ms=mix(self.draft_step_ms, self.deep.draft_step_ms))
 
     def round_ms(self, draft_tokens: int) -> float:
-        """A round that verifies `draft_tokens` drafts: the draft block and a forward of 1 + that many tokens."""
-        return self.draft_ms + self.verify_ms[draft_tokens]
+        """A round that verifies `draft_tokens` drafts: the draft block (and the chained steps) and a
+        forward of 1 + that many tokens."""
+        return self.draft_ms + draft_tokens * self.draft_step_ms + self.verify_ms[draft_tokens]
 
     def to_json(self) -> dict:
         """In the benchmark's `cost_curve.json` key names, so `from_file` reads both."""
@@ -102,6 +105,7 @@ class CostCurve:
             "context": self.context,
             **({} if self.deep is None else {"deep": self.deep.to_json()}),
             **({"checked": self.checked} if self.checked else {}),
+            **({"draft_step_ms": self.draft_step_ms} if self.draft_step_ms else {}),
         }
 
     @classmethod
@@ -136,7 +140,10 @@ class CostCurve:
         checked = data.get("checked", 0)
         if not (isinstance(checked, int) and checked >= 0):
             raise ValueError(f"cost curve file {path}: 'checked' must be a count of rounds (an integer >= 0), got {checked!r}")
-        return dataclasses.replace(shallow, context=context, deep=deep, checked=checked)
+        step = data.get("draft_step_ms", 0.0)
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or step < 0:
+            raise ValueError(f"cost curve file {path}: 'draft_step_ms' must be a number >= 0 (ms per chained draft), got {step!r}")
+        return dataclasses.replace(shallow, context=context, deep=deep, checked=checked, draft_step_ms=float(step))
 
 
 def _nondecreasing(values: Sequence[float]) -> list[float]:

@@ -14,6 +14,8 @@ from mlx_dspark.engine.choose import Chooser, RoundCost
 from mlx_dspark.engine.constraints import compile_constraint
 from mlx_dspark.engine.cost_probe import cost_curve_for
 from mlx_dspark.engine.decode import Round, plain_steps, speculative_steps
+from mlx_dspark.engine.draft_length import make_draft_length
+from mlx_dspark.engine.head_choice import HeadChoice
 from mlx_dspark.engine.grammar import GrammarState
 from mlx_dspark.engine.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.engine.logits_processing import LogitsProcessor
@@ -71,6 +73,12 @@ def make_steps(
     if lookup != "off" and prompt_cache is None:
         # caches that roll back a whole lookup block (rejected tokens of a LOOKUP_MAX_TOKENS block)
         prompt_cache = PromptCache(model.target, max_snapshots=0, max_rollback=LOOKUP_MAX_TOKENS)
+    draft_length = None
+    if proposer is None and model.draft is not None and getattr(model, "mtp", None) is not None and lookup != "only":
+        # several heads: the round takes the one that pays (head_choice.py); its MTP state is not a prompt
+        # cache's, so the prefill runs cold (a fresh cache; the caller's stays as it was)
+        proposer, draft_length, speculation = _head_choice(model, prompt_ids, options)
+        prompt_cache = PromptCache(model.target, max_snapshots=0, max_rollback=LOOKUP_MAX_TOKENS)
     if proposer is None and model.draft is not None and lookup != "only":
         proposer = DraftProposer(
             model.draft,
@@ -111,7 +119,28 @@ def make_steps(
         prefill_step_size=step_size,
         cancel=cancel,
         processor=processor,
+        draft_length=draft_length,
     ))
+
+
+def _head_choice(model: Any, prompt_ids: list[int], options: GenerationOptions) -> tuple[HeadChoice, Any, Any]:
+    """The draft model and the target's MTP layers as two heads, each with its own length policy over its
+    own measured costs (cost_probe: a block draft's forward, the MTP chain per draft); (proposer, policy,
+    the speculation options with the draft head's curve for the round's lookup choice)."""
+    sampling, speculation = options.sampling, options.speculation
+    if speculation.verify_schedule == "confidence" or speculation.confidence_threshold > 0:
+        raise ValueError("verify_schedule 'confidence' and confidence_threshold need one draft with a confidence head; "
+                         "with several heads (draft and 'mtp') use the defaults")  # fmt: skip
+    greedy, temperature = speculation.draft_sampling == "greedy" or sampling.greedy, max(sampling.temperature, 1e-6)
+    heads = {"draft": DraftProposer(model.draft, model.target, greedy=greedy, temperature=temperature),
+             "mtp": _mtp_proposer(model, prompt_ids, options)}  # fmt: skip
+    curves = {"draft": speculation.cost_curve or cost_curve_for(model, head="draft"),
+              # its chain cost is measured, not healed (the healer's round model is a block draft's)
+              "mtp": dataclasses.replace(cost_curve_for(model, head="mtp"), cache_path=None)}  # fmt: skip
+    policies = {name: make_draft_length(speculation.max_draft_tokens, speculation.draft_length(int(head.block_size)), curves[name])
+                for name, head in heads.items()}  # fmt: skip
+    choice = HeadChoice(heads, policies, curves)
+    return choice, choice, dataclasses.replace(speculation, cost_curve=curves["draft"])
 
 
 def _mtp_proposer(model: Any, prompt_ids: list[int], options: GenerationOptions) -> MTPProposer:

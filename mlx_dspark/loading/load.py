@@ -41,6 +41,20 @@ from mlx_dspark.models.draft_vocab import DraftVocabulary
 from mlx_dspark.loading.weights import fill_model
 
 
+def split_draft(draft: Any) -> tuple[Any, bool]:
+    """(the draft model to load or None, whether the target's MTP layers are wanted) from `draft=`: a path,
+    "mtp", "PATH,mtp", or a list of those (one draft model at most)."""
+    if draft is None:
+        return None, False
+    entries = list(draft) if isinstance(draft, (list, tuple)) else (
+        [e.strip() for e in draft.split(",")] if isinstance(draft, str) and MTP_DRAFT in draft.split(",") else [draft])
+    use_mtp = MTP_DRAFT in entries
+    models = [e for e in entries if e != MTP_DRAFT]
+    if len(models) > 1:
+        raise ValueError(f"draft: one draft model at a time (beside 'mtp'), got {models}")
+    return (models[0] if models else None), use_mtp
+
+
 @dataclass
 class LoadedModel:
     target: nn.Module
@@ -153,6 +167,8 @@ def load(
     draft_dtype: the draft's floating dtype, replacing `dtype` for it.
     draft "mtp": no separate draft: the target's own multi-token-prediction layers (`mtp.*` in a Qwen3.5 /
       3.6 / 3.8 Hugging Face checkpoint, or in our own conversion of one) propose (`LoadedModel.mtp`).
+      "PATH,mtp" (or a list [PATH, "mtp"]): both heads; each round proposes from the one that pays more
+      (engine/head_choice.py).
     draft_vocab: draft over the K most frequent target tokens only (FR-Spec; `models/draft_vocab.py`),
       ranked by `draft_vocab_file` (from `python -m mlx_dspark.rank_vocab`), by default the
       `vocab_rank.json` beside the draft. Lossless: the target still verifies over its full vocabulary.
@@ -161,8 +177,8 @@ def load(
     tool_parser: an mlx-lm tool parser (a module of `mlx_lm.tool_parsers`, e.g. "json_tools") replacing
       the one mlx-lm infers from the chat template.
     """
-    use_mtp = isinstance(draft, str) and draft == MTP_DRAFT
-    if use_mtp:
+    draft, use_mtp = split_draft(draft)
+    if use_mtp and draft is None:
         for name, value in (("draft_tap_ids", draft_tap_ids), ("draft_vocab", draft_vocab), ("draft_vocab_file", draft_vocab_file)):
             if value is not None:
                 raise ValueError(f"{name} applies to a DSpark draft, not to the target's own MTP layers (draft='mtp')")

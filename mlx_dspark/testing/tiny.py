@@ -387,6 +387,8 @@ def write_tiny_draft(
     """
     target_path = Path(target_path)
     target_config = json.loads((target_path / "config.json").read_text(encoding="utf-8"))
+    if isinstance(target_config.get("text_config"), dict):  # a multimodal wrapper's (qwen3_5): its text model
+        target_config = {**target_config, **target_config["text_config"]}
     layer_family = layer_family or target_config["model_type"]
     _check_family(layer_family)
     if markov_head_type not in MARKOV_HEAD_TYPES:
