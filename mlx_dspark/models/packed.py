@@ -43,6 +43,8 @@ def packing_problem(model: Any) -> Optional[str]:
     problem = packed_mlx_lm.packing_problem(model.target)
     if problem is not None:
         return problem
+    if getattr(model, "eagle3", None) is not None:
+        return "an EAGLE-3 draft's chained proposer is not packed yet"
     draft = model.draft
     if draft is not None and getattr(draft.args, "dflash2", None) is not None:
         return "a DFlash2 draft's block forward (its convolutions and selector) is not packed yet"
