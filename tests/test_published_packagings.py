@@ -128,7 +128,8 @@ def _edit(path: Path, change) -> None:
         # a DFlash2 config with some of its fields: the missing ones named (tests/test_dflash2_draft.py loads whole ones)
         ("zlab_dflash", lambda c: c["dflash_config"].update(selector_rank=64), r"a DFlash2 draft needs dflash_config field\(s\) \['conv_kernel_size', 'conv_group_size', 'selector_top_k'\]"),
         ("zlab_dflash", lambda c: c.update(architectures=["DFlash2DraftModel"]), r"a DFlash2 draft needs dflash_config field\(s\) \['conv_kernel_size'"),
-        ("speculators_dspark", lambda c: c.update(speculators_model_type="eagle3"), r"speculators_model_type is 'eagle3'; only \['dflash', 'dspark'\]"),
+        # an eagle3 config goes to the EAGLE-3 loader (tests/test_eagle3_draft.py), which runs one-layer drafts
+        ("speculators_dspark", lambda c: c.update(speculators_model_type="eagle3"), r"field 'transformer_layer_config\.num_hidden_layers' is 2; only one-layer EAGLE-3"),
         ("speculators_dspark", lambda c: c.update(sliding_window_non_causal=False), r"sliding_window_non_causal is false: the draft's sliding layers attend causally"),
     ],
 )

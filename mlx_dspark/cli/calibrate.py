@@ -131,6 +131,8 @@ def cli(
         flags.check_quantize(quantize)
         with flags.load_errors(f"{model} + {draft}"):
             pair = load(model, draft=draft, dtype=dtype, quantize=quantize)
+        if pair.draft is None:
+            fail(f"--draft {draft}: calibrate measures a DSpark draft's block; an EAGLE-3 draft or MTP layers are not calibrated yet")
         group = launched_group()  # under `mlx.launch -n N`: the split target's costs, network included
         if group is not None:
             split_or_follow(pair, group)

@@ -19,6 +19,7 @@ from mlx_dspark.engine.head_choice import HeadChoice
 from mlx_dspark.engine.grammar import GrammarState
 from mlx_dspark.engine.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.engine.logits_processing import LogitsProcessor
+from mlx_dspark.engine.eagle3_propose import Eagle3Proposer, default_block_size
 from mlx_dspark.engine.mtp_propose import DEFAULT_CHAIN, MTPProposer
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
@@ -89,6 +90,8 @@ def make_steps(
         )
     if proposer is None and model.draft is None and getattr(model, "mtp", None) is not None and lookup != "only":
         proposer = _mtp_proposer(model, prompt_ids, options)
+    if proposer is None and model.draft is None and getattr(model, "eagle3", None) is not None and lookup != "only":
+        proposer = _eagle3_proposer(model, prompt_ids, options)
     if speculation.confidence_threshold > 0 and isinstance(proposer, DraftProposer):
         # as llama-server refuses --spec-draft-p-min > 0 for a DSpark draft without a confidence head
         require_confidence_head(
@@ -151,6 +154,17 @@ def _mtp_proposer(model: Any, prompt_ids: list[int], options: GenerationOptions)
         model.mtp, model.target, prompt=prompt_ids,
         greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
         temperature=max(sampling.temperature, 1e-6), block_size=max(DEFAULT_CHAIN, fixed or 0),
+    )  # fmt: skip
+
+
+def _eagle3_proposer(model: Any, prompt_ids: list[int], options: GenerationOptions) -> Eagle3Proposer:
+    """An EAGLE-3 draft: k chained steps per round, k its speculative_tokens unless a fixed length asks more."""
+    sampling, speculation = options.sampling, options.speculation
+    fixed = speculation.max_draft_tokens if isinstance(speculation.max_draft_tokens, int) else None
+    return Eagle3Proposer(
+        model.eagle3, model.target, prompt=prompt_ids,
+        greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
+        temperature=max(sampling.temperature, 1e-6), block_size=max(default_block_size(model.eagle3), fixed or 0),
     )  # fmt: skip
 
 

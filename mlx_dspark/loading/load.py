@@ -25,6 +25,7 @@ from mlx_dspark.models.mlx_lm_target import check_quantized_caches, from_config 
 from mlx_dspark.models.dflash2 import draft_class
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
+from mlx_dspark.loading.eagle3 import build_eagle3, check_options as check_eagle3_options, quantize_eagle3
 from mlx_dspark.loading.mtp import MTP_DRAFT, build_mtp, quantize_mtp
 from mlx_dspark.loading.pair import check_shared_tensors, validate_pair
 from mlx_dspark.loading.precision import (
@@ -38,6 +39,7 @@ from mlx_dspark.loading.rank_vocab import find_rank_file, read_ranked_ids
 from mlx_dspark.loading.tokenizer import load_tokenizer
 from mlx_dspark.models.cache import check_kv_bits
 from mlx_dspark.models.draft_vocab import DraftVocabulary
+from mlx_dspark.models.eagle3_args import is_eagle3_config
 from mlx_dspark.loading.weights import fill_model
 
 
@@ -65,14 +67,16 @@ class LoadedModel:
     target_path: Path
     draft_path: Optional[Path]
     mtp: Optional[nn.Module] = None  # the target's own MTP layers (draft="mtp"), in place of a draft
+    eagle3: Optional[nn.Module] = None  # an EAGLE-3 draft (speculators layout), in place of a DSpark draft
 
 
 def build_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) -> nn.Module:
     """The target model of a checkpoint, its (lazy) weights in place; dtype None: the checkpoint's
     `default_dtype` (a GGUF's compute dtype), else the weights as stored."""
     config, source = checkpoint.config, checkpoint.config_source
-    if is_draft_config(config):
-        raise ValueError(f"{source}: this is a DSpark draft (it has target_layer_ids); pass it as draft=, with its target")
+    if is_draft_config(config) or is_eagle3_config(config):
+        kind = "an EAGLE-3" if is_eagle3_config(config) else "a DSpark"
+        raise ValueError(f"{source}: this is {kind} draft, not a target; pass it as draft=, with its target")
     model = mlx_lm_target_from_config(config, source=source, model_class=target_model_class(config))
     return fill_model(
         model, config, dict(checkpoint.weights), checkpoint.origin,
@@ -165,6 +169,9 @@ def load(
     draft_quantize: the draft's own precision: 4 or 8 bits (its layers; the parts `DRAFT_SOURCE_PRECISION`
       names for that width stay in float), 0 to keep it in float beside a `quantize`d target; None: as `quantize`.
     draft_dtype: the draft's floating dtype, replacing `dtype` for it.
+    draft may also be an EAGLE-3 draft (vLLM speculators layout, `speculators_model_type: eagle3`): it is
+      built into `LoadedModel.eagle3` (models/eagle3.py) and drafts k chained steps; draft_tap_ids /
+      draft_vocab do not apply to it (refused).
     draft "mtp": no separate draft: the target's own multi-token-prediction layers (`mtp.*` in a Qwen3.5 /
       3.6 / 3.8 Hugging Face checkpoint, or in our own conversion of one) propose (`LoadedModel.mtp`).
       "PATH,mtp" (or a list [PATH, "mtp"]): both heads; each round proposes from the one that pays more
@@ -210,11 +217,17 @@ def load(
     tokenizer = load_tokenizer(target_path, target_checkpoint.config, gguf_tokenizer=target_checkpoint.tokenizer,
                                tool_parser=tool_parser)
 
-    draft_model = draft_config = draft_path = None
+    draft_model = draft_config = draft_path = eagle3_model = None
     if draft is not None:
         draft_path = resolve_path(draft, role="draft")
         draft_checkpoint = read_checkpoint(draft_path, role="draft", tap_ids=draft_tap_ids)
         draft_config = draft_checkpoint.config
+    if draft is not None and is_eagle3_config(draft_config):
+        check_eagle3_options(dict(draft_tap_ids=draft_tap_ids, draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file),
+                             source=draft_checkpoint.config_source)  # fmt: skip
+        eagle3_model = build_eagle3(draft_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
+                                    dtype=draft_mx_dtype)  # fmt: skip
+    elif draft is not None:
         draft_model, shared = build_draft(
             draft_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
             dtype=draft_mx_dtype, tap_ids=draft_tap_ids,
@@ -239,6 +252,12 @@ def load(
         if bits:
             quantize_mtp(mtp_model, bits=bits, group_size=q_group_size)
         mx.eval(mtp_model.parameters())
+    if eagle3_model is not None:
+        check_finite_weights(eagle3_model, what=f"EAGLE-3 draft ({draft_path})")
+        bits = quantize if draft_quantize is None else draft_quantize
+        if bits:
+            quantize_eagle3(eagle3_model, bits=bits, group_size=q_group_size)
+        mx.eval(eagle3_model.parameters())
     if draft_model is not None:
         if draft_quantize:  # the draft's own precision: its measured source-precision parts stay in float
             predicate = quant_predicate(draft_model, group_size=q_group_size, keep=DRAFT_SOURCE_PRECISION[draft_quantize])
@@ -266,4 +285,5 @@ def load(
         target_path=target_path,
         draft_path=draft_path,
         mtp=mtp_model,
+        eagle3=eagle3_model,
     )

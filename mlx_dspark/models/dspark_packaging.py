@@ -55,6 +55,9 @@ def check_graph(config: dict, *, source: str) -> None:
             if kind is not None:
                 raise ValueError(f"{source}: field '{where}{key}' is set: this is {kind}, which we do not run; use a DSpark or DFlash draft")
     kind = config.get("speculators_model_type")
+    if kind == "eagle3":  # not a DSpark graph: load(target, draft=...) builds it as models/eagle3.py
+        raise ValueError(f"{source}: speculators_model_type is 'eagle3': an EAGLE-3 draft, not a DSpark / DFlash one; "
+                         "load it as the draft of its target (load(target, draft=...), --draft)")
     if kind is not None and kind not in SPECULATORS_TYPES:
         raise ValueError(
             f"{source}: speculators_model_type is {kind!r}; only {list(SPECULATORS_TYPES)} speculators drafts run here "

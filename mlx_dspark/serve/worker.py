@@ -284,7 +284,10 @@ class ModelWorker:
 
     @property
     def speculative(self) -> bool:
-        return self.model is not None and self.model.draft is not None
+        if self.model is None:
+            return False
+        # a DSpark draft, the target's own MTP layers or an EAGLE-3 draft
+        return any(getattr(self.model, name, None) is not None for name in ("draft", "mtp", "eagle3"))
 
     def submit(self, request: GenerationRequest, *, client_gone: Callable[[], bool] = _never_gone) -> Job:
         if self.state == LOADING:

@@ -1,0 +1,115 @@
+"""What the autoregressive drafters share (a target's own MTP layers, an EAGLE-3 draft): one small layer
+over its own KV cache, chained k steps per proposal, behind the `propose.Proposer` protocol.
+
+Entry t of the drafter's cache pairs the target's features at position t with the token at t + 1, so an
+entry goes in once that token is committed: the round's features wait in `_features` until `commit` has
+given the next tokens. A proposal runs the waiting entries in one forward (`_entries`; its last output
+predicts the first draft), then chains: each further step (`_step`) feeds the drafter's own output and
+the embedding of the draft it just proposed back through the layer (vLLM's and mlx-vlm's chaining). The
+chained entries are speculative: the cache is trimmed back to the committed entries right after the
+proposal, and the next round writes those positions again from the target's states.
+
+Sampled drafting draws from softmax(logits / T) over the target's vocabulary and returns those
+distributions (`draft_probs`), so the round's acceptance (engine/accept.py) stays lossless; greedy
+drafting is argmax (one-hot). A subclass gives `tap_ids`, `cache`, `_entries`, `_step` and `_logits`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+from mlx_dspark.engine.propose import PENDING_LIMIT, Proposal
+
+
+class ChainProposer:
+    takes_logits_hook = True
+    tap_ids: tuple[int, ...]
+    cache: list
+
+    def __init__(self, *, prompt: Sequence[int], greedy: bool, temperature: float, block_size: int, what: str) -> None:
+        """`prompt`: the tokens the prefill will give features for (their next tokens pair with them)."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 {what} steps, got {block_size}")
+        self.greedy, self.temperature = greedy, temperature
+        self.block_size = int(block_size)
+        self.tokens: list[int] = [int(t) for t in prompt]  # the committed sequence (prompt, then rounds)
+        self.entries = 0  # positions in the drafter's cache
+        self._features: list[mx.array] = []  # (1, n, F) features of positions entries .. entries + waiting - 1
+        self._waiting = 0
+        self._last: mx.array | None = None  # (1, 1, C): the drafter's output at the newest entry
+
+    def _entries(self, next_ids: mx.array, features: mx.array) -> mx.array:
+        """Committed entries: tokens (1, n) at t + 1, the target's features (1, n, F) at t -> outputs (1, n, C)."""
+        raise NotImplementedError
+
+    def _step(self, token_ids: mx.array, hidden: mx.array) -> mx.array:
+        """One chained (speculative) entry: the draft just proposed (1, 1), the previous output (1, 1, C)."""
+        raise NotImplementedError
+
+    def _logits(self, hidden: mx.array) -> mx.array:
+        """Outputs (1, 1, C) -> logits over the target's vocabulary (1, 1, V)."""
+        raise NotImplementedError
+
+    def extend(self, features: mx.array) -> None:
+        self._features.append(features)
+        self._waiting += features.shape[1]
+        if self._waiting >= PENDING_LIMIT:
+            self.flush()
+
+    extend_later = extend  # a parked round: the entries wait as any others
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def flush(self) -> None:
+        """Run the waiting entries whose next token is committed through the drafter (one forward)."""
+        ready = min(self._waiting, len(self.tokens) - 1 - self.entries)
+        if ready <= 0:
+            return
+        features = mx.concatenate(self._features, axis=1) if len(self._features) > 1 else self._features[0]
+        rest = features[:, ready:]
+        self._features, self._waiting = ([rest] if rest.shape[1] else []), self._waiting - ready
+        nxt = mx.array(self.tokens[self.entries + 1 : self.entries + 1 + ready], dtype=mx.int32)[None]
+        out = self._entries(nxt, features[:, :ready])  # (1, ready, C)
+        self.entries += ready
+        self._last = out[:, -1:]
+        mx.async_eval(self._last, *(a for c in self.cache for a in (c.keys, c.values) if a is not None))
+
+    def propose(self, anchor: mx.array, *, position: int, num_tokens: int, logits_hook: Callable | None = None) -> Proposal:
+        """Up to `num_tokens` chained drafts for positions position+1 ..; anchor (1,) sits at `position`."""
+        self.flush()
+        assert self.entries == position and self._last is not None, (self.entries, position)
+        h = self._last
+        tokens: list[mx.array] = []
+        token_probs: list[mx.array] = []
+        draft_probs: list[mx.array] = []
+        chained = 0
+        for k in range(num_tokens):
+            if k:
+                h = self._step(tokens[-1][:, None], h)  # a speculative entry
+                chained += 1
+            logits = self._logits(h)[:, -1].astype(mx.float32)  # (1, V)
+            if logits_hook is not None:
+                logits = logits_hook(logits, tokens)
+                if logits is None:  # the hook ends the proposal here
+                    break
+            if self.greedy:
+                token = mx.argmax(logits, axis=-1)
+            else:
+                scaled = logits * (1.0 / self.temperature)
+                token = mx.random.categorical(scaled)
+                draft_probs.append(mx.softmax(scaled, axis=-1))
+            token_probs.append(mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)))
+            tokens.append(token.astype(mx.int32))
+        for c in self.cache:
+            c.trim(chained)  # back to the committed entries (offsets only: the graph keeps its values)
+        if not tokens:
+            empty = mx.zeros((1, 0), mx.int32)
+            return Proposal(tokens=empty, token_probs=empty.astype(mx.float32))
+        return Proposal(
+            tokens=mx.stack(tokens, axis=1),
+            draft_probs=None if self.greedy else mx.stack(draft_probs, axis=1),
+            token_probs=mx.stack(token_probs, axis=1),
+        )
