@@ -91,7 +91,7 @@ def synthetic_cost_curves(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(
         cost_probe, "measure_cost_curve", lambda target, draft: CostCurve.flat(max_width=int(getattr(draft, "num_drafts", 7)) + 1, draft_ms=0.0)
     )
-    monkeypatch.setattr(cost_probe, "measure_mtp_curve", lambda target, mtp: CostCurve.flat(max_width=8, draft_ms=0.0))
+    monkeypatch.setattr(cost_probe, "measure_chain_curve", lambda target, drafter, head: CostCurve.flat(max_width=8, draft_ms=0.0))
     # the same for a batching server's packed-forward costs: every forward costs the same, drafts are free
     flat = lambda target, draft, *, max_batch: batch_length.BatchCost(  # noqa: E731
         rows_ms={1: 1.0, 128: 1.0}, sequences_ms={max(max_batch, 2): 1.0}, draft_ms={1: 0.0}, source="flat (tests)")

@@ -144,5 +144,18 @@ def test_the_mtp_heads_curve_charges_each_chained_draft(dspark_and_mtp, monkeypa
     monkeypatch.undo()  # conftest's synthetic curves: this test measures the chain itself
     monkeypatch.setattr(cost_probe, "measure_cost_curve", lambda target, draft, **kw: CostCurve.flat(max_width=8).with_context(32))
     pair = mlx_dspark.load(str(dspark_and_mtp[0]), draft="mtp")
-    curve = cost_probe.measure_mtp_curve(pair.target, pair.mtp, repeats=2, chain=4)
+    curve = cost_probe.measure_chain_curve(pair.target, pair.mtp, head="mtp", repeats=2, chain=4)
     assert curve.draft_step_ms > 0 and curve.round_ms(3) == pytest.approx(curve.draft_ms + 3 * curve.draft_step_ms + 1.0)
+
+
+def test_an_eagle3_draft_and_the_targets_mtp_layers_are_two_heads_too(dspark_and_mtp, tmp_path):
+    from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
+
+    target = dspark_and_mtp[0]
+    eagle = write_eagle3_draft(tmp_path / "eagle3", target_path=target, seed=3, include_embedding=False)
+    pair = mlx_dspark.load(str(target), draft=f"{eagle},mtp")
+    assert pair.eagle3 is not None and pair.mtp is not None and pair.draft is None
+    pair = prepare_model(pair, RunSettings(ignore_eos=True))
+    plain = mlx_dspark.generate(pair, PROMPT, max_tokens=120, speculative=False).tokens
+    spec = mlx_dspark.generate(pair, PROMPT, max_tokens=120, max_draft_tokens=3, lookup="off")
+    assert spec.tokens == plain and spec.rounds < 120

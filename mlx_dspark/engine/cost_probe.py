@@ -86,9 +86,15 @@ def cost_curve_path(model: Any, cache_dir: Path | None = None, *, head: str = "d
     return (cache_dir or cost_cache_dir()) / f"{cache_key(model, head=head)}.json"
 
 
+CHAIN_HEADS = ("eagle3", "mtp")  # drafts of one forward per draft token (LoadedModel attributes)
+
+
 def default_head(model: Any) -> str:
-    """The head a pair's one curve is for: its draft model, else the target's own MTP layers."""
-    return "mtp" if getattr(model, "draft", None) is None and getattr(model, "mtp", None) is not None else "draft"
+    """The head a pair's one curve is for: its draft model, else its EAGLE-3 draft, else the target's own
+    MTP layers."""
+    if getattr(model, "draft", None) is not None:
+        return "draft"
+    return next((head for head in CHAIN_HEADS if getattr(model, head, None) is not None), "draft")
 
 
 def cost_curve_for(
@@ -100,13 +106,13 @@ def cost_curve_for(
 ) -> CostCurve:
     """The loaded pair's curve on this machine for one draft head (default `default_head`): read from
     `cache_dir` (default `cost_cache_dir()`), else measured (`measure`, default `measure_cost_curve`, or
-    `measure_mtp_curve` for the "mtp" head) and written there."""
+    `measure_chain_curve` for a chained head: "eagle3", "mtp") and written there."""
     head = default_head(model) if head is None else head
     path = cost_curve_path(model, cache_dir, head=head)
     cache_dir = path.parent
     if not path.is_file():
-        if head == "mtp":
-            curve = (measure or measure_mtp_curve)(model.target, model.mtp)
+        if head in CHAIN_HEADS:
+            curve = (measure or measure_chain_curve)(model.target, getattr(model, head), head=head)
         else:
             curve = (measure or measure_cost_curve)(model.target, model.draft)
         write_cached(path, {**curve.to_json(), "source": f"measured at first use, {time.strftime('%Y-%m-%d %H:%M')}",
@@ -153,19 +159,23 @@ def measure_cost_curve(
     return curves[0]
 
 
-def measure_mtp_curve(
-    target: Any, mtp: Any, *, context: int = SHALLOW_CONTEXT, repeats: int = 3, seed: int = 0, chain: int = 4
+def measure_chain_curve(
+    target: Any, drafter: Any, *, head: str = "mtp", context: int = SHALLOW_CONTEXT, repeats: int = 3, seed: int = 0,
+    chain: int = 4,
 ) -> CostCurve:
-    """The curve with the target's own MTP layers as the draft: verify widths as a draft-less pair's, and
-    the chain's cost from proposals of 1 and of `chain` drafts (interleaved, the fastest of `repeats`):
-    `draft_step_ms` per further draft, `draft_ms` the rest of the first (one context depth)."""
-    from mlx_dspark.engine.mtp_propose import MTPProposer  # the probe stays above the proposers it times
+    """The curve of a chained draft (`head`: "mtp", the target's own MTP layers; "eagle3", an EAGLE-3
+    draft): verify widths as a draft-less pair's, and the chain's cost from proposals of 1 and of `chain`
+    drafts (interleaved, the fastest of `repeats`): `draft_step_ms` per further draft, `draft_ms` the rest
+    of the first (one context depth)."""
+    from mlx_dspark.engine.eagle3_propose import Eagle3Proposer  # the probe stays above the proposers it times
+    from mlx_dspark.engine.mtp_propose import MTPProposer
 
+    make = {"mtp": MTPProposer, "eagle3": Eagle3Proposer}[head]
     base = measure_cost_curve(target, None, context=context, deep_context=None, repeats=repeats, seed=seed)
     rng = random.Random(seed + 1)
     depth = min(base.context, (getattr(target.args, "max_position_embeddings", None) or 1 << 30) - chain - 2)
     prompt = [rng.randrange(target.args.vocab_size) for _ in range(depth)]
-    proposer = MTPProposer(mtp, target, prompt=prompt, greedy=True, temperature=1.0, block_size=chain)
+    proposer = make(drafter, target, prompt=prompt, greedy=True, temperature=1.0, block_size=chain)
     logits = prefill(target, target.make_cache(), prompt, tap_ids=proposer.tap_ids, proposer=proposer)
     anchor = mx.argmax(logits).astype(mx.int32).reshape(1)
     proposer.commit([int(anchor.item())])
@@ -178,7 +188,7 @@ def measure_mtp_curve(
                 samples[k].append(1000 * (time.perf_counter() - start))
     one, full = min(samples[1]), min(samples[chain])
     step = max(0.0, (full - one) / max(chain - 1, 1))
-    return dataclasses.replace(base, draft_ms=max(0.0, one - step), draft_step_ms=step, source="measured at first use (MTP chain)")
+    return dataclasses.replace(base, draft_ms=max(0.0, one - step), draft_step_ms=step, source=f"measured at first use ({head} chain)")
 
 
 def _measure_at(

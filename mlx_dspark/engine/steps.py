@@ -75,9 +75,9 @@ def make_steps(
         # caches that roll back a whole lookup block (rejected tokens of a LOOKUP_MAX_TOKENS block)
         prompt_cache = PromptCache(model.target, max_snapshots=0, max_rollback=LOOKUP_MAX_TOKENS)
     draft_length = None
-    if proposer is None and model.draft is not None and getattr(model, "mtp", None) is not None and lookup != "only":
-        # several heads: the round takes the one that pays (head_choice.py); its MTP state is not a prompt
-        # cache's, so the prefill runs cold (a fresh cache; the caller's stays as it was)
+    if proposer is None and len(_head_names(model)) > 1 and lookup != "only":
+        # several heads: the round takes the one that pays (head_choice.py); a chained head's state is not a
+        # prompt cache's, so the prefill runs cold (a fresh cache; the caller's stays as it was)
         proposer, draft_length, speculation = _head_choice(model, prompt_ids, options)
         prompt_cache = PromptCache(model.target, max_snapshots=0, max_rollback=LOOKUP_MAX_TOKENS)
     if proposer is None and model.draft is not None and lookup != "only":
@@ -126,24 +126,34 @@ def make_steps(
     ))
 
 
+def _head_names(model: Any) -> list[str]:
+    """The draft heads a loaded pair carries: its draft model, its EAGLE-3 draft, the target's MTP layers."""
+    return [name for name in ("draft", "eagle3", "mtp") if getattr(model, name, None) is not None]
+
+
 def _head_choice(model: Any, prompt_ids: list[int], options: GenerationOptions) -> tuple[HeadChoice, Any, Any]:
-    """The draft model and the target's MTP layers as two heads, each with its own length policy over its
-    own measured costs (cost_probe: a block draft's forward, the MTP chain per draft); (proposer, policy,
-    the speculation options with the draft head's curve for the round's lookup choice)."""
+    """The pair's heads (a draft model or an EAGLE-3 draft, and the target's MTP layers), each with its own
+    length policy over its own measured costs (cost_probe: a block draft's forward, a chain's cost per
+    draft); (proposer, policy, the speculation options with the first head's curve for the lookup choice)."""
     sampling, speculation = options.sampling, options.speculation
     if speculation.verify_schedule == "confidence" or speculation.confidence_threshold > 0:
         raise ValueError("verify_schedule 'confidence' and confidence_threshold need one draft with a confidence head; "
                          "with several heads (draft and 'mtp') use the defaults")  # fmt: skip
     greedy, temperature = speculation.draft_sampling == "greedy" or sampling.greedy, max(sampling.temperature, 1e-6)
-    heads = {"draft": DraftProposer(model.draft, model.target, greedy=greedy, temperature=temperature),
-             "mtp": _mtp_proposer(model, prompt_ids, options)}  # fmt: skip
-    curves = {"draft": speculation.cost_curve or cost_curve_for(model, head="draft"),
-              # its chain cost is measured, not healed (the healer's round model is a block draft's)
-              "mtp": dataclasses.replace(cost_curve_for(model, head="mtp"), cache_path=None)}  # fmt: skip
+    build = {"draft": lambda: DraftProposer(model.draft, model.target, greedy=greedy, temperature=temperature),
+             "eagle3": lambda: _eagle3_proposer(model, prompt_ids, options), "mtp": lambda: _mtp_proposer(model, prompt_ids, options)}  # fmt: skip
+    names = _head_names(model)
+    heads = {name: build[name]() for name in names}
+    curves = {}
+    for name in names:
+        given = speculation.cost_curve if name == names[0] else None  # --cost-curve-file: the first head's
+        curve = given or cost_curve_for(model, head=name)
+        # a chain's cost is measured, not healed (the healer's round model is a block draft's)
+        curves[name] = curve if name == "draft" else dataclasses.replace(curve, cache_path=None)
     policies = {name: make_draft_length(speculation.max_draft_tokens, speculation.draft_length(int(head.block_size)), curves[name])
                 for name, head in heads.items()}  # fmt: skip
     choice = HeadChoice(heads, policies, curves)
-    return choice, choice, dataclasses.replace(speculation, cost_curve=curves["draft"])
+    return choice, choice, dataclasses.replace(speculation, cost_curve=curves[names[0]])
 
 
 def _mtp_proposer(model: Any, prompt_ids: list[int], options: GenerationOptions) -> MTPProposer:
