@@ -1,12 +1,15 @@
-"""The proposer over a target's own MTP layers (models/mtp_qwen3_5.py), behind the `propose.Proposer` protocol.
+"""The proposer over a target's own MTP layers (models/mtp_qwen3_5.py, models/mtp_deepseek.py), behind the
+`propose.Proposer` protocol.
 
 Entry t of the MTP cache pairs the target's final hidden state at t with the token at t + 1, so an entry
 goes in once that token is committed: the round's features (the final hidden states, tap `FINAL_TAP`)
 wait in `_hidden` until `commit` has given the next tokens. A proposal runs the waiting entries in one
 MTP forward (its last output predicts the first draft), then chains: each further step feeds the MTP's
 own output and the embedding of the draft it just proposed back through the layer (vLLM's and mlx-vlm's
-chaining). The chained entries are speculative: the cache is trimmed back to the committed entries
-right after the proposal, and the next round writes those positions again from the target's states.
+chaining). The MTP module says what its output is (Qwen: normed; DeepSeek / GLM: pre-norm), which
+embedding and head it reads (`embed`, `logits`) and which layer step k runs (`step=`). The chained
+entries are speculative: the cache is trimmed back to the committed entries right after the proposal,
+and the next round writes those positions again from the target's states.
 
 Sampled drafting draws from softmax(logits / T) and returns those distributions (`draft_probs`), so the
 round's acceptance (engine/accept.py) stays lossless; greedy drafting is argmax (one-hot).
@@ -63,7 +66,7 @@ class MTPProposer:
         rest = hidden[:, ready:]
         self._hidden, self._waiting = ([rest] if rest.shape[1] else []), self._waiting - ready
         nxt = mx.array(self.tokens[self.entries + 1 : self.entries + 1 + ready], dtype=mx.int32)[None]
-        out = self.mtp(self.target.embed(nxt), hidden[:, :ready], self.cache)  # (1, ready, C)
+        out = self.mtp(self.mtp.embed(nxt, self.target), hidden[:, :ready], self.cache)  # (1, ready, C)
         self.entries += ready
         self._last = out[:, -1:]
         mx.async_eval(self._last, *(a for c in self.cache for a in (c.keys, c.values) if a is not None))
@@ -76,12 +79,10 @@ class MTPProposer:
         tokens: list[mx.array] = []
         token_probs: list[mx.array] = []
         draft_probs: list[mx.array] = []
-        chained = 0
         for k in range(num_tokens):
             if k:
-                h = self.mtp(self.target.embed(tokens[-1][:, None]), h, self.cache)  # a speculative entry
-                chained += 1
-            logits = self.target.lm_head_logits(h)[:, -1].astype(mx.float32)  # (1, V)
+                h = self.mtp(self.mtp.embed(tokens[-1][:, None], self.target), h, self.cache, step=k)  # a speculative entry
+            logits = self.mtp.logits(h, self.target, step=k)[:, -1].astype(mx.float32)  # (1, V)
             if logits_hook is not None:
                 logits = logits_hook(logits, tokens)
                 if logits is None:  # the hook ends the proposal here
@@ -95,7 +96,7 @@ class MTPProposer:
             token_probs.append(mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)))
             tokens.append(token.astype(mx.int32))
         for c in self.cache:
-            c.trim(chained)  # back to the committed entries (offsets only: the graph keeps its values)
+            c.trim(c.offset - self.entries)  # back to the committed entries (offsets only: the graph keeps its values)
         if not tokens:
             empty = mx.zeros((1, 0), mx.int32)
             return Proposal(tokens=empty, token_probs=empty.astype(mx.float32))
