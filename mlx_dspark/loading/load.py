@@ -25,7 +25,7 @@ from mlx_dspark.models.mlx_lm_target import check_quantized_caches, from_config 
 from mlx_dspark.models.dflash2 import draft_class
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
-from mlx_dspark.loading.mtp import MTP_DRAFT, build_mtp, quantize_mtp
+from mlx_dspark.loading.mtp import MTP_DRAFT, build_mtp, quantize_mtp, target_weights
 from mlx_dspark.loading.pair import check_shared_tensors, validate_pair
 from mlx_dspark.loading.precision import (
     DRAFT_SOURCE_PRECISION,
@@ -61,7 +61,7 @@ def build_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) ->
         raise ValueError(f"{source}: this is a DSpark draft (it has target_layer_ids); pass it as draft=, with its target")
     model = mlx_lm_target_from_config(config, source=source, model_class=target_model_class(config))
     return fill_model(
-        model, config, dict(checkpoint.weights), checkpoint.origin,
+        model, config, target_weights(config, dict(checkpoint.weights)), checkpoint.origin,
         source=str(checkpoint.path), what="target", dtype=checkpoint.default_dtype if dtype is None else dtype, config_name=Path(source).name,
     )  # fmt: skip
 
@@ -151,8 +151,9 @@ def load(
     draft_quantize: the draft's own precision: 4 or 8 bits (its layers; the parts `DRAFT_SOURCE_PRECISION`
       names for that width stay in float), 0 to keep it in float beside a `quantize`d target; None: as `quantize`.
     draft_dtype: the draft's floating dtype, replacing `dtype` for it.
-    draft "mtp": no separate draft: the target's own multi-token-prediction layers (`mtp.*` in a Qwen3.5 /
-      3.6 / 3.8 Hugging Face checkpoint, or in our own conversion of one) propose (`LoadedModel.mtp`).
+    draft "mtp": no separate draft: the target's own multi-token-prediction layers propose (`LoadedModel.mtp`):
+      `mtp.*` in a Qwen3.5 / 3.6 / 3.8 Hugging Face checkpoint, the next-n layer `model.layers.<num_hidden_layers>.*`
+      in a DeepSeek-V3 or GLM-4.5+ one, or either in our own conversion of one.
     draft_vocab: draft over the K most frequent target tokens only (FR-Spec; `models/draft_vocab.py`),
       ranked by `draft_vocab_file` (from `python -m mlx_dspark.rank_vocab`), by default the
       `vocab_rank.json` beside the draft. Lossless: the target still verifies over its full vocabulary.
