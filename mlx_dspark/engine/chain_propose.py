@@ -44,12 +44,13 @@ class ChainProposer:
         """Committed entries: tokens (1, n) at t + 1, the target's features (1, n, F) at t -> outputs (1, n, C)."""
         raise NotImplementedError
 
-    def _step(self, token_ids: mx.array, hidden: mx.array) -> mx.array:
-        """One chained (speculative) entry: the draft just proposed (1, 1), the previous output (1, 1, C)."""
+    def _step(self, token_ids: mx.array, hidden: mx.array, step: int = 0) -> mx.array:
+        """One chained (speculative) entry, the proposal's `step`-th: the draft just proposed (1, 1), the
+        previous output (1, 1, C)."""
         raise NotImplementedError
 
-    def _logits(self, hidden: mx.array) -> mx.array:
-        """Outputs (1, 1, C) -> logits over the target's vocabulary (1, 1, V)."""
+    def _logits(self, hidden: mx.array, step: int = 0) -> mx.array:
+        """Outputs (1, 1, C) of the proposal's `step`-th step -> logits over the target's vocabulary (1, 1, V)."""
         raise NotImplementedError
 
     def extend(self, features: mx.array) -> None:
@@ -85,12 +86,10 @@ class ChainProposer:
         tokens: list[mx.array] = []
         token_probs: list[mx.array] = []
         draft_probs: list[mx.array] = []
-        chained = 0
         for k in range(num_tokens):
             if k:
-                h = self._step(tokens[-1][:, None], h)  # a speculative entry
-                chained += 1
-            logits = self._logits(h)[:, -1].astype(mx.float32)  # (1, V)
+                h = self._step(tokens[-1][:, None], h, step=k)  # a speculative entry
+            logits = self._logits(h, step=k)[:, -1].astype(mx.float32)  # (1, V)
             if logits_hook is not None:
                 logits = logits_hook(logits, tokens)
                 if logits is None:  # the hook ends the proposal here
@@ -104,7 +103,7 @@ class ChainProposer:
             token_probs.append(mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)))
             tokens.append(token.astype(mx.int32))
         for c in self.cache:
-            c.trim(chained)  # back to the committed entries (offsets only: the graph keeps its values)
+            c.trim(c.offset - self.entries)  # back to the committed entries (offsets only: the graph keeps its values)
         if not tokens:
             empty = mx.zeros((1, 0), mx.int32)
             return Proposal(tokens=empty, token_probs=empty.astype(mx.float32))

@@ -36,8 +36,8 @@ class Eagle3Proposer(ChainProposer):
     def _entries(self, next_ids: mx.array, features: mx.array) -> mx.array:
         return self.draft(self.draft.embed(next_ids, self.target), self.draft.fuse(features), self.cache)
 
-    def _step(self, token_ids: mx.array, hidden: mx.array) -> mx.array:
+    def _step(self, token_ids: mx.array, hidden: mx.array, step: int = 0) -> mx.array:
         return self.draft(self.draft.embed(token_ids, self.target), hidden, self.cache)
 
-    def _logits(self, hidden: mx.array) -> mx.array:
+    def _logits(self, hidden: mx.array, step: int = 0) -> mx.array:
         return self.draft.logits(hidden)

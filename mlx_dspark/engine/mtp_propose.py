@@ -1,5 +1,7 @@
-"""The proposer over a target's own MTP layers (models/mtp_qwen3_5.py): a chain_propose.ChainProposer whose
-features are the target's final hidden states (tap `FINAL_TAP`), embedding and LM head the target's own.
+"""The proposer over a target's own MTP layers (models/mtp_qwen3_5.py, models/mtp_deepseek.py): a
+chain_propose.ChainProposer whose features are the target's final hidden states (tap `FINAL_TAP`). The MTP
+module says what its output is (Qwen: normed; DeepSeek / GLM: pre-norm), which embedding and head it reads
+(`embed`, `logits`: its own copies or the target's) and which layer step k runs (`step=`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ class MTPProposer(ChainProposer):
         self.cache = mtp.make_cache()
 
     def _entries(self, next_ids: mx.array, features: mx.array) -> mx.array:
-        return self.mtp(self.target.embed(next_ids), features, self.cache)
+        return self.mtp(self.mtp.embed(next_ids, self.target), features, self.cache)
 
-    def _step(self, token_ids: mx.array, hidden: mx.array) -> mx.array:
-        return self.mtp(self.target.embed(token_ids), hidden, self.cache)
+    def _step(self, token_ids: mx.array, hidden: mx.array, step: int = 0) -> mx.array:
+        return self.mtp(self.mtp.embed(token_ids, self.target), hidden, self.cache, step=step)
 
-    def _logits(self, hidden: mx.array) -> mx.array:
-        return self.target.lm_head_logits(hidden)
+    def _logits(self, hidden: mx.array, step: int = 0) -> mx.array:
+        return self.mtp.logits(hidden, self.target, step=step)

@@ -41,8 +41,7 @@ from mlx_dspark.loading.precision import DRAFT_SOURCE_PRECISION, check_quantize_
 from mlx_dspark.loading.weights import check_tensors
 from mlx_dspark.loading.gguf_convert import convert_gguf
 from mlx_dspark.loading.mlx_output import AUX_FILES, check_destination, clear_outputs, write_config
-from mlx_dspark.loading.mtp import supports_mtp
-from mlx_dspark.models.mtp_qwen3_5 import MTP, PREFIX, MTPArgs, is_raw_hf
+from mlx_dspark.loading.mtp import is_mtp_tensor, mtp_skeleton, target_weights
 
 
 
@@ -123,9 +122,11 @@ def convert(
 
     def sanitize(weights: dict[str, mx.array], file: str) -> dict[str, mx.array]:
         if kind == "target":
-            # the target's own MTP layers (mlx-lm's sanitize drops them) are kept, norms in MLX form
-            own = {PREFIX + k: v for k, v in mtp.sanitize({k: v for k, v in weights.items() if k.startswith(PREFIX)}).items()} if mtp else {}
-            return {**model.sanitize(weights), **own}
+            # the target's own MTP layers (mlx-lm's sanitize drops them) are kept, in MLX form (Qwen's norms
+            # + 1, DeepSeek's / GLM's experts stacked and kv_b_proj split) under the names the loader reads
+            own = {k: v for k, v in weights.items() if is_mtp_tensor(config, k)}
+            own = {mtp.checkpoint_name(k): v for k, v in mtp.sanitize(own).items()} if mtp and own else {}
+            return {**model.sanitize(target_weights(config, weights)), **own}
         weights, _ = canonical_names(weights, dict.fromkeys(weights, file), source=str(src))
         kept = {k: v for k, v in weights.items() if k.startswith(SHARED_PREFIXES)} if keep_shared else {}
         return {**model.sanitize(weights), **kept}
@@ -140,11 +141,11 @@ def convert(
             own = choice if isinstance(choice, dict) else {}
             quant_modules[path] = (own.get("group_size", q_group_size), own.get("bits", q_bits))
     if mtp is not None:
-        expected.update({PREFIX + k: tuple(v.shape) for k, v in tree_flatten(mtp.parameters())})
+        expected.update({mtp.checkpoint_name(k): tuple(v.shape) for k, v in tree_flatten(mtp.parameters())})
         for path, m in mtp.named_modules() if quantize else ():
             if isinstance(m, nn.Linear) and m.weight.shape[-1] % q_group_size == 0:
-                quant_modules[PREFIX + path] = (q_group_size, q_bits)
-        log(f"keeping the target's {mtp.num_layers} MTP layer(s) (mtp.*) for --draft mtp")
+                quant_modules[mtp.checkpoint_name(path + ".weight").removesuffix(".weight")] = (q_group_size, q_bits)
+        log(f"keeping the target's {mtp.num_layers} MTP layer(s) for --draft mtp")
     _check_names(files, sanitize, expected, src=src, what=kind, keep_shared=kind == "draft" and keep_shared)
 
     dst.mkdir(parents=True, exist_ok=True)
@@ -178,15 +179,10 @@ def convert(
     return dst
 
 
-def _mtp_skeleton(config: dict, files: list[Path], *, source: str) -> Optional[MTP]:
-    """The target's MTP layers when its config declares them and its files hold `mtp.*` (headers only);
-    whether the norms are raw HF (w - 1) comes from all files' conv1d shapes, as the loader decides it."""
-    if not supports_mtp(config):
-        return None
+def _mtp_skeleton(config: dict, files: list[Path], *, source: str) -> Optional[nn.Module]:
+    """The target's MTP layers when its config declares them and its files hold them (headers only)."""
     headers = {name: shape for path in files for name, (_, shape) in read_header(path).items()}
-    if not any(name.startswith(PREFIX) for name in headers):
-        return None
-    return MTP(MTPArgs.from_dict(config, source=source), raw_norms=is_raw_hf(headers))
+    return mtp_skeleton(config, headers, source=source)
 
 
 def _check_names(files: list[Path], sanitize, expected: dict[str, tuple], *, src: Path, what: str, keep_shared: bool) -> None:

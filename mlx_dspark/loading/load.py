@@ -26,7 +26,7 @@ from mlx_dspark.models.dflash2 import draft_class
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.eagle3 import build_eagle3, check_options as check_eagle3_options, quantize_eagle3
-from mlx_dspark.loading.mtp import MTP_DRAFT, build_mtp, quantize_mtp
+from mlx_dspark.loading.mtp import MTP_DRAFT, build_mtp, quantize_mtp, target_weights
 from mlx_dspark.loading.pair import check_shared_tensors, validate_pair
 from mlx_dspark.loading.precision import (
     DRAFT_SOURCE_PRECISION,
@@ -79,7 +79,7 @@ def build_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) ->
         raise ValueError(f"{source}: this is {kind} draft, not a target; pass it as draft=, with its target")
     model = mlx_lm_target_from_config(config, source=source, model_class=target_model_class(config))
     return fill_model(
-        model, config, dict(checkpoint.weights), checkpoint.origin,
+        model, config, target_weights(config, dict(checkpoint.weights)), checkpoint.origin,
         source=str(checkpoint.path), what="target", dtype=checkpoint.default_dtype if dtype is None else dtype, config_name=Path(source).name,
     )  # fmt: skip
 
@@ -172,8 +172,9 @@ def load(
     draft may also be an EAGLE-3 draft (vLLM speculators layout, `speculators_model_type: eagle3`): it is
       built into `LoadedModel.eagle3` (models/eagle3.py) and drafts k chained steps; draft_tap_ids /
       draft_vocab do not apply to it (refused).
-    draft "mtp": no separate draft: the target's own multi-token-prediction layers (`mtp.*` in a Qwen3.5 /
-      3.6 / 3.8 Hugging Face checkpoint, or in our own conversion of one) propose (`LoadedModel.mtp`).
+    draft "mtp": no separate draft: the target's own multi-token-prediction layers propose (`LoadedModel.mtp`):
+      `mtp.*` in a Qwen3.5 / 3.6 / 3.8 Hugging Face checkpoint, the next-n layer `model.layers.<num_hidden_layers>.*`
+      in a DeepSeek-V3 or GLM-4.5+ one, or either in our own conversion of one.
       "PATH,mtp" (or a list [PATH, "mtp"]): both heads; each round proposes from the one that pays more
       (engine/head_choice.py).
     draft_vocab: draft over the K most frequent target tokens only (FR-Spec; `models/draft_vocab.py`),

@@ -9,7 +9,7 @@ the target's final *normed* hidden state h_t at position t and the embedding of 
 
 Entry t of the MTP cache sits at RoPE position t. A chain of k > 1 steps feeds `h` (the MTP's own normed
 output) back as the next step's hidden state, beside the embedding of the token it just proposed.
-The embedding and the LM head are the target's (`target.embed`, `target.lm_head_logits`).
+The embedding and the LM head are the target's (`embed`, `logits` take the target).
 
 The layer is mlx-lm's own qwen3_5 `DecoderLayer` built with every layer full attention, so its numerics
 are the target's attention layers'; attribute names are the checkpoint's names without `mtp.`.
@@ -40,6 +40,11 @@ def text_config(config: dict) -> dict:
     """The language model's fields (a multimodal config nests them under `text_config`)."""
     text = config.get("text_config")
     return dict(text) if isinstance(text, dict) else dict(config)
+
+
+def owns(config: dict, name: str) -> bool:
+    """Whether a checkpoint tensor belongs to the MTP layers."""
+    return name.startswith(PREFIX)
 
 
 def mtp_layer_count(config: dict) -> int:
@@ -93,11 +98,14 @@ class MTP(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
-    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: Optional[list[KVCache]] = None) -> mx.array:
+    def embed(self, ids: mx.array, target: Any) -> mx.array:
+        return target.embed(ids)
+
+    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: Optional[list[KVCache]] = None, *, step: int = 0) -> mx.array:
         """embeddings (B, L, C) of tokens t+1, hidden (B, L, C) normed states at t -> normed MTP states (B, L, C).
 
-        With several MTP layers all run in order on every step (mtp_num_hidden_layers is 1 in every
-        published Qwen3.5 checkpoint)."""
+        With several MTP layers all run in order on every step, whatever the `step` (mtp_num_hidden_layers
+        is 1 in every published Qwen3.5 checkpoint)."""
         x = mx.concatenate([self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden.astype(embeddings.dtype))], axis=-1)
         x = self.fc(x)
         cache = cache or [None] * len(self.layers)
@@ -105,6 +113,10 @@ class MTP(nn.Module):
         for layer, c in zip(self.layers, cache):
             x = layer(x, mask=mask, cache=c)
         return self.norm(x)
+
+    def logits(self, h: mx.array, target: Any, *, step: int = 0) -> mx.array:
+        """Normed MTP states (B, L, C) -> (B, L, V) by the target's LM head."""
+        return target.lm_head_logits(h)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """`mtp.*` names without the prefix; raw HF norms + 1 (as mlx-lm's qwen3_5 sanitize does for the target)."""
@@ -115,6 +127,10 @@ class MTP(nn.Module):
                 value = value + 1.0
             out[key] = value
         return out
+
+    def checkpoint_name(self, name: str) -> str:
+        """Our parameter name -> the name a conversion writes."""
+        return PREFIX + name
 
 
 def is_raw_hf(shapes: dict[str, Any]) -> bool:
