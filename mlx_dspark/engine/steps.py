@@ -89,9 +89,9 @@ def make_steps(
             context=None if prompt_cache is None else prompt_cache.draft_context,
         )
     if proposer is None and model.draft is None and getattr(model, "mtp", None) is not None and lookup != "only":
-        proposer = _mtp_proposer(model, prompt_ids, options)
+        proposer = _chain_proposer(model, "mtp", prompt_ids, options)
     if proposer is None and model.draft is None and getattr(model, "eagle3", None) is not None and lookup != "only":
-        proposer = _eagle3_proposer(model, prompt_ids, options)
+        proposer = _chain_proposer(model, "eagle3", prompt_ids, options)
     if speculation.confidence_threshold > 0 and isinstance(proposer, DraftProposer):
         # as llama-server refuses --spec-draft-p-min > 0 for a DSpark draft without a confidence head
         require_confidence_head(
@@ -140,10 +140,9 @@ def _head_choice(model: Any, prompt_ids: list[int], options: GenerationOptions) 
         raise ValueError("verify_schedule 'confidence' and confidence_threshold need one draft with a confidence head; "
                          "with several heads (draft and 'mtp') use the defaults")  # fmt: skip
     greedy, temperature = speculation.draft_sampling == "greedy" or sampling.greedy, max(sampling.temperature, 1e-6)
-    build = {"draft": lambda: DraftProposer(model.draft, model.target, greedy=greedy, temperature=temperature),
-             "eagle3": lambda: _eagle3_proposer(model, prompt_ids, options), "mtp": lambda: _mtp_proposer(model, prompt_ids, options)}  # fmt: skip
     names = _head_names(model)
-    heads = {name: build[name]() for name in names}
+    heads = {name: DraftProposer(model.draft, model.target, greedy=greedy, temperature=temperature) if name == "draft"
+             else _chain_proposer(model, name, prompt_ids, options) for name in names}  # fmt: skip
     curves = {}
     for name in names:
         given = speculation.cost_curve if name == names[0] else None  # --cost-curve-file: the first head's
@@ -156,25 +155,17 @@ def _head_choice(model: Any, prompt_ids: list[int], options: GenerationOptions) 
     return choice, choice, dataclasses.replace(speculation, cost_curve=curves[names[0]])
 
 
-def _mtp_proposer(model: Any, prompt_ids: list[int], options: GenerationOptions) -> MTPProposer:
-    """The target's own MTP layers as the draft (`load(..., draft="mtp")`): k chained steps per round."""
+def _chain_proposer(model: Any, name: str, prompt_ids: list[int], options: GenerationOptions) -> MTPProposer | Eagle3Proposer:
+    """A chained head: the target's own MTP layers (`draft="mtp"`, name "mtp") or an EAGLE-3 draft ("eagle3"):
+    k chained steps per round, k its default unless a fixed length asks more."""
     sampling, speculation = options.sampling, options.speculation
     fixed = speculation.max_draft_tokens if isinstance(speculation.max_draft_tokens, int) else None
-    return MTPProposer(
-        model.mtp, model.target, prompt=prompt_ids,
+    make, drafter, default = ((MTPProposer, model.mtp, DEFAULT_CHAIN) if name == "mtp"
+                              else (Eagle3Proposer, model.eagle3, default_block_size(model.eagle3)))  # fmt: skip
+    return make(
+        drafter, model.target, prompt=prompt_ids,
         greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
-        temperature=max(sampling.temperature, 1e-6), block_size=max(DEFAULT_CHAIN, fixed or 0),
-    )  # fmt: skip
-
-
-def _eagle3_proposer(model: Any, prompt_ids: list[int], options: GenerationOptions) -> Eagle3Proposer:
-    """An EAGLE-3 draft: k chained steps per round, k its speculative_tokens unless a fixed length asks more."""
-    sampling, speculation = options.sampling, options.speculation
-    fixed = speculation.max_draft_tokens if isinstance(speculation.max_draft_tokens, int) else None
-    return Eagle3Proposer(
-        model.eagle3, model.target, prompt=prompt_ids,
-        greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
-        temperature=max(sampling.temperature, 1e-6), block_size=max(default_block_size(model.eagle3), fixed or 0),
+        temperature=max(sampling.temperature, 1e-6), block_size=max(default, fixed or 0),
     )  # fmt: skip
 
 

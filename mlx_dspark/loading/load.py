@@ -247,18 +247,15 @@ def load(
     probe_target(target_model)  # our forward must give mlx-lm's own logits, or the target is refused
     if kv_bits is not None:
         check_quantized_caches(target_model, kv_bits, source=target_source)
-    if mtp_model is not None:
-        check_finite_weights(mtp_model, what=f"MTP layers ({target_path})")
+    for chained, what, quantize_chained in ((mtp_model, f"MTP layers ({target_path})", quantize_mtp),
+                                            (eagle3_model, f"EAGLE-3 draft ({draft_path})", quantize_eagle3)):  # fmt: skip
+        if chained is None:
+            continue
+        check_finite_weights(chained, what=what)
         bits = quantize if draft_quantize is None else draft_quantize
         if bits:
-            quantize_mtp(mtp_model, bits=bits, group_size=q_group_size)
-        mx.eval(mtp_model.parameters())
-    if eagle3_model is not None:
-        check_finite_weights(eagle3_model, what=f"EAGLE-3 draft ({draft_path})")
-        bits = quantize if draft_quantize is None else draft_quantize
-        if bits:
-            quantize_eagle3(eagle3_model, bits=bits, group_size=q_group_size)
-        mx.eval(eagle3_model.parameters())
+            quantize_chained(chained, bits=bits, group_size=q_group_size)
+        mx.eval(chained.parameters())
     if draft_model is not None:
         if draft_quantize:  # the draft's own precision: its measured source-precision parts stay in float
             predicate = quant_predicate(draft_model, group_size=q_group_size, keep=DRAFT_SOURCE_PRECISION[draft_quantize])
