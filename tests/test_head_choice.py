@@ -159,3 +159,22 @@ def test_an_eagle3_draft_and_the_targets_mtp_layers_are_two_heads_too(dspark_and
     plain = mlx_dspark.generate(pair, PROMPT, max_tokens=120, speculative=False).tokens
     spec = mlx_dspark.generate(pair, PROMPT, max_tokens=120, max_draft_tokens=3, lookup="off")
     assert spec.tokens == plain and spec.rounds < 120
+
+
+def test_calibrate_shows_each_heads_own_curve(dspark_and_mtp, tmp_path, monkeypatch):
+    """`calibrate` on a pair of two heads: the block draft's curve, then the MTP chain's with its cost per
+    draft (measured for real on the chain; verify widths stubbed: tests time no target forwards)."""
+    from typer.testing import CliRunner
+
+    from mlx_dspark.cli.calibrate import app
+    from mlx_dspark.engine import cost_probe
+
+    monkeypatch.undo()  # conftest's synthetic curves: the chain is measured here
+    monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(cost_probe, "measure_cost_curve", lambda target, draft, **kw: CostCurve.flat(max_width=8).with_context(32))
+    target, draft = dspark_and_mtp
+    result = CliRunner().invoke(app, ["--model", str(target), "--draft", f"{draft},mtp"])
+    assert result.exit_code == 0, result.output
+    assert "context 32: draft block" in result.output and "head mtp:" in result.output
+    assert "ms per draft" in result.output.split("head mtp:")[1]
+    assert len(list(tmp_path.glob("*.json"))) == 2

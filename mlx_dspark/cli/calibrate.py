@@ -18,12 +18,13 @@ from mlx_dspark.cli.split import launched_group, split_or_follow
 app = typer.Typer(add_completion=False, help="This machine's draft and verify costs for a pair, and what auto draft lengths make of them.")
 
 
-def report(pair, curve, path) -> dict:
-    """What the command prints: the machine, the curve at each depth, break-even acceptances, auto's start."""
-    from mlx_dspark.engine.cost_probe import machine
+def report(pair, curve, path, *, head: str = "draft") -> dict:
+    """What the command prints for one draft head: the machine, the curve at each depth, break-even
+    acceptances, auto's start."""
+    from mlx_dspark.engine.cost_probe import head_block, machine
     from mlx_dspark.engine.draft_length import AutoLength, break_even
 
-    block = int(pair.draft.num_drafts)
+    block = head_block(pair, head)
     depths = [curve] + ([curve.deep] if curve.deep is not None else [])
     rows = []
     for at in depths:
@@ -31,11 +32,13 @@ def report(pair, curve, path) -> dict:
         rows.append({
             "context": at.context,
             "draft_block_ms": at.draft_ms,
+            **({"draft_step_ms": at.draft_step_ms} if at.draft_step_ms else {}),
             "verify_ms": {str(n + 1): ms for n, ms in enumerate(at.verify_ms)},
             "break_even_acceptance": {str(n): break_even(at, n) for n in range(1, cap + 1)},
             "auto_start_length": AutoLength(curve, block).start_length(at.context),
         })  # fmt: skip
-    return {"machine": machine(), "target": str(pair.target_path), "draft": str(pair.draft_path), "cache_file": str(path),
+    draft = str(pair.draft_path) if head != "mtp" else "its own MTP layers"
+    return {"machine": machine(), "target": str(pair.target_path), "draft": draft, "head": head, "cache_file": str(path),
             "source": curve.source, **_trust(path), "depths": rows}  # fmt: skip
 
 
@@ -96,14 +99,18 @@ def format_report(data: dict) -> str:
     for row in data["depths"]:
         verify = " ".join(f"{ms:.2f}" for ms in row["verify_ms"].values())
         even = " ".join("-" if q is None else f"{q:.2f}" for q in row["break_even_acceptance"].values())
+        draft = (f"draft chain {row['draft_block_ms']:.2f} ms + {row['draft_step_ms']:.2f} ms per draft" if "draft_step_ms" in row
+                 else f"draft block {row['draft_block_ms']:.2f} ms")  # fmt: skip
         lines += [
-            f"context {row['context']}: draft block {row['draft_block_ms']:.2f} ms; verify of 1..{len(row['verify_ms'])} tokens: {verify} ms",
+            f"context {row['context']}: {draft}; verify of 1..{len(row['verify_ms'])} tokens: {verify} ms",
             f"  break-even acceptance per position for 1..{len(row['break_even_acceptance'])} drafts: {even} (-: never pays)",
             f"  --max-draft-tokens auto starts at {row['auto_start_length']} drafts per round"
             + (" (parked: plain decoding until acceptance shows drafting pays)" if row["auto_start_length"] == 0 else ""),
         ]
     if data.get("batch") is not None:
         lines += format_batch(data["batch"])
+    for head, other in data.get("other_heads", {}).items():  # a pair of several heads: each one's own curve
+        lines += ["", f"head {head}:", *format_report(other).splitlines()[2:]]
     return "\n".join(lines)
 
 
@@ -119,7 +126,7 @@ def cli(
                                   "at once (what `server --max-batch N` plans draft lengths with), and the plan per width."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    from mlx_dspark.engine.cost_probe import cost_curve_for, cost_curve_path, measure_cost_curve
+    from mlx_dspark.engine.cost_probe import cost_curve_for, cost_curve_path, head_names, measure_chain_curve, measure_cost_curve
     from mlx_dspark.loading.load import load
 
     if model is None:
@@ -131,17 +138,26 @@ def cli(
         flags.check_quantize(quantize)
         with flags.load_errors(f"{model} + {draft}"):
             pair = load(model, draft=draft, dtype=dtype, quantize=quantize)
-        if pair.draft is None:
-            fail(f"--draft {draft}: calibrate measures a DSpark draft's block; an EAGLE-3 draft or MTP layers are not calibrated yet")
         group = launched_group()  # under `mlx.launch -n N`: the split target's costs, network included
         if group is not None:
             split_or_follow(pair, group)
-        path = cost_curve_path(pair)
-        if measure and path.is_file():
-            path.unlink()
-        options = dict(context=512, deep_context=4096, repeats=10) if careful else {}
-        curve = cost_curve_for(pair, measure=lambda target, d: measure_cost_curve(target, d, **options))
-        data = report(pair, curve, path)
+        reports = {}
+        for head in head_names(pair):  # each head's own curve (a chain: its cost per draft)
+            path = cost_curve_path(pair, head=head)
+            if measure and path.is_file():
+                path.unlink()
+            if head == "draft":
+                options = dict(context=512, deep_context=4096, repeats=10) if careful else {}
+                measure_head = lambda target, d: measure_cost_curve(target, d, **options)  # noqa: E731
+            else:
+                options = dict(context=512, repeats=10) if careful else {}
+                measure_head = lambda target, d, head: measure_chain_curve(target, d, head=head, **options)  # noqa: E731
+            reports[head] = report(pair, cost_curve_for(pair, head=head, measure=measure_head), path, head=head)
+        if not reports:
+            fail(f"--draft {draft}: no draft head to calibrate")
+        data, *others = reports.values()
+        if others:
+            data["other_heads"] = {other["head"]: other for other in others}
         if max_batch < 1:
             raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
         if max_batch > 1:

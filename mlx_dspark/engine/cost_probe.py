@@ -89,6 +89,25 @@ def cost_curve_path(model: Any, cache_dir: Path | None = None, *, head: str = "d
 CHAIN_HEADS = ("eagle3", "mtp")  # drafts of one forward per draft token (LoadedModel attributes)
 
 
+def head_names(model: Any) -> list[str]:
+    """The draft heads a loaded pair carries, in the order their curves are named: its draft model, its
+    EAGLE-3 draft, the target's own MTP layers."""
+    return [name for name in ("draft", *CHAIN_HEADS) if getattr(model, name, None) is not None]
+
+
+def head_block(model: Any, head: str) -> int:
+    """The most drafts one proposal of `head` holds (a block draft's block; a chain's default length)."""
+    if head == "draft":
+        return int(model.draft.num_drafts)
+    if head == "mtp":
+        from mlx_dspark.engine.mtp_propose import DEFAULT_CHAIN
+
+        return DEFAULT_CHAIN
+    from mlx_dspark.engine.eagle3_propose import default_block_size
+
+    return default_block_size(model.eagle3)
+
+
 def default_head(model: Any) -> str:
     """The head a pair's one curve is for: its draft model, else its EAGLE-3 draft, else the target's own
     MTP layers."""

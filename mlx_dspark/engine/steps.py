@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 from mlx_dspark.engine.choose import Chooser, RoundCost
 from mlx_dspark.engine.constraints import compile_constraint
-from mlx_dspark.engine.cost_probe import cost_curve_for
+from mlx_dspark.engine.cost_probe import cost_curve_for, head_names
 from mlx_dspark.engine.decode import Round, plain_steps, speculative_steps
 from mlx_dspark.engine.draft_length import make_draft_length
 from mlx_dspark.engine.head_choice import HeadChoice
@@ -75,7 +75,7 @@ def make_steps(
         # caches that roll back a whole lookup block (rejected tokens of a LOOKUP_MAX_TOKENS block)
         prompt_cache = PromptCache(model.target, max_snapshots=0, max_rollback=LOOKUP_MAX_TOKENS)
     draft_length = None
-    if proposer is None and len(_head_names(model)) > 1 and lookup != "only":
+    if proposer is None and len(head_names(model)) > 1 and lookup != "only":
         # several heads: the round takes the one that pays (head_choice.py); a chained head's state is not a
         # prompt cache's, so the prefill runs cold (a fresh cache; the caller's stays as it was)
         proposer, draft_length, speculation = _head_choice(model, prompt_ids, options)
@@ -126,11 +126,6 @@ def make_steps(
     ))
 
 
-def _head_names(model: Any) -> list[str]:
-    """The draft heads a loaded pair carries: its draft model, its EAGLE-3 draft, the target's MTP layers."""
-    return [name for name in ("draft", "eagle3", "mtp") if getattr(model, name, None) is not None]
-
-
 def _head_choice(model: Any, prompt_ids: list[int], options: GenerationOptions) -> tuple[HeadChoice, Any, Any]:
     """The pair's heads (a draft model or an EAGLE-3 draft, and the target's MTP layers), each with its own
     length policy over its own measured costs (cost_probe: a block draft's forward, a chain's cost per
@@ -140,7 +135,7 @@ def _head_choice(model: Any, prompt_ids: list[int], options: GenerationOptions) 
         raise ValueError("verify_schedule 'confidence' and confidence_threshold need one draft with a confidence head; "
                          "with several heads (draft and 'mtp') use the defaults")  # fmt: skip
     greedy, temperature = speculation.draft_sampling == "greedy" or sampling.greedy, max(sampling.temperature, 1e-6)
-    names = _head_names(model)
+    names = head_names(model)
     heads = {name: DraftProposer(model.draft, model.target, greedy=greedy, temperature=temperature) if name == "draft"
              else _chain_proposer(model, name, prompt_ids, options) for name in names}  # fmt: skip
     curves = {}
