@@ -181,3 +181,19 @@ def test_a_target_with_sliding_window_caches_is_refused_for_tree_rounds():
     proposer = RankedProposer([1] * 40, prompt_len=len(PROMPT), vocab_size=VOCAB)
     with pytest.raises(ValueError, match="attention-only full-KV targets first"):
         next(tree_steps(target, proposer, PROMPT, num_nodes=8, max_depth=4))
+
+
+def test_generate_with_tree_nodes_and_a_prompt_cache_is_plain_decoding_over_two_turns(tiny_qwen3_pair):
+    import mlx_dspark
+
+    pair = mlx_dspark.load(str(tiny_qwen3_pair[0]), draft=str(tiny_qwen3_pair[1]))
+    first = list(range(5, 25))
+    plain = mlx_dspark.generate(pair, first, max_tokens=40, speculative=False)
+    cache = mlx_dspark.make_prompt_cache(pair)
+    tree = mlx_dspark.generate(pair, first, max_tokens=40, tree_nodes=12, lookup="off", prompt_cache=cache)
+    assert tree.tokens == plain.tokens
+    second = first + list(tree.tokens) + [7, 8, 9]
+    plain = mlx_dspark.generate(pair, second, max_tokens=30, speculative=False)
+    tree = mlx_dspark.generate(pair, second, max_tokens=30, tree_nodes=12, lookup="off", prompt_cache=cache)
+    assert tree.tokens == plain.tokens
+    assert tree.cached_tokens > 0

@@ -71,15 +71,13 @@ class RankedProposer:
         return Proposal(tokens=mx.array([tokens], dtype=mx.int32) + paid)
 
     def tree_children(self, anchor: mx.array, *, position: int, depth: int):
-        rows = []
         mass = [self.top1, self.top2 - self.top1, 0.9 * (1 - self.top2)]
         rest = math.log(0.1 * (1 - self.top2) / (self.vocab_size - 3))
-        for k in range(1, depth + 1):
-            row = [rest] * self.vocab_size
-            for token, p in zip(self.ranked(position + k), mass):
-                row[token] = math.log(p)
-            rows.append(row)
-        logprobs = mx.array(rows, dtype=mx.float32) + self._paid(anchor, position, depth).astype(mx.float32)
+        rows = [k for k in range(depth) for _ in mass]
+        columns = [token for k in range(1, depth + 1) for token in self.ranked(position + k)]
+        logprobs = mx.full((depth, self.vocab_size), rest, dtype=mx.float32)
+        logprobs[mx.array(rows), mx.array(columns)] = mx.log(mx.array(mass * depth, dtype=mx.float32))
+        logprobs = logprobs + self._paid(anchor, position, depth).astype(mx.float32)
 
         def children(d: int, parents: mx.array, state: Any) -> tuple[mx.array, Any]:
             return logprobs[d - 1][None], None

@@ -49,7 +49,7 @@ def tree_problem(target: Any, caches: Sequence[Any]) -> Optional[str]:
     kinds = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
     if kinds:
         return f"{REFUSAL}; model_type {target.mlx_lm_model_type!r} has {', '.join(kinds)} caches"
-    if not getattr(target, "_dspark_packed_dispatch", None):
+    if getattr(target, "_dspark_packed_dispatch", None) is None:  # once per target (the packed forward's too)
         object.__setattr__(target, "_dspark_packed_dispatch", install_dispatch(target))
     if not target._dspark_packed_dispatch:
         return f"model_type {target.mlx_lm_model_type!r}: its attention does not call mlx-lm's scaled_dot_product_attention"
@@ -67,6 +67,9 @@ def tree_target_forward(
 ) -> tuple[mx.array, Optional[mx.array]]:
     """tokens (T,) = [anchor, nodes] at `positions` (T,), `ancestors` (T, T) bool -> (logits (T, V),
     features (1, T, F) or None). The caches take all T rows (`keep_path` keeps the accepted ones)."""
+    problem = tree_problem(target, caches)
+    if problem is not None:
+        raise ValueError(problem)
     total = tokens.shape[0]
     tap_ids = check_tap_ids(tap_ids, target.args.num_hidden_layers)
     offset = caches[0].offset
