@@ -197,3 +197,12 @@ def test_generate_with_tree_nodes_and_a_prompt_cache_is_plain_decoding_over_two_
     tree = mlx_dspark.generate(pair, second, max_tokens=30, tree_nodes=12, lookup="off", prompt_cache=cache)
     assert tree.tokens == plain.tokens
     assert tree.cached_tokens > 0
+
+
+def test_a_dflash2_draft_is_refused_for_tree_rounds(qwen3):
+    target, _ = qwen3
+    draft = make_draft(target, layers=1, dflash2=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=4))
+    model = SimpleNamespace(target=target, draft=draft, mtp=None, eagle3=None)
+    options = GenerationOptions(speculation=SpeculationOptions(tree_nodes=8, lookup="off"))
+    with pytest.raises(ValueError, match="tree rounds need a DSpark block draft"):
+        make_steps(model, PROMPT, options, None, None, None)

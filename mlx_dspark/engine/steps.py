@@ -135,14 +135,14 @@ def _tree_rounds(
 ) -> Iterator[Round]:  # fmt: skip
     """Tree rounds (tree_steps.py) with the pair's DSpark draft, or a given proposer that grows trees."""
     speculation = options.speculation
-    if proposer is None and getattr(model.draft, "tree_children", None) is not None:
+    if proposer is None and getattr(model.draft, "grows_trees", False):
         proposer = DraftProposer(
             model.draft, model.target, greedy=True, temperature=1.0,
             context=None if prompt_cache is None else prompt_cache.draft_context,
         )  # fmt: skip
     if proposer is None or not hasattr(proposer, "tree_children"):
         raise ValueError(f"tree_nodes {speculation.tree_nodes}: tree rounds need a DSpark block draft "
-                         "(this pair has none, or only MTP / EAGLE-3 heads); use tree_nodes 0")  # fmt: skip
+                         "(this pair has none, a DFlash 2 draft, or only MTP / EAGLE-3 heads); use tree_nodes 0")  # fmt: skip
     return _flushed(proposer, tree_steps(
         model.target, proposer, prompt_ids, num_nodes=speculation.tree_nodes,
         max_depth=speculation.draft_length(int(proposer.block_size)), max_tokens=options.max_tokens,

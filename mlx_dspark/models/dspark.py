@@ -296,9 +296,18 @@ class DSparkDraft(nn.Module):
             base = target.lm_head_logits(hidden).astype(mx.float32)  # one LM head matmul
         return hidden, self.cap_logits(base)
 
+    @property
+    def grows_trees(self) -> bool:
+        """Whether `tree_children` gives this draft's own distributions (a subclass with its own heads, DFlash 2's
+        candidate selector, does not)."""
+        return type(self).propose_from_block is DSparkDraft.propose_from_block
+
     def tree_children(self, anchor: mx.array, ctx: list[ContextCache], *, target: Any, depth: int) -> TreeChildren:
         """The draft's distributions for a token tree after `anchor` (1,) (engine/tree.py grows it): one block
         forward, then the Markov head's conditional logits per parent token (dspark_tree.py)."""
+        if not self.grows_trees:
+            raise ValueError(f"{type(self).__name__} drafts through its own heads: token trees grow from DSpark's "
+                             "Markov-head or marginal distributions only; use tree_nodes 0")  # fmt: skip
         if not 1 <= depth <= self.num_drafts:
             raise ValueError(f"depth must be in [1, {self.num_drafts}] (the draft tokens of one block), got {depth}")
         hidden, base = self.block_logits(self.block_hidden(anchor, ctx, target=target), target=target, num_tokens=depth)
