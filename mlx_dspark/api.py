@@ -90,6 +90,8 @@ def stream_generate(
     (constrained decoding), "none" offers no tools.
     `lookup` "on" adds prompt-lookup drafts beside the draft, "only" without it; `fast_forward` verifies
     a constraint's forced runs in the round's block (engine/choose.py).
+    `tree_nodes` > 0 verifies a best-first tree of that many draft nodes per round instead of a chain
+    (engine/tree_steps.py): greedy, with `lookup="off"`, a DSpark draft and an attention-only full-KV target.
     """
     built = GenerationOptions.from_keywords(**option_keywords)  # a TypeError naming a keyword that is no option
     if options is None:

@@ -28,6 +28,7 @@ LOOKUP_MODES = ("off", "on", "only")
 PREFILL_STEP_SIZE = 512  # prompt tokens per prefill forward: bounds the memory of long prompts
 SEED_MAX = 2**64 - 1  # MLX seeds its generator with an unsigned 64-bit integer
 MAX_LOGPROBS = 20  # the most alternatives a step reports per token (OpenAI's top_logprobs limit)
+MAX_TREE_NODES = 64  # the most draft nodes one tree round verifies
 
 
 class OptionError(ValueError):
@@ -139,6 +140,9 @@ class SpeculationOptions:
     lookup: str = "on"
     # With a constraint: verify the grammar's forced runs (its only continuation) in the round's block
     fast_forward: bool = True
+    # Tree rounds (tree_steps.py): verify a best-first tree of at most this many draft nodes per round
+    # (greedy, lookup off, a DSpark draft, an attention-only full-KV target); 0: chain rounds
+    tree_nodes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.speculative, bool):
@@ -161,6 +165,19 @@ class SpeculationOptions:
             raise OptionError("verify_schedule", self.verify_schedule, f"one of {', '.join(VERIFY_SCHEDULES)}")
         if self.cost_curve is not None and not isinstance(self.cost_curve, CostCurve):
             raise OptionError("cost_curve", self.cost_curve, "a schedule.CostCurve, or none for this machine's")
+        if not (_is_int(self.tree_nodes) and 0 <= self.tree_nodes <= MAX_TREE_NODES):
+            raise OptionError("tree_nodes", self.tree_nodes, f"an integer in [0, {MAX_TREE_NODES}] (0: chain rounds)")
+        if self.tree_nodes:
+            chain_only = {
+                "lookup": self.lookup != "off", "verify_schedule": self.verify_schedule != "fixed",
+                "p_min": self.p_min > 0, "confidence_threshold": self.confidence_threshold > 0,
+            }  # fmt: skip
+            named = [name for name, chain in chain_only.items() if chain]
+            if named:
+                raise OptionError(
+                    "tree_nodes", self.tree_nodes, f"0 while {', '.join(named)} set (chain-round options; for tree rounds "
+                    "set lookup 'off' and leave verify_schedule, p_min, confidence_threshold at their defaults)",
+                )  # fmt: skip
 
     @property
     def auto_length(self) -> bool:
@@ -229,10 +246,29 @@ class GenerationOptions:
             raise OptionError("logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}], or none to turn them off")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise OptionError("constraint", self.constraint, "a constraints.Constraint (Constraint.json_schema(...), .regex(...), ...)")
+        self._check_tree_rounds()
         # Stored as tuples (empty stop strings dropped) and a copied dict, so the object cannot change later.
         object.__setattr__(self, "stop", tuple(s for s in stop if s))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         object.__setattr__(self, "chat_template_kwargs", None if kwargs is None else dict(kwargs))
+
+    def _check_tree_rounds(self) -> None:
+        """Tree rounds are greedy and unprocessed: sampled trees (SpecInfer's multi-candidate rejection) and
+        logits processing over a tree's branches are not implemented."""
+        tree_nodes = self.speculation.tree_nodes
+        if not tree_nodes:
+            return
+        sampling = self.sampling
+        refused = {
+            "temperature > 0": not sampling.greedy, "logprobs": self.logprobs is not None,
+            "a constraint": self.constraint is not None, "penalties": sampling.has_penalties, "logit_bias": bool(sampling.logit_bias),
+        }  # fmt: skip
+        named = [name for name, on in refused.items() if on]
+        if named:
+            raise OptionError(
+                "tree_nodes", tree_nodes, f"0 with {', '.join(named)}: tree rounds verify greedily without logits "
+                "processing (sampled trees are not implemented)",
+            )  # fmt: skip
 
     @classmethod
     def from_keywords(cls, **keywords: Any) -> GenerationOptions:

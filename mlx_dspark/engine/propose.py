@@ -147,3 +147,9 @@ class DraftProposer:
             token_probs=out.token_probs,
             confidence=out.confidence,
         )
+
+    def tree_children(self, anchor: mx.array, *, position: int, depth: int) -> Any:
+        """The draft's distributions for a token tree `depth` deep after `anchor` (engine/tree.grow_tree's
+        `children`): the Markov head's conditional logits per parent (models/dspark_tree.py)."""
+        self._catch_up()
+        return self.draft.tree_children(anchor, self.context, target=self.target, depth=depth)

@@ -25,6 +25,7 @@ from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import DraftProposer, Proposer
 from mlx_dspark.engine.schedule import require_confidence_head
+from mlx_dspark.engine.tree_steps import tree_steps
 
 
 def compile_request(model: Any, options: GenerationOptions) -> GrammarState | None:
@@ -70,6 +71,8 @@ def make_steps(
     if not speculation.speculative:
         return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
                            prefill_step_size=step_size, cancel=cancel, processor=processor)
+    if speculation.tree_nodes:
+        return _tree_rounds(model, prompt_ids, options, proposer, prompt_cache, cancel)
     lookup = speculation.lookup
     if lookup != "off" and prompt_cache is None:
         # caches that roll back a whole lookup block (rejected tokens of a LOOKUP_MAX_TOKENS block)
@@ -124,6 +127,27 @@ def make_steps(
         processor=processor,
         draft_length=draft_length,
     ))
+
+
+def _tree_rounds(
+    model: Any, prompt_ids: list[int], options: GenerationOptions, proposer: Proposer | None,
+    prompt_cache: PromptCache | None, cancel: threading.Event | None,
+) -> Iterator[Round]:  # fmt: skip
+    """Tree rounds (tree_steps.py) with the pair's DSpark draft, or a given proposer that grows trees."""
+    speculation = options.speculation
+    if proposer is None and getattr(model.draft, "grows_trees", False):
+        proposer = DraftProposer(
+            model.draft, model.target, greedy=True, temperature=1.0,
+            context=None if prompt_cache is None else prompt_cache.draft_context,
+        )  # fmt: skip
+    if proposer is None or not hasattr(proposer, "tree_children"):
+        raise ValueError(f"tree_nodes {speculation.tree_nodes}: tree rounds need a DSpark block draft "
+                         "(this pair has none, a DFlash 2 draft, or only MTP / EAGLE-3 heads); use tree_nodes 0")  # fmt: skip
+    return _flushed(proposer, tree_steps(
+        model.target, proposer, prompt_ids, num_nodes=speculation.tree_nodes,
+        max_depth=speculation.draft_length(int(proposer.block_size)), max_tokens=options.max_tokens,
+        prefill_step_size=options.prefill_step_size, prompt_cache=prompt_cache, cancel=cancel,
+    ))  # fmt: skip
 
 
 def _head_choice(model: Any, prompt_ids: list[int], options: GenerationOptions) -> tuple[HeadChoice, Any, Any]:

@@ -24,6 +24,7 @@ from mlx_dspark.models import family_module
 from mlx_dspark.models.dspark_args import DraftArgs
 from mlx_dspark.models.draft_vocab import DraftVocabulary
 from mlx_dspark.models.dspark_heads import ConfidenceHead, Proposal, draft_tokens, make_markov_head
+from mlx_dspark.models.dspark_tree import TreeChildren
 from mlx_dspark.models import d2t
 
 __all__ = ["SHARED_PREFIXES", "DSparkDraft", "DraftArgs", "DecoderLayer", "block_mask"]
@@ -266,17 +267,7 @@ class DSparkDraft(nn.Module):
     ) -> Proposal:
         """The heads of `propose` over a block forward's output `block` (B, block_size, H) (models/packed.py
         computes it for several sequences at once)."""
-        first = self.args.packaging.first_draft_row
-        hidden = block[:, first : first + num_tokens]  # o(1..K), (B, K, H)
-        draft_ids = getattr(self, d2t.PARAMETER_NAME, None)
-        vocabulary = self.vocabulary
-        if draft_ids is not None:
-            base = self.lm_head(hidden).astype(mx.float32)  # z(1..K) over the draft's own rows (d2t)
-        elif vocabulary is not None:
-            base = vocabulary.logits(hidden).astype(mx.float32)  # over the reduced vocabulary's rows (FR-Spec)
-        else:
-            base = target.lm_head_logits(hidden).astype(mx.float32)  # one LM head matmul
-        base = self.cap_logits(base)
+        hidden, base = self.block_logits(block, target=target, num_tokens=num_tokens)
         return draft_tokens(
             anchor,
             hidden,
@@ -286,11 +277,47 @@ class DSparkDraft(nn.Module):
             confidence_with_markov=self.args.confidence_head_with_markov,
             greedy=greedy,
             temperature=temperature,
-            draft_to_target=draft_ids,
+            draft_to_target=getattr(self, d2t.PARAMETER_NAME, None),
             vocab_size=self.args.vocab_size,
-            vocabulary=vocabulary,
+            vocabulary=self.vocabulary,
             logits_hook=logits_hook,
         )
+
+    def block_logits(self, block: mx.array, *, target: Any, num_tokens: int) -> tuple[mx.array, mx.array]:
+        """(o(1..K) (B, K, H), the base logits z(1..K) (B, K, V') float32, capped) of a block forward's output;
+        V' is the draft's rows (a `d2t` head or a reduced vocabulary's), else the target's vocabulary."""
+        first = self.args.packaging.first_draft_row
+        hidden = block[:, first : first + num_tokens]  # o(1..K), (B, K, H)
+        if getattr(self, d2t.PARAMETER_NAME, None) is not None:
+            base = self.lm_head(hidden).astype(mx.float32)  # z(1..K) over the draft's own rows (d2t)
+        elif self.vocabulary is not None:
+            base = self.vocabulary.logits(hidden).astype(mx.float32)  # over the reduced vocabulary's rows (FR-Spec)
+        else:
+            base = target.lm_head_logits(hidden).astype(mx.float32)  # one LM head matmul
+        return hidden, self.cap_logits(base)
+
+    @property
+    def grows_trees(self) -> bool:
+        """Whether `tree_children` gives this draft's own distributions (a subclass with its own heads, DFlash 2's
+        candidate selector, does not)."""
+        return type(self).propose_from_block is DSparkDraft.propose_from_block
+
+    def tree_children(self, anchor: mx.array, ctx: list[ContextCache], *, target: Any, depth: int) -> TreeChildren:
+        """The draft's distributions for a token tree after `anchor` (1,) (engine/tree.py grows it): one block
+        forward, then the Markov head's conditional logits per parent token (dspark_tree.py)."""
+        if not self.grows_trees:
+            raise ValueError(f"{type(self).__name__} drafts through its own heads: token trees grow from DSpark's "
+                             "Markov-head or marginal distributions only; use tree_nodes 0")  # fmt: skip
+        if not 1 <= depth <= self.num_drafts:
+            raise ValueError(f"depth must be in [1, {self.num_drafts}] (the draft tokens of one block), got {depth}")
+        hidden, base = self.block_logits(self.block_hidden(anchor, ctx, target=target), target=target, num_tokens=depth)
+        draft_ids = getattr(self, d2t.PARAMETER_NAME, None)
+        vocabulary = self.vocabulary
+        return TreeChildren(
+            hidden[0], base[0], markov_head=getattr(self, "markov_head", None), vocab_size=self.args.vocab_size,
+            row_ids=draft_ids if draft_ids is not None else (None if vocabulary is None else vocabulary.ids),
+            markov_out=None if vocabulary is None else vocabulary.markov_bias,
+        )  # fmt: skip
 
 
 # q/k projections and norms a `rope_is_neox_style: false` checkpoint stores in interleaved order

@@ -1,0 +1,103 @@
+"""The tree round (issue 37): propose a token tree, verify it in one forward, commit the accepted path.
+
+propose: the draft's per-position distributions (its Markov head's conditional logits per parent) grow
+a best-first tree of at most B nodes (tree.py; one host read) -> verify: [anchor, nodes] in one target
+forward, each node at the anchor's position plus its depth, seeing the cache and its ancestors only
+(models/tree_verify.py) -> accept: the longest path of nodes equal to the target's argmax at their
+parent (tree_accept.py; the round's host read) -> commit: the caches keep the anchor and that path's
+rows only, the draft context takes their features -> the bonus is the next anchor.
+
+Greedy only, without logits processing, lookup or draft-length policies: the options refuse the rest
+(options.py, `tree_nodes`). A proposer grows trees through `tree_children(anchor, position=, depth=)`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator, Sequence
+
+import mlx.core as mx
+
+from mlx_dspark.engine.decode import Round, _check_cancel, _commit, prefill_cached
+from mlx_dspark.engine.logits_processing import LogitsProcessor
+from mlx_dspark.engine.options import PREFILL_STEP_SIZE
+from mlx_dspark.engine.prompt_cache import PromptCache
+from mlx_dspark.engine.propose import Proposer
+from mlx_dspark.engine.tree import Tree, grow_tree
+from mlx_dspark.engine.tree_accept import accept_tree_greedy
+from mlx_dspark.models.tree_verify import keep_path, tree_problem, tree_target_forward
+
+
+def tree_steps(
+    target: Any,
+    proposer: Proposer,
+    prompt: Sequence[int],
+    *,
+    num_nodes: int,
+    max_depth: int,
+    max_tokens: int | None = None,
+    prefill_step_size: int = PREFILL_STEP_SIZE,
+    prompt_cache: PromptCache | None = None,
+    cancel: threading.Event | None = None,
+) -> Iterator[Round]:
+    """Lossless greedy decoding with tree rounds: yields the prefill's token, then one Round per verify.
+
+    Each round verifies a tree of at most `num_nodes` nodes, `max_depth` deep (or what `max_tokens`
+    leaves); a Round's `proposed` counts its nodes, `accepted` the accepted path's length.
+    """
+    prompt_cache = PromptCache(target, max_snapshots=0) if prompt_cache is None else prompt_cache
+    problem = tree_problem(target, prompt_cache.target_cache)
+    if problem is not None:
+        raise ValueError(f"tree_nodes {num_nodes}: {problem}; use tree_nodes 0 (chain rounds)")
+    tap_ids = tuple(proposer.tap_ids)
+    logits = prefill_cached(
+        target, prompt_cache, prompt, tap_ids=tap_ids, proposer=proposer, step_size=prefill_step_size, cancel=cancel
+    )
+    lease, cache = prompt_cache.lease, prompt_cache.target_cache
+    processor = LogitsProcessor.passthrough()
+    anchor = mx.argmax(logits).astype(mx.int32).reshape(1)
+    anchor_id = int(anchor.item())
+    position = len(prompt)  # the anchor's position; caches hold 0 .. position - 1
+    emitted = 1
+    _commit(processor, proposer, [anchor_id])
+    yield Round(tokens=[anchor_id])
+    while True:
+        _check_cancel(cancel)
+        prompt_cache.claim(lease)
+        depth = max_depth if max_tokens is None else max(0, min(max_depth, max_tokens - emitted - 1))
+        tree = Tree(tokens=[], parents=[], depths=[], path_probs=[])
+        if depth and num_nodes:
+            children = proposer.tree_children(anchor, position=position, depth=depth)
+            tree = grow_tree(children, anchor, num_nodes=num_nodes, max_depth=depth)
+        committed, rows, features = _verify(target, cache, tree, anchor_id, position, tap_ids)
+        accepted = len(committed) - 1
+        keep_path(cache, width=tree.size + 1, rows=rows[1:])
+        _commit(processor, proposer, committed)
+        if features is not None:
+            proposer.extend(features[:, mx.array(rows, dtype=mx.int32)])
+        anchor = mx.array(committed[-1:], dtype=mx.int32)
+        position += accepted + 1
+        emitted += accepted + 1
+        prompt_cache.record([anchor_id, *committed[:-1]])  # the bonus, the new anchor, is not in the caches
+        anchor_id = committed[-1]
+        yield Round(tokens=committed, proposed=tree.size, accepted=accepted, verified=True, source="draft" if tree.size else None)
+
+
+def _verify(
+    target: Any, cache: Any, tree: Tree, anchor_id: int, position: int, tap_ids: tuple[int, ...]
+) -> tuple[list[int], list[int], mx.array | None]:
+    """One forward over [anchor, nodes] and its greedy acceptance -> (committed tokens, the accepted path's
+    rows anchor first, the forward's features (1, 1 + B, F) or None)."""
+    ancestors = tree.ancestors()
+    logits, features = tree_target_forward(
+        target, mx.array([anchor_id, *tree.tokens], dtype=mx.int32), cache,
+        positions=tree.positions(position), ancestors=ancestors, tap_ids=tap_ids,
+    )  # fmt: skip
+    acceptance = accept_tree_greedy(
+        node_tokens=mx.array(tree.tokens, dtype=mx.int32), parents=mx.array(tree.parents, dtype=mx.int32),
+        depths=mx.array(tree.depths, dtype=mx.int32), ancestors=ancestors, target_logits=logits.astype(mx.float32),
+        max_depth=tree.max_depth,
+    )  # fmt: skip
+    mx.eval(acceptance.accepted, acceptance.rows, acceptance.tokens)  # the round's host read
+    accepted = int(acceptance.accepted.item())
+    return acceptance.tokens[: accepted + 1].tolist(), acceptance.rows[: accepted + 1].tolist(), features
