@@ -19,10 +19,9 @@ The layer has no embedding or LM head of its own: vLLM reads the target's `model
     logits = lm_head(h)             # token_{t+2}
 
 h_t is the target's final normed hidden state (`FINAL_TAP`). vLLM drafts one token per round with it
-(`spec_step_idx` must be 0). A chain of k > 1 steps feeds the layer's returned state h (normed, what
-vLLM's proposer would keep as the draft's hidden states) back beside the embedding of the token just
-proposed, as MiMo's multi-step training code reuses `mtp_layers[0]` on its own output; step k uses
-layer k mod n.
+(`spec_step_idx` must be 0). Our chain of k > 1 steps feeds the layer's returned state h (normed: what
+vLLM's proposer keeps as a draft model's hidden states, and what the Qwen MTP chain feeds back) beside
+the embedding of the token just proposed; step k uses layer k mod n.
 
 mlx-lm's mimo sanitize drops every `model.mtp_layers.` tensor from the target; `loading/mtp.py` takes them.
 The block is mlx-lm's own mimo `TransformerBlock`, so its numerics are the target's layers'.
