@@ -4,7 +4,8 @@ Two layouts, one per model module (dispatch on model_type):
 - Qwen3.5 / 3.6 / 3.8 (`qwen3_5`): `mtp.*` tensors, `text_config.mtp_num_hidden_layers`
   (`models/mtp_qwen3_5.py`);
 - DeepSeek-V3 (`deepseek_v3`) and GLM-4.5+ (`glm4_moe`): next-n layers at `model.layers.<num_hidden_layers + i>.*`,
-  `num_nextn_predict_layers` (`models/mtp_deepseek.py`).
+  `num_nextn_predict_layers` (`models/mtp_deepseek.py`);
+- MiMo (`mimo`): `model.mtp_layers.<i>.*`, `num_nextn_predict_layers` (`models/mtp_mimo.py`).
 
 mlx-lm's sanitize drops these tensors, so the target model never sees them (we drop them before it too:
 `target_weights`); they are taken here from the same checkpoint into the MTP module. MLX conversions made
@@ -22,10 +23,14 @@ import mlx.nn as nn
 
 from mlx_dspark.loading.checkpoint import Checkpoint, read_header, weight_files
 from mlx_dspark.loading.weights import fill_model
-from mlx_dspark.models import mtp_deepseek, mtp_qwen3_5
+from mlx_dspark.models import mtp_deepseek, mtp_mimo, mtp_qwen3_5
 
 MTP_DRAFT = "mtp"  # the `draft=` / `--draft` value naming the target's own MTP layers
-_MODULES = {**dict.fromkeys(mtp_qwen3_5.MODEL_TYPES, mtp_qwen3_5), **dict.fromkeys(mtp_deepseek.MODEL_TYPES, mtp_deepseek)}
+_MODULES = {
+    **dict.fromkeys(mtp_qwen3_5.MODEL_TYPES, mtp_qwen3_5),
+    **dict.fromkeys(mtp_deepseek.MODEL_TYPES, mtp_deepseek),
+    **dict.fromkeys(mtp_mimo.MODEL_TYPES, mtp_mimo),
+}
 MODEL_TYPES = tuple(_MODULES)
 
 
@@ -36,8 +41,8 @@ def _module(config: dict) -> Any:
 def mtp_layer_count(config: dict) -> int:
     """How many MTP layers a target config declares (0: none, or a family we do not build)."""
     module = _module(config)
-    if module is mtp_qwen3_5:
-        return mtp_qwen3_5.mtp_layer_count(config)
+    if module is mtp_qwen3_5 or module is mtp_mimo:
+        return module.mtp_layer_count(config)
     return mtp_deepseek.nextn_layer_count(config) if module is mtp_deepseek else 0
 
 
@@ -62,7 +67,7 @@ def target_weights(config: dict, weights: dict[str, Any]) -> dict[str, Any]:
 def _tensor_names(config: dict) -> str:
     if _module(config) is mtp_qwen3_5:
         return "mtp.*"
-    return " / ".join(p + "*" for p in mtp_deepseek.layer_prefixes(config))
+    return " / ".join(p + "*" for p in _module(config).layer_prefixes(config))
 
 
 def how_to_get(source: str, config: Optional[dict] = None) -> str:
@@ -82,6 +87,8 @@ def mtp_skeleton(config: dict, shapes: dict[str, Any], *, source: str) -> Option
         return None
     if module is mtp_qwen3_5:
         return mtp_qwen3_5.MTP(mtp_qwen3_5.MTPArgs.from_dict(config, source=source), raw_norms=mtp_qwen3_5.is_raw_hf(shapes))
+    if module is mtp_mimo:  # the embedding and the LM head are always the target's
+        return mtp_mimo.MTP(mtp_mimo.MiMoMTPArgs.from_dict(config, source=source))
     prefixes = mtp_deepseek.layer_prefixes(config)
     return mtp_deepseek.MTP(
         mtp_deepseek.NextNArgs.from_dict(config, source=source),
@@ -106,10 +113,11 @@ def build_mtp(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) -> nn
             f"{source}: draft 'mtp': {field} is absent or 0, so this target carries no MTP "
             "layers; pass a DSpark draft, --draft lookup, or --no-draft"
         )
-    if _module(config) is mtp_deepseek and count > 1:
+    if _module(config) in (mtp_deepseek, mtp_mimo) and count > 1:
+        family = "DeepSeek-V3 / GLM-4.5" if _module(config) is mtp_deepseek else "MiMo-7B"
         raise ValueError(
             f"{source}: draft 'mtp': num_nextn_predict_layers is {count}; only 1 is supported (every published "
-            "DeepSeek-V3 / GLM-4.5 checkpoint has 1: with more, what the later layers' caches hold over the committed "
+            f"{family} checkpoint has 1: with more, what the later layers' caches hold over the committed "
             "positions is not defined by the chained proposal we follow); pass --no-draft or a DSpark draft"
         )
     weights = {k: v for k, v in checkpoint.weights.items() if is_mtp_tensor(config, k)}
