@@ -16,6 +16,10 @@ import typer
 from mlx_dspark.cli.errors import fail
 
 
+PIPELINE_HELP = ("Under mlx.launch: split the target pipeline-parallel (a run of layers per rank, mlx-lm's `pipeline`) "
+                 "instead of tensor-parallel (a slice of every layer, its `shard`; the default where the family has one).")
+
+
 def launched_group() -> Optional[Any]:
     """The group of an `mlx.launch` run with more than one rank, else None (a plain run never touches
     the distributed backend)."""
@@ -27,12 +31,13 @@ def launched_group() -> Optional[Any]:
     return group if group.size() > 1 else None
 
 
-def split_or_follow(pair: Any, group: Any) -> None:
-    """Shard the loaded target over `group`; on rank 0 make it lead and return, elsewhere follow and exit."""
-    from mlx_dspark.models.split_target import SplitTargetError, follow, lead, shard_target
+def split_or_follow(pair: Any, group: Any, *, pipeline: bool = False) -> None:
+    """Split the loaded target over `group` (tensor parallel where mlx-lm's class can, else or with
+    `pipeline` pipeline parallel); on rank 0 make it lead and return, elsewhere follow and exit."""
+    from mlx_dspark.models.split_target import PIPELINE, SplitTargetError, follow, lead, split_target
 
     try:
-        shard_target(pair.target, group)
+        mode = split_target(pair.target, group, mode=PIPELINE if pipeline else None)
     except SplitTargetError as err:
         fail(f"rank {group.rank()}: {err}")
     if group.rank() != 0:
@@ -42,4 +47,4 @@ def split_or_follow(pair: Any, group: Any) -> None:
         raise typer.Exit(0)
     lead(pair.target, group)
     atexit.register(pair.target.release_followers)  # however rank 0 ends (an error line included)
-    typer.echo(f"[mlx_dspark] target split over {group.size()} ranks (tensor parallel); the draft runs on rank 0", err=True)
+    typer.echo(f"[mlx_dspark] target split over {group.size()} ranks ({mode} parallel); the draft runs on rank 0", err=True)
