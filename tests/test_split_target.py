@@ -6,11 +6,15 @@ that cannot be split are one error line on every rank."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -126,3 +130,64 @@ def test_calibrate_measures_the_split_targets_costs(llama_pair, tmp_path):
     result = launched(["--model", target, "--draft", draft], tmp_path, command="mlx_dspark.calibrate")
     assert "Traceback" not in result.stderr and "verify of 1..8 tokens" in result.stdout, result.stderr[-2000:]
     assert "rank 1: followed" in result.stderr  # every measured forward ran on both ranks
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of `rank` among the launcher's descendants (its MLX_RANK), from /proc."""
+    pending, seen = [launcher_pid], set()
+    while pending:
+        pid = pending.pop()
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            for child in (task / "children").read_text().split():
+                if int(child) not in seen:
+                    seen.add(int(child))
+                    pending.append(int(child))
+    for pid in seen:
+        try:
+            if f"MLX_RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks' processes through Linux's /proc")
+@pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL], ids=["hung", "killed"])
+def test_a_rank_lost_mid_generation_ends_the_job_in_one_line(llama_pair, tmp_path, how):
+    # killed: its sockets close and MLX's ring fails the collective; hung (stopped, as a Mac that loses
+    # power or its cable): nothing closes, the others' heartbeats stop hearing it
+    target, draft = map(str, llama_pair)
+    launcher = str(LAUNCH) if LAUNCH.is_file() else shutil.which("mlx.launch")
+    args = ["--model", target, "--draft", draft, "--prompt", "hello", "--max-tokens", "2000", "--max-draft-tokens", "3"]
+    job = subprocess.Popen([launcher, "-n", "2", "--backend", "ring", "--python", sys.executable, "--", "-m",
+                            "mlx_dspark.generate", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           cwd=tmp_path, env=environment(tmp_path / "costs"))  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(job.stderr.readline, "")), daemon=True)
+    reader.start()
+    follower = None
+    try:
+        deadline = time.monotonic() + 90
+        while not any("target split over 2 ranks" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # mid-generation
+        follower = _rank_pid(job.pid, 1)
+        assert follower is not None and job.poll() is None, "".join(lines)
+        os.kill(follower, how)
+        lost_at = time.monotonic()
+        while not any("error: rank 0:" in line for line in lines) and time.monotonic() < lost_at + 20:
+            time.sleep(0.1)
+        waited = time.monotonic() - lost_at
+        errors = [line for line in lines if line.startswith("error: ")]
+        assert errors and waited < 10, f"{waited:.1f} s: " + "".join(lines[-20:])
+        assert len(errors) == 1 and "Traceback" not in "".join(lines)
+        if how == signal.SIGSTOP:
+            assert "rank 1 has not answered" in errors[0]
+        else:  # whichever comes first: the ring's failed collective, or mlx.launch stopping rank 0
+            assert "link to another rank was lost" in errors[0] or "mlx.launch stopped this rank" in errors[0]
+    finally:
+        if follower is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(follower, signal.SIGKILL)
+        job.kill() if job.poll() is None and job.wait(timeout=15) is None else None

@@ -7,6 +7,7 @@ them, an error too)."""
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 from typing import Any, Optional
@@ -34,17 +35,21 @@ def launched_group() -> Optional[Any]:
 def split_or_follow(pair: Any, group: Any, *, pipeline: bool = False) -> None:
     """Split the loaded target over `group` (tensor parallel where mlx-lm's class can, else or with
     `pipeline` pipeline parallel); on rank 0 make it lead and return, elsewhere follow and exit."""
+    from mlx_dspark.cli.rank_watch import lost, watch_ranks
     from mlx_dspark.models.split_target import PIPELINE, SplitTargetError, follow, lead, split_target
 
+    rank = group.rank()
+    watch_ranks(rank)  # a rank that dies or hangs from here on ends the job in one line
+    on_lost = functools.partial(lost, rank)
     try:
         mode = split_target(pair.target, group, mode=PIPELINE if pipeline else None)
     except SplitTargetError as err:
         fail(f"rank {group.rank()}: {err}")
     if group.rank() != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 writes the answer
-        forwards = follow(pair.target, group)
+        forwards = follow(pair.target, group, on_lost=on_lost)
         typer.echo(f"[mlx_dspark] rank {group.rank()}: followed {forwards} target forwards", err=True)
         raise typer.Exit(0)
-    lead(pair.target, group)
+    lead(pair.target, group, on_lost=on_lost)
     atexit.register(pair.target.release_followers)  # however rank 0 ends (an error line included)
     typer.echo(f"[mlx_dspark] target split over {group.size()} ranks ({mode} parallel); the draft runs on rank 0", err=True)

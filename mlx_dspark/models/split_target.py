@@ -21,7 +21,7 @@ back with the same exact rollback as rank 0 (`trim_caches`), right before the ne
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
@@ -30,6 +30,7 @@ from mlx_dspark.models.cache import trim_caches
 
 STOP = -1  # the header rank 0 sends when it is done: followers return
 TENSOR, PIPELINE = "tensor", "pipeline"
+LINK_ERRORS = ("[ring]", "[jaccl]", "[mpi]")  # MLX's backends name themselves in a failed collective's error
 _FOLLOWER_CACHES = 4  # caches a follower keeps (rank 0's generation cache, the cost probe's, ...)
 _HEAD_WIDTHS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "linear_num_key_heads", "linear_num_value_heads")
 
@@ -135,14 +136,25 @@ def _position(cache: Any) -> int:
     return max(offsets)
 
 
+def _evaluated(arrays: list[Any], on_lost: Optional[Callable[[str], None]]) -> None:
+    """`mx.eval(*arrays)`, their collectives included; a link to another rank lost on the way goes to `on_lost`."""
+    try:
+        mx.eval(*arrays)
+    except RuntimeError as err:
+        if on_lost is not None and any(backend in str(err) for backend in LINK_ERRORS):
+            on_lost(f"the link to another rank was lost mid-generation ({err})")
+        raise
+
+
 class LeaderTarget:
-    """Mixin put before rank 0's target class (`lead`): each forward is announced to the followers first."""
+    """Mixin put before rank 0's target class (`lead`): each forward is announced to the followers first
+    and evaluated before it returns, so that a rank lost on the way is noticed here."""
 
     def _announce(self, header: list[int], tokens: Optional[mx.array]) -> None:
         group = self._split_group
-        mx.eval(mx.distributed.all_sum(mx.array(header, dtype=mx.int32), group=group))
+        _evaluated([mx.distributed.all_sum(mx.array(header, dtype=mx.int32), group=group)], self._on_lost)
         if tokens is not None:
-            mx.eval(mx.distributed.all_sum(tokens.astype(mx.int32), group=group))
+            _evaluated([mx.distributed.all_sum(tokens.astype(mx.int32), group=group)], self._on_lost)
 
     def __call__(self, inputs: mx.array, cache: Optional[list[Any]] = None, **kwargs: Any):
         if cache is None:
@@ -156,7 +168,9 @@ class LeaderTarget:
         words = mx.concatenate([inputs.reshape(-1).astype(mx.int32), mx.array(tap_ids, dtype=mx.int32)])
         last_only = int(bool(kwargs.get("last_only", False)))  # a head split over the vocabulary gathers its rows
         self._announce([key, position, int(inputs.shape[1]), len(tap_ids), last_only], words)
-        return super().__call__(inputs, cache=cache, **kwargs)
+        logits, features = super().__call__(inputs, cache=cache, **kwargs)
+        _evaluated([a for a in (logits, features) if a is not None], self._on_lost)
+        return logits, features
 
     def release_followers(self) -> None:
         """The last announcement: the followers return (call it once rank 0 is done, error or not)."""
@@ -171,26 +185,30 @@ class LeaderTarget:
         return super().model_head_logits(h) if whole is None else whole(h)
 
 
-def lead(target: Any, group: Any) -> Any:
-    """Make rank 0's `target` announce its forwards to the followers of `group` (in place; returns it)."""
+def lead(target: Any, group: Any, *, on_lost: Optional[Callable[[str], None]] = None) -> Any:
+    """Make rank 0's `target` announce its forwards to the followers of `group` (in place; returns it);
+    `on_lost(why)` is called when a collective fails because another rank is gone (it should end the process)."""
     cls = type(target)
     target.__class__ = type(f"Leading{cls.__name__}", (LeaderTarget, cls), {})
     target._split_group = group
     target._split_keys = {}
     target._split_count = 0
+    object.__setattr__(target, "_on_lost", on_lost)
     return target
 
 
-def follow(target: Any, group: Any, *, max_rollback: int = 32) -> int:
-    """Run the forwards rank 0 announces until it says STOP; returns how many were run."""
+def follow(target: Any, group: Any, *, max_rollback: int = 32, on_lost: Optional[Callable[[str], None]] = None) -> int:
+    """Run the forwards rank 0 announces until it says STOP; returns how many were run. `on_lost` as `lead`'s."""
     caches: OrderedDict[int, Any] = OrderedDict()
     forwards = 0
     while True:
         header = mx.distributed.all_sum(mx.zeros((5,), dtype=mx.int32), group=group)
+        _evaluated([header], on_lost)
         key, position, length, taps, last_only = (int(v) for v in header.tolist())
         if key == STOP:
             return forwards
         words = mx.distributed.all_sum(mx.zeros((length + taps,), dtype=mx.int32), group=group)
+        _evaluated([words], on_lost)
         tokens, tap_ids = words[:length], tuple(int(i) for i in words[length:].tolist())
         cache = caches.pop(key, None)
         if cache is None:
@@ -204,5 +222,5 @@ def follow(target: Any, group: Any, *, max_rollback: int = 32) -> int:
         if offset > position:
             trim_caches(cache, offset - position)
         logits, _ = target(tokens.reshape(1, length), cache=cache, tap_ids=tap_ids, last_only=bool(last_only))
-        mx.eval(logits)  # a tensor-parallel follower's taps are never evaluated: nothing computes them
+        _evaluated([logits], on_lost)  # a tensor-parallel follower's taps are never evaluated: nothing computes them
         forwards += 1
