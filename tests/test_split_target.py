@@ -191,3 +191,23 @@ def test_a_rank_lost_mid_generation_ends_the_job_in_one_line(llama_pair, tmp_pat
             with contextlib.suppress(ProcessLookupError):
                 os.kill(follower, signal.SIGKILL)
         job.kill() if job.poll() is None and job.wait(timeout=15) is None else None
+
+
+@pytest.mark.slow
+def test_ranks_that_loaded_different_files_are_one_line(llama_pair, tmp_path):
+    # the same relative paths resolve to other files on rank 1 (as two Macs with other copies would):
+    # a python wrapper starts each rank in its own directory
+    target, draft = llama_pair
+    for rank, seed in ((0, 0), (1, 1)):
+        (tmp_path / f"rank{rank}").mkdir()
+        write_tiny_mlx_lm_target(tmp_path / f"rank{rank}" / "target", family="llama", seed=seed)  # same shapes
+        shutil.copytree(draft, tmp_path / f"rank{rank}" / "draft")
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\ncd "{tmp_path}/rank$MLX_RANK" && exec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    launcher = str(LAUNCH) if LAUNCH.is_file() else shutil.which("mlx.launch")
+    result = subprocess.run([launcher, "-n", "2", "--backend", "ring", "--python", str(wrapper), "--", "-m", "mlx_dspark.generate",
+                             "--model", "target", "--draft", "draft", "--prompt", "hi", "--max-tokens", "4"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path, env=environment(tmp_path / "costs"))  # fmt: skip
+    assert "Traceback" not in result.stderr and "exited with code 2" in result.stderr, result.stderr[-2000:]
+    assert "error: rank 0: the ranks did not load the same target (versions, config, weights): differ from this rank's (rank 1: weights)" in result.stderr

@@ -36,12 +36,14 @@ def split_or_follow(pair: Any, group: Any, *, pipeline: bool = False) -> None:
     """Split the loaded target over `group` (tensor parallel where mlx-lm's class can, else or with
     `pipeline` pipeline parallel); on rank 0 make it lead and return, elsewhere follow and exit."""
     from mlx_dspark.cli.rank_watch import lost, watch_ranks
-    from mlx_dspark.models.split_target import PIPELINE, SplitTargetError, follow, lead, split_target
+    from mlx_dspark.loading.fingerprint import target_fingerprint
+    from mlx_dspark.models.split_target import PIPELINE, SplitTargetError, agree, follow, lead, split_target
 
     rank = group.rank()
     watch_ranks(rank)  # a rank that dies or hangs from here on ends the job in one line
     on_lost = functools.partial(lost, rank)
     try:
+        agree(group, target_fingerprint(pair.target_path), what="target (versions, config, weights)")
         mode = split_target(pair.target, group, mode=PIPELINE if pipeline else None)
     except SplitTargetError as err:
         fail(f"rank {group.rank()}: {err}")

@@ -39,6 +39,23 @@ class SplitTargetError(ValueError):
     """A target that cannot be split over this group, said in one line."""
 
 
+def agree(group: Any, parts: dict[str, bytes], *, what: str) -> None:
+    """Every rank holds the same `parts` (name -> a 32-byte digest, the same names in the same order on
+    every rank), else SplitTargetError naming the ranks and parts that differ. One all_gather."""
+    words = mx.array([list(digest[:32]) for digest in parts.values()], dtype=mx.uint8).reshape(-1)
+    gathered = mx.distributed.all_gather(words.astype(mx.int32), group=group).reshape(group.size(), len(parts), 32)
+    mine = gathered[group.rank()]
+    differ = {}
+    for rank in range(group.size()):
+        names = [name for i, name in enumerate(parts) if not mx.array_equal(gathered[rank, i], mine[i]).item()]
+        if names:
+            differ[rank] = names
+    if differ:
+        told = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in sorted(differ.items()))
+        raise SplitTargetError(f"the ranks did not load the same {what}: differ from this rank's ({told}); give every "
+                               "rank the same files at the same path and the same package versions")
+
+
 def split_modes(target: Any) -> tuple[str, ...]:
     """The ways mlx-lm's class of `target` can be split: TENSOR (`shard`), PIPELINE (`model.pipeline`)."""
     if getattr(target, "mlx_lm_model_type", None) is None:
