@@ -1,15 +1,20 @@
-"""A target split over two ranks on this machine (`mlx.launch -n 2 --backend ring`, loopback), tensor
-parallel with mlx-lm's own `shard`: speculative greedy output equals the split target's own plain
-decoding, and a seeded sampled run equals the same run on one machine; targets that cannot be split
-are one error line on every rank."""
+"""A target split over two ranks on this machine (`mlx.launch -n 2 --backend ring`, loopback) with
+mlx-lm's own methods, tensor parallel (`shard`) and pipeline parallel (`pipeline`): speculative greedy
+output equals the split target's own plain decoding and one process's, and a seeded sampled run equals
+the same run on one machine, for a dense llama and a qwen3_5 hybrid in each mode its class has; targets
+that cannot be split are one error line on every rank."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +22,7 @@ import pytest
 from mlx_dspark.testing.mlx_lm_tiny import write_draft_for, write_tiny_mlx_lm_target
 
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
+REPO = Path(__file__).resolve().parents[1]  # the ranks import this checkout's package, whatever is installed
 pytestmark = pytest.mark.skipif(not LAUNCH.is_file() and shutil.which("mlx.launch") is None,
                                 reason="mlx.launch (MLX's launcher) is not installed beside this Python")
 
@@ -28,9 +34,38 @@ def llama_pair(tmp_path_factory):
     return target, write_draft_for(root / "draft", target_path=target)
 
 
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("split-hybrid")
+    target = write_tiny_mlx_lm_target(root / "target", family="qwen3_5")  # 2 GatedDeltaNet + 2 attention layers
+    return target, write_draft_for(root / "draft", target_path=target)
+
+
+HYBRID_RUN = ["--prompt", "hello world", "--max-tokens", "32", "--json", "--max-draft-tokens", "7", "--lookup", "off"]
+SAMPLED = ["--temp", "0.8", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_one_process(hybrid_pair, tmp_path_factory):
+    """The hybrid pair's greedy plain and seeded sampled outputs in one process."""
+    target, draft = map(str, hybrid_pair)
+    common, cwd = ["--model", target, "--draft", draft, *HYBRID_RUN], tmp_path_factory.mktemp("one-process")
+    return tokens(one_process([*common, "--no-draft"], cwd)), tokens(one_process([*common, *SAMPLED], cwd))
+
+
+def environment(costs: Path) -> dict[str, str]:
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, "MLX_DSPARK_COST_DIR": str(costs)}
+
+
+def one_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlx_dspark.generate", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, env=environment(cwd / "c1"))  # fmt: skip
+
+
 def launched(args: list[str], cwd: Path, ranks: int = 2, command: str = "mlx_dspark.generate") -> subprocess.CompletedProcess:
     launcher = str(LAUNCH) if LAUNCH.is_file() else shutil.which("mlx.launch")
-    env = {**os.environ, "MLX_DSPARK_COST_DIR": str(cwd / "costs")}
+    env = environment(cwd / "costs")
     return subprocess.run([launcher, "-n", str(ranks), "--backend", "ring", "--python", sys.executable, "--",
                            "-m", command, *args], capture_output=True, text=True, timeout=240, cwd=cwd,
                           env=env)  # fmt: skip
@@ -55,9 +90,23 @@ def test_speculation_on_a_split_target_is_lossless(llama_pair, tmp_path):
     assert any(int(n) >= 2 for n in summary["draft_lengths"])  # several tokens verified per split forward
     # fixed length, no lookup: the rounds do not depend on either machine's measured costs
     sampled = [*common, "--temp", "0.8", "--seed", "3", "--max-draft-tokens", "7", "--lookup", "off"]
-    one_machine = subprocess.run([sys.executable, "-m", "mlx_dspark.generate", *sampled], capture_output=True, text=True,
-                                 timeout=120, cwd=tmp_path, env={**os.environ, "MLX_DSPARK_COST_DIR": str(tmp_path / "c1")})
-    assert tokens(launched(sampled, tmp_path)) == tokens(one_machine)
+    assert tokens(launched(sampled, tmp_path)) == tokens(one_process(sampled, tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_a_split_hybrid_decodes_as_one_process(hybrid_pair, hybrid_one_process, tmp_path, mode):
+    # qwen3_5: mlx-lm's class has both `shard` (its LM head split over the vocabulary too: the draft reads a
+    # whole copy on rank 0) and `pipeline` (a tap of rank 1's layers reaches the draft on rank 0); every
+    # rejected draft rolls the GatedDeltaNet states back by replaying the layer, on both ranks
+    target, draft = map(str, hybrid_pair)
+    flag = ["--pipeline"] if mode == "pipeline" else []
+    common = ["--model", target, "--draft", draft, *HYBRID_RUN]
+    plain, sampled = hybrid_one_process
+    split = launched([*common, "--compare", *flag], tmp_path)  # speculative, then plain, both on the split target
+    assert tokens(split) == plain and json.loads(split.stdout.strip().splitlines()[-1])["plain"]["identical"]
+    assert f"target split over 2 ranks ({mode} parallel)" in split.stderr and "rank 1: followed" in split.stderr
+    assert tokens(launched([*common, *SAMPLED, *flag], tmp_path)) == sampled
 
 
 @pytest.mark.slow
@@ -70,6 +119,9 @@ def test_a_target_that_cannot_be_split_is_one_line(tiny_spark_pair, llama_pair, 
     result = launched(["--model", target, "--draft", draft, "--prompt", "hi", "--max-tokens", "4"], tmp_path, ranks=3)
     assert "Traceback" not in result.stderr and "exited with code 2" in result.stderr
     assert "not divisible by the 3 ranks" in result.stderr
+    result = launched(["--model", target, "--draft", draft, "--prompt", "hi", "--max-tokens", "4", "--pipeline"], tmp_path)
+    assert "Traceback" not in result.stderr and "exited with code 2" in result.stderr  # mlx-lm's llama has no `pipeline`
+    assert "cannot be split pipeline-parallel over 2 ranks: mlx-lm's class implements tensor-parallel only" in result.stderr
 
 
 @pytest.mark.slow
@@ -78,3 +130,84 @@ def test_calibrate_measures_the_split_targets_costs(llama_pair, tmp_path):
     result = launched(["--model", target, "--draft", draft], tmp_path, command="mlx_dspark.calibrate")
     assert "Traceback" not in result.stderr and "verify of 1..8 tokens" in result.stdout, result.stderr[-2000:]
     assert "rank 1: followed" in result.stderr  # every measured forward ran on both ranks
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of `rank` among the launcher's descendants (its MLX_RANK), from /proc."""
+    pending, seen = [launcher_pid], set()
+    while pending:
+        pid = pending.pop()
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            for child in (task / "children").read_text().split():
+                if int(child) not in seen:
+                    seen.add(int(child))
+                    pending.append(int(child))
+    for pid in seen:
+        try:
+            if f"MLX_RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks' processes through Linux's /proc")
+@pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL], ids=["hung", "killed"])
+def test_a_rank_lost_mid_generation_ends_the_job_in_one_line(llama_pair, tmp_path, how):
+    # killed: its sockets close and MLX's ring fails the collective; hung (stopped, as a Mac that loses
+    # power or its cable): nothing closes, the others' heartbeats stop hearing it
+    target, draft = map(str, llama_pair)
+    launcher = str(LAUNCH) if LAUNCH.is_file() else shutil.which("mlx.launch")
+    args = ["--model", target, "--draft", draft, "--prompt", "hello", "--max-tokens", "2000", "--max-draft-tokens", "3"]
+    job = subprocess.Popen([launcher, "-n", "2", "--backend", "ring", "--python", sys.executable, "--", "-m",
+                            "mlx_dspark.generate", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           cwd=tmp_path, env=environment(tmp_path / "costs"))  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(job.stderr.readline, "")), daemon=True)
+    reader.start()
+    follower = None
+    try:
+        deadline = time.monotonic() + 90
+        while not any("target split over 2 ranks" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # mid-generation
+        follower = _rank_pid(job.pid, 1)
+        assert follower is not None and job.poll() is None, "".join(lines)
+        os.kill(follower, how)
+        lost_at = time.monotonic()
+        while not any("error: rank 0:" in line for line in lines) and time.monotonic() < lost_at + 20:
+            time.sleep(0.1)
+        waited = time.monotonic() - lost_at
+        errors = [line for line in lines if line.startswith("error: ")]
+        assert errors and waited < 10, f"{waited:.1f} s: " + "".join(lines[-20:])
+        assert len(errors) == 1 and "Traceback" not in "".join(lines)
+        if how == signal.SIGSTOP:
+            assert "rank 1 has not answered" in errors[0]
+        else:  # whichever comes first: the ring's failed collective, or mlx.launch stopping rank 0
+            assert "link to another rank was lost" in errors[0] or "mlx.launch stopped this rank" in errors[0]
+    finally:
+        if follower is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(follower, signal.SIGKILL)
+        job.kill() if job.poll() is None and job.wait(timeout=15) is None else None
+
+
+@pytest.mark.slow
+def test_ranks_that_loaded_different_files_are_one_line(llama_pair, tmp_path):
+    # the same relative paths resolve to other files on rank 1 (as two Macs with other copies would):
+    # a python wrapper starts each rank in its own directory
+    target, draft = llama_pair
+    for rank, seed in ((0, 0), (1, 1)):
+        (tmp_path / f"rank{rank}").mkdir()
+        write_tiny_mlx_lm_target(tmp_path / f"rank{rank}" / "target", family="llama", seed=seed)  # same shapes
+        shutil.copytree(draft, tmp_path / f"rank{rank}" / "draft")
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\ncd "{tmp_path}/rank$MLX_RANK" && exec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    launcher = str(LAUNCH) if LAUNCH.is_file() else shutil.which("mlx.launch")
+    result = subprocess.run([launcher, "-n", "2", "--backend", "ring", "--python", str(wrapper), "--", "-m", "mlx_dspark.generate",
+                             "--model", "target", "--draft", "draft", "--prompt", "hi", "--max-tokens", "4"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path, env=environment(tmp_path / "costs"))  # fmt: skip
+    assert "Traceback" not in result.stderr and "exited with code 2" in result.stderr, result.stderr[-2000:]
+    assert "error: rank 0: the ranks did not load the same target (versions, config, weights): differ from this rank's (rank 1: weights)" in result.stderr

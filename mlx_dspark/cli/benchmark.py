@@ -22,7 +22,7 @@ import typer
 
 from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import fail, flag_errors
-from mlx_dspark.cli.split import launched_group, split_or_follow
+from mlx_dspark.cli.split import PIPELINE_HELP, launched_group, split_or_follow
 
 app = typer.Typer(add_completion=False, help="Benchmark DSpark against plain decoding (ours and mlx-lm's).")
 
@@ -117,6 +117,7 @@ def main(
     repeats: int = typer.Option(1, "--repeats", help="Timed repeats per prompt and mode (medians)."),
     seed: flags.Seed = 0,
     out: Path = typer.Option(Path("benchmark-results"), "--out", help="Directory for results.json, results.md, plots."),
+    pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights: float32, bfloat16, float16."),
     quantize: flags.Quantize = None,
     draft_quantize: flags.DraftQuantize = None,
@@ -202,7 +203,7 @@ def main(
         loaded = session.load_pair(options)
     group = launched_group()  # under `mlx.launch -n N`: the target split over the ranks, rank 0 reports
     if group is not None:
-        split_or_follow(loaded, group)
+        split_or_follow(loaded, group, pipeline=pipeline)
     try:
         with flag_errors():  # a dataset line, a model path, or a --max-draft-tokens the loaded draft cannot take
             meta = run_meta(dtype=dtype, quantize=quantize)

@@ -13,7 +13,7 @@ import typer
 
 from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import exit_on_interrupt, fail
-from mlx_dspark.cli.split import launched_group, split_or_follow
+from mlx_dspark.cli.split import PIPELINE_HELP, launched_group, split_or_follow
 
 app = typer.Typer(add_completion=False, help="This machine's draft and verify costs for a pair, and what auto draft lengths make of them.")
 
@@ -125,6 +125,7 @@ def cli(
     max_batch: int = typer.Option(1, "--max-batch", help="Also the packed-forward costs of up to this many requests "
                                   "at once (what `server --max-batch N` plans draft lengths with), and the plan per width."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ) -> None:
     from mlx_dspark.engine.cost_probe import cost_curve_for, cost_curve_path, head_names, measure_chain_curve, measure_cost_curve
     from mlx_dspark.loading.load import load
@@ -140,7 +141,7 @@ def cli(
             pair = load(model, draft=draft, dtype=dtype, quantize=quantize)
         group = launched_group()  # under `mlx.launch -n N`: the split target's costs, network included
         if group is not None:
-            split_or_follow(pair, group)
+            split_or_follow(pair, group, pipeline=pipeline)
         reports = {}
         for head in head_names(pair):  # each head's own curve (a chain: its cost per draft)
             path = cost_curve_path(pair, head=head)

@@ -17,7 +17,7 @@ import typer
 from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import exit_on_interrupt, fail, flag_errors, needs_cost_curve, resolve_cost_curve
 from mlx_dspark.cli.demo import raw_text_prompts
-from mlx_dspark.cli.split import launched_group, split_or_follow
+from mlx_dspark.cli.split import PIPELINE_HELP, launched_group, split_or_follow
 
 app = typer.Typer(add_completion=False, help="Generate text with a target and its DSpark draft.")
 
@@ -94,6 +94,7 @@ def generate(
     max_context: flags.MaxContext = None,
     compare: bool = typer.Option(False, "--compare", help="Also run plain decoding on the same prompt: both speeds, and whether the outputs are identical."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the result instead of streaming."),
+    pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ) -> None:
     """Stream a completion to stdout; a summary goes to stderr."""
     from mlx_dspark.api import ResultCollector, stream_generate
@@ -133,7 +134,7 @@ def generate(
         )  # fmt: skip
     group = launched_group()  # under `mlx.launch -n N`: the target split over the N ranks
     if group is not None:
-        split_or_follow(pair, group)
+        split_or_follow(pair, group, pipeline=pipeline)
 
     if needs_cost_curve(options) and pair.draft is not None and not no_draft:
         with flag_errors():  # a draft without a confidence head; the curve is measured here on first use

@@ -7,6 +7,7 @@ them, an error too)."""
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 from typing import Any, Optional
@@ -14,6 +15,10 @@ from typing import Any, Optional
 import typer
 
 from mlx_dspark.cli.errors import fail
+
+
+PIPELINE_HELP = ("Under mlx.launch: split the target pipeline-parallel (a run of layers per rank, mlx-lm's `pipeline`) "
+                 "instead of tensor-parallel (a slice of every layer, its `shard`; the default where the family has one).")
 
 
 def launched_group() -> Optional[Any]:
@@ -27,19 +32,26 @@ def launched_group() -> Optional[Any]:
     return group if group.size() > 1 else None
 
 
-def split_or_follow(pair: Any, group: Any) -> None:
-    """Shard the loaded target over `group`; on rank 0 make it lead and return, elsewhere follow and exit."""
-    from mlx_dspark.models.split_target import SplitTargetError, follow, lead, shard_target
+def split_or_follow(pair: Any, group: Any, *, pipeline: bool = False) -> None:
+    """Split the loaded target over `group` (tensor parallel where mlx-lm's class can, else or with
+    `pipeline` pipeline parallel); on rank 0 make it lead and return, elsewhere follow and exit."""
+    from mlx_dspark.cli.rank_watch import lost, watch_ranks
+    from mlx_dspark.loading.fingerprint import target_fingerprint
+    from mlx_dspark.models.split_target import PIPELINE, SplitTargetError, agree, follow, lead, split_target
 
+    rank = group.rank()
+    watch_ranks(rank)  # a rank that dies or hangs from here on ends the job in one line
+    on_lost = functools.partial(lost, rank)
     try:
-        shard_target(pair.target, group)
+        agree(group, target_fingerprint(pair.target_path), what="target (versions, config, weights)")
+        mode = split_target(pair.target, group, mode=PIPELINE if pipeline else None)
     except SplitTargetError as err:
         fail(f"rank {group.rank()}: {err}")
     if group.rank() != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 writes the answer
-        forwards = follow(pair.target, group)
+        forwards = follow(pair.target, group, on_lost=on_lost)
         typer.echo(f"[mlx_dspark] rank {group.rank()}: followed {forwards} target forwards", err=True)
         raise typer.Exit(0)
-    lead(pair.target, group)
+    lead(pair.target, group, on_lost=on_lost)
     atexit.register(pair.target.release_followers)  # however rank 0 ends (an error line included)
-    typer.echo(f"[mlx_dspark] target split over {group.size()} ranks (tensor parallel); the draft runs on rank 0", err=True)
+    typer.echo(f"[mlx_dspark] target split over {group.size()} ranks ({mode} parallel); the draft runs on rank 0", err=True)

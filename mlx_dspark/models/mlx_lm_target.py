@@ -52,6 +52,9 @@ class Capture:
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
         self.mode = "off"  # "off" | "forward" | "head"
+        # last_only cuts the last layer's output to one position; a pipeline stage cuts after the backbone
+        # instead (its final state is all-gathered over the ranks: every rank's must have one shape)
+        self.cut_at_last_layer = True
         self.tap_ids: tuple[int, ...] = ()
         self.last_only = False
         self.taps: dict[int, mx.array] = {}
@@ -78,7 +81,7 @@ class Capture:
             return out
         if index in self.tap_ids:
             self.taps[index] = hidden
-        if self.last_only and index == self.num_layers - 1 and FINAL_TAP not in self.tap_ids:
+        if self.last_only and self.cut_at_last_layer and index == self.num_layers - 1 and FINAL_TAP not in self.tap_ids:
             # the final norm and the head then run on the last position only (both are per position)
             hidden = hidden[:, -1:]
             return (hidden, *out[1:]) if isinstance(out, tuple) else hidden
@@ -92,6 +95,7 @@ class Capture:
             self.final = out
             if FINAL_TAP in self.tap_ids:  # every position's final state; the head then reads the last alone
                 self.taps[FINAL_TAP] = out
+            if FINAL_TAP in self.tap_ids or not self.cut_at_last_layer:
                 return out[:, -1:] if self.last_only else out
         return out
 
@@ -214,6 +218,10 @@ class MLXLMTarget:
             self._capture.head_input = None
             self._capture.start("off")
 
+    def _complete_taps(self, logits: mx.array, taps: dict[int, mx.array], tap_ids: tuple[int, ...]) -> dict[int, mx.array]:
+        """The forward's tapped states: the recorded ones (a pipeline stage fetches other ranks' layers')."""
+        return taps
+
     def __call__(
         self,
         inputs: mx.array,
@@ -230,7 +238,7 @@ class MLXLMTarget:
             # and then call the (recording-subclassed) layer itself, so the capture still sees each layer once.
             with recording(self, cache):
                 logits = super().__call__(inputs, cache=cache)
-            taps = capture.taps
+            taps = self._complete_taps(logits, capture.taps, tap_ids)
         finally:
             capture.start("off")
         if not tap_ids:

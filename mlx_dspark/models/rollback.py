@@ -424,7 +424,7 @@ def layer_owner(model: Any) -> Any:
     while pending:
         module = pending.pop(0)
         layers = module.get("layers") if isinstance(module, dict) else None
-        if isinstance(layers, list) and layers and layers[0] is first:
+        if isinstance(layers, list) and any(layer is first for layer in layers):  # a pipeline stage: None before its own
             return module
         pending.extend(v for v in (module.values() if isinstance(module, dict) else ()) if isinstance(v, dict))
     raise ValueError(f"cannot find the decoder layer list of {type(model).__name__}")
@@ -439,7 +439,7 @@ def recording(model: Any, caches: Any) -> Iterator[None]:
     owner = layer_owner(model)
     layers = owner["layers"]
     caches.begin_forward()
-    owner["layers"] = [_RecordedLayer(layer, caches) for layer in layers]
+    owner["layers"] = [None if layer is None else _RecordedLayer(layer, caches) for layer in layers]
     try:
         yield
     finally:
