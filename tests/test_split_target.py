@@ -7,6 +7,7 @@ that cannot be split are one error line on every rank."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -22,6 +23,16 @@ import pytest
 from mlx_dspark.testing.mlx_lm_tiny import write_draft_for, write_tiny_mlx_lm_target
 
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
+_LAUNCHES = itertools.count()
+
+
+def launch_command(ranks: int, python: str) -> list[str]:
+    """mlx.launch on loopback, on ports of this test worker's own: two jobs on one host (xdist workers, CI
+    beside a session) on mlx.launch's default ports connect across jobs."""
+    launcher = str(LAUNCH) if LAUNCH.is_file() else shutil.which("mlx.launch")
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0)
+    port = 21000 + 1000 * worker + 16 * (next(_LAUNCHES) % 60)  # below the ephemeral range (32768..)
+    return [launcher, "-n", str(ranks), "--backend", "ring", "--starting-port", str(port), "--python", python]
 REPO = Path(__file__).resolve().parents[1]  # the ranks import this checkout's package, whatever is installed
 pytestmark = pytest.mark.skipif(not LAUNCH.is_file() and shutil.which("mlx.launch") is None,
                                 reason="mlx.launch (MLX's launcher) is not installed beside this Python")
@@ -64,9 +75,8 @@ def one_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def launched(args: list[str], cwd: Path, ranks: int = 2, command: str = "mlx_dspark.generate") -> subprocess.CompletedProcess:
-    launcher = str(LAUNCH) if LAUNCH.is_file() else shutil.which("mlx.launch")
     env = environment(cwd / "costs")
-    return subprocess.run([launcher, "-n", str(ranks), "--backend", "ring", "--python", sys.executable, "--",
+    return subprocess.run([*launch_command(ranks, sys.executable), "--",
                            "-m", command, *args], capture_output=True, text=True, timeout=240, cwd=cwd,
                           env=env)  # fmt: skip
 
@@ -158,9 +168,8 @@ def test_a_rank_lost_mid_generation_ends_the_job_in_one_line(llama_pair, tmp_pat
     # killed: its sockets close and MLX's ring fails the collective; hung (stopped, as a Mac that loses
     # power or its cable): nothing closes, the others' heartbeats stop hearing it
     target, draft = map(str, llama_pair)
-    launcher = str(LAUNCH) if LAUNCH.is_file() else shutil.which("mlx.launch")
     args = ["--model", target, "--draft", draft, "--prompt", "hello", "--max-tokens", "2000", "--max-draft-tokens", "3"]
-    job = subprocess.Popen([launcher, "-n", "2", "--backend", "ring", "--python", sys.executable, "--", "-m",
+    job = subprocess.Popen([*launch_command(2, sys.executable), "--", "-m",
                             "mlx_dspark.generate", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                            cwd=tmp_path, env=environment(tmp_path / "costs"))  # fmt: skip
     lines: list[str] = []
@@ -205,8 +214,7 @@ def test_ranks_that_loaded_different_files_are_one_line(llama_pair, tmp_path):
     wrapper = tmp_path / "python"
     wrapper.write_text(f'#!/bin/sh\ncd "{tmp_path}/rank$MLX_RANK" && exec "{sys.executable}" "$@"\n')
     wrapper.chmod(0o755)
-    launcher = str(LAUNCH) if LAUNCH.is_file() else shutil.which("mlx.launch")
-    result = subprocess.run([launcher, "-n", "2", "--backend", "ring", "--python", str(wrapper), "--", "-m", "mlx_dspark.generate",
+    result = subprocess.run([*launch_command(2, str(wrapper)), "--", "-m", "mlx_dspark.generate",
                              "--model", "target", "--draft", "draft", "--prompt", "hi", "--max-tokens", "4"],
                             capture_output=True, text=True, timeout=120, cwd=tmp_path, env=environment(tmp_path / "costs"))  # fmt: skip
     assert "Traceback" not in result.stderr and "exited with code 2" in result.stderr, result.stderr[-2000:]

@@ -111,4 +111,10 @@ def watch_ranks(rank: int, *, timeout: float = 5.0) -> Optional[RankWatch]:
     addresses = ring_addresses()
     if addresses is None or len(addresses) < 2:
         return None
-    return RankWatch(rank, addresses, timeout=timeout).start()
+    try:
+        watch = RankWatch(rank, addresses, timeout=timeout)
+    except OSError as err:  # its UDP port taken (another job on this host): run without, said once
+        print(f"warning: rank {rank}: no heartbeat on UDP port {addresses[rank][1]} ({err.strerror}); a rank that "
+              "hangs is not detected in this job", file=sys.stderr, flush=True)
+        return None
+    return watch.start()
