@@ -43,6 +43,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from mlx_dspark.models.mtp_layers import MTPLayers
+
 # model_type -> (mlx-lm's decoder layer class, whether the family's model asks for an array mask)
 FAMILIES = {"deepseek_v3": ("DeepseekV3DecoderLayer", True), "glm4_moe": ("DecoderLayer", False)}
 MODEL_TYPES = tuple(FAMILIES)
@@ -112,7 +114,7 @@ class NextNLayer(nn.Module):
         self.block = layer_class(args.layer_args, layer_idx=args.num_hidden_layers + index)
 
 
-class MTP(nn.Module):
+class MTP(MTPLayers):
     """The next-n layers; `own_embedding` / `own_head`: whether the checkpoint carries its copies of the
     target's embedding / LM head (else the target's are used)."""
 
@@ -123,13 +125,6 @@ class MTP(nn.Module):
         if own_embedding:
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [NextNLayer(args, i, own_head=own_head) for i in range(args.num_nextn_predict_layers)]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
 
     def embed(self, ids: mx.array, target: Any) -> mx.array:
         return self.embed_tokens(ids) if self.own_embedding else target.embed(ids)

@@ -38,6 +38,8 @@ from mlx_lm.models import mimo
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from mlx_dspark.models.mtp_layers import MTPLayers
+
 PREFIX = "model.mtp_layers."
 MODEL_TYPES = ("mimo",)
 OWN_PARTS = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")  # the rest is the block
@@ -87,7 +89,7 @@ class MTPLayer(nn.Module):
         self.final_layernorm = nn.RMSNorm(C, eps=eps)
 
 
-class MTP(nn.Module):
+class MTP(MTPLayers):
     """MiMo's MTP layers; the embedding and the LM head are the target's."""
 
     own_embedding = own_head = False  # MiMo's layers carry no copies (the interface of mtp_deepseek.MTP)
@@ -96,16 +98,6 @@ class MTP(nn.Module):
         super().__init__()
         self.args = args
         self.layers = [MTPLayer(args) for _ in range(args.num_nextn_predict_layers)]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
-
-    def embed(self, ids: mx.array, target: Any) -> mx.array:
-        return target.embed(ids)
 
     def __call__(self, embeddings: mx.array, hidden: mx.array, cache: Optional[list[KVCache]] = None, *, step: int = 0) -> mx.array:
         """embeddings (B, L, C) of tokens t+1, hidden (B, L, C) states at t -> normed outputs (B, L, C),

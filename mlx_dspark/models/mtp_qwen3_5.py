@@ -27,6 +27,8 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from mlx_dspark.models.mtp_layers import MTPLayers
+
 PREFIX = "mtp."
 # raw Hugging Face norms are stored as w - 1 (Qwen3-Next's zero-centred RMSNorm); mlx-lm's RMSNorm reads w
 OFFSET_NORMS = (
@@ -77,7 +79,7 @@ class MTPArgs:
         )
 
 
-class MTP(nn.Module):
+class MTP(MTPLayers):
     """The MTP block; `raw_norms` True when the weights come from a raw HF checkpoint (norms stored as w - 1)."""
 
     def __init__(self, args: MTPArgs, *, raw_norms: bool = True):
@@ -90,16 +92,6 @@ class MTP(nn.Module):
         self.fc = nn.Linear(2 * C, C, bias=False)
         self.layers = [qwen3_5.DecoderLayer(args.layer_args, layer_idx=0) for _ in range(args.mtp_num_hidden_layers)]
         self.norm = nn.RMSNorm(C, eps=eps)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
-
-    def embed(self, ids: mx.array, target: Any) -> mx.array:
-        return target.embed(ids)
 
     def __call__(self, embeddings: mx.array, hidden: mx.array, cache: Optional[list[KVCache]] = None, *, step: int = 0) -> mx.array:
         """embeddings (B, L, C) of tokens t+1, hidden (B, L, C) normed states at t -> normed MTP states (B, L, C).
