@@ -30,11 +30,32 @@ MAGIC = b"mlx_dspark rank "
 ENDED = 3  # the exit status of a rank that lost another
 
 
+_ENDING = threading.Lock()  # the first caller of `lost` writes the line; a second (SIGTERM beside the watch) leaves it
+
+
 def lost(rank: int, why: str) -> None:
-    """One error line on stderr and the process ends now (a thread stuck in a collective cannot be woken)."""
-    sys.stderr.write(f"error: rank {rank}: {why}; stopping this rank (restart the job)\n")
-    sys.stderr.flush()
-    os._exit(ENDED)
+    """One error line on stderr and the process ends now (a thread stuck in a collective cannot be woken).
+    Safe from a signal handler and from several threads at once: the line goes out in one unbuffered write
+    (a buffered stderr written from a handler while a thread writes raises a reentrant-call error)."""
+    if not _ENDING.acquire(blocking=False):
+        return  # another thread is ending the process with its own line
+    try:
+        sys.stderr.flush()  # what the rank wrote before; from a handler that interrupted a write it may refuse
+    except (RuntimeError, OSError, ValueError):
+        pass
+    try:
+        os.write(2, f"error: rank {rank}: {why}; stopping this rank (restart the job)\n".encode())
+    finally:  # whatever writing the line met (a full pipe), the rank ends, with no traceback of its own
+        os._exit(ENDED)
+
+
+def _quietly(end, *args) -> None:
+    """A signal handler's body that ends the process: nothing it meets (a signal arriving while the process
+    is already ending) prints a traceback over the one error line."""
+    try:
+        end(*args)
+    except BaseException:  # noqa: BLE001  (a handler's last word: the rank ends either way)
+        os._exit(ENDED)
 
 
 def ring_addresses(hostfile: Optional[str] = None) -> Optional[list[tuple[str, int]]]:
@@ -93,8 +114,9 @@ def end_on_terminate(rank: int) -> None:
     why = "mlx.launch stopped this rank (another rank ended first: its line says why; or the job was interrupted)"
     reader, writer = socket.socketpair()
     writer.setblocking(False)
-    signal.set_wakeup_fd(writer.fileno())  # the signal's number is written there as soon as it arrives
-    signal.signal(signal.SIGTERM, lambda *_: lost(rank, why))
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)  # the signal's number is written there as soon as it arrives
+    # (repeated SIGTERMs fill the pair's buffer once the reader has ended the process: nothing to warn about)
+    signal.signal(signal.SIGTERM, lambda *_: _quietly(lost, rank, why))
 
     def wait() -> None:
         while True:
