@@ -29,7 +29,8 @@ def find_chromium() -> str | None:
 
 class Browser:
     def __init__(self, executable: str) -> None:
-        self.profile = tempfile.TemporaryDirectory(prefix="mlx-dspark-chromium-")
+        # chromium's helper processes may still write there as it dies: a profile left behind is no failure
+        self.profile = tempfile.TemporaryDirectory(prefix="mlx-dspark-chromium-", ignore_cleanup_errors=True)
         self.process = subprocess.Popen([executable, *FLAGS, f"--user-data-dir={self.profile.name}", "about:blank"],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         endpoint = None
