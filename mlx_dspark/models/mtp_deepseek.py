@@ -132,10 +132,7 @@ class MTP(MTPLayers):
     def __call__(self, embeddings: mx.array, hidden: mx.array, cache: Optional[list[KVCache]] = None, *, step: int = 0) -> mx.array:
         """embeddings (B, L, C) of tokens t+1, hidden (B, L, C) states at t -> pre-norm outputs (B, L, C),
         through layer `step` mod n and its cache."""
-        index = step % len(self.layers)
-        layer, c = self.layers[index], (cache[index] if cache else None)
-        if c is None or c.offset == 0:  # the entry at position 0 has no embedding (vLLM)
-            embeddings = mx.concatenate([mx.zeros_like(embeddings[:, :1]), embeddings[:, 1:]], axis=1)
+        layer, c, embeddings = self.step_inputs(embeddings, cache, step)
         x = mx.concatenate([layer.enorm(embeddings), layer.hnorm(hidden.astype(embeddings.dtype))], axis=-1)  # (B, L, 2C)
         x = layer.eh_proj(x)
         mask = create_attention_mask(x, c, return_array=FAMILIES[self.args.model_type][1])

@@ -23,3 +23,12 @@ class MTPLayers(nn.Module):
 
     def embed(self, ids: mx.array, target: Any) -> mx.array:
         return target.embed(ids)
+
+    def step_inputs(self, embeddings: mx.array, cache: Any, step: int) -> tuple[Any, Any, mx.array]:
+        """(layer `step` mod n, its cache, the embeddings with position 0's zeroed: the entry at position 0
+        has no embedding, as vLLM's next-n / MiMo layers run it)."""
+        index = step % len(self.layers)
+        layer, c = self.layers[index], (cache[index] if cache else None)
+        if c is None or c.offset == 0:
+            embeddings = mx.concatenate([mx.zeros_like(embeddings[:, :1]), embeddings[:, 1:]], axis=1)
+        return layer, c, embeddings

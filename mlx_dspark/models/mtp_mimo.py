@@ -102,10 +102,7 @@ class MTP(MTPLayers):
     def __call__(self, embeddings: mx.array, hidden: mx.array, cache: Optional[list[KVCache]] = None, *, step: int = 0) -> mx.array:
         """embeddings (B, L, C) of tokens t+1, hidden (B, L, C) states at t -> normed outputs (B, L, C),
         through layer `step` mod n and its cache."""
-        index = step % len(self.layers)
-        layer, c = self.layers[index], (cache[index] if cache else None)
-        if c is None or c.offset == 0:  # the entry at position 0 has no embedding (vLLM)
-            embeddings = mx.concatenate([mx.zeros_like(embeddings[:, :1]), embeddings[:, 1:]], axis=1)
+        layer, c, embeddings = self.step_inputs(embeddings, cache, step)
         x = mx.concatenate([layer.hidden_layernorm(hidden.astype(embeddings.dtype)), layer.token_layernorm(embeddings)], axis=-1)  # (B, L, 2C)
         x = layer.input_proj(x)
         h = layer.mtp_block(x, create_attention_mask(x, c), c)
