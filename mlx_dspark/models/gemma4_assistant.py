@@ -27,7 +27,7 @@ names are the checkpoint's; `sanitize` drops the tensors the shared layers never
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
