@@ -176,3 +176,23 @@ def sampled_prefix(steps: Iterable[Any], length: int, stats: Counter) -> tuple[i
         if len(tokens) >= length:
             break
     return tuple(tokens[:length])
+
+
+def assert_chain_sampling_is_exact(target, make_proposer, *, sampler: Sampler, speculation: Any, runs: int, seed: int) -> None:
+    """`runs` sampled speculative generations of 3 tokens after test_lossless_sampling's PROMPT, each with a fresh
+    `make_proposer()`, against the target's exact joint distribution: chi-square on the joint and every marginal,
+    with some drafts accepted and some rejected (both paths of the acceptance ran)."""
+    from mlx_dspark.engine.decode import speculative_steps
+    from tests.test_lossless_sampling import PROMPT, chi_square_p_value, exact_distribution, marginals, to_array
+
+    exact = exact_distribution(target, sampler, 3)
+    mx.random.seed(seed)
+    outcomes, stats = Counter(), Counter()
+    for _ in range(runs):
+        steps = speculative_steps(target, make_proposer(), PROMPT, sampler=sampler, speculation=speculation)
+        outcomes[sampled_prefix(steps, 3, stats)] += 1
+    assert stats["accepted"] > 0 and stats["rejected"] > stats["rounds"] // 5
+    counts = to_array(outcomes, 3)
+    assert chi_square_p_value(counts.reshape(-1), exact.reshape(-1)) > 1e-4
+    for observed, expected in zip(marginals(counts), marginals(exact)):
+        assert chi_square_p_value(observed, expected) > 1e-4

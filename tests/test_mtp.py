@@ -26,7 +26,7 @@ from mlx_dspark.engine.propose import Proposal
 from mlx_dspark.engine.sample import Sampler
 from mlx_dspark.models.base import FINAL_TAP
 from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target
-from tests.engine_helpers import sampled_prefix
+from tests.engine_helpers import assert_chain_sampling_is_exact, sampled_prefix
 from tests.mtp_reference import MTPReference
 
 PROMPT = [1, 5, 9, 20, 33, 7, 100, 250, 3, 64, 17, 42]
@@ -183,21 +183,9 @@ def tiny_vocab_pair():
 
 
 def test_sampled_mtp_speculation_matches_the_exact_target_distribution(tiny_vocab_pair):
-    from tests.test_lossless_sampling import chi_square_p_value, exact_distribution, marginals, to_array
-
     target, mtp = tiny_vocab_pair
-    exact = exact_distribution(target, CHI_SAMPLER, 3)
-    mx.random.seed(11)
-    outcomes, stats = Counter(), Counter()
-    for _ in range(RUNS):
-        proposer = MTPProposer(mtp, target, prompt=CHI_PROMPT, greedy=False, temperature=CHI_SAMPLER.temperature)
-        steps = speculative_steps(target, proposer, CHI_PROMPT, sampler=CHI_SAMPLER, speculation=FIXED)
-        outcomes[sampled_prefix(steps, 3, stats)] += 1
-    assert stats["accepted"] > 0 and stats["rejected"] > stats["rounds"] // 5
-    counts = to_array(outcomes, 3)
-    assert chi_square_p_value(counts.reshape(-1), exact.reshape(-1)) > 1e-4
-    for observed, expected in zip(marginals(counts), marginals(exact)):
-        assert chi_square_p_value(observed, expected) > 1e-4
+    make = lambda: MTPProposer(mtp, target, prompt=CHI_PROMPT, greedy=False, temperature=CHI_SAMPLER.temperature)  # noqa: E731
+    assert_chain_sampling_is_exact(target, make, sampler=CHI_SAMPLER, speculation=FIXED, runs=RUNS, seed=11)
 
 
 def test_sampled_mtp_drafts_are_drawn_from_the_distributions_they_report(tiny_vocab_pair):

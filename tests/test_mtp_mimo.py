@@ -6,7 +6,6 @@ layer, and the refusals."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,7 +14,6 @@ import pytest
 
 import mlx_dspark
 from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.engine.decode import speculative_steps
 from mlx_dspark.engine.mtp_propose import MTPProposer
 from mlx_dspark.engine.options import SpeculationOptions
 from mlx_dspark.engine.sample import Sampler
@@ -25,7 +23,7 @@ from mlx_dspark.loading.mtp import build_mtp, mtp_skeleton
 from mlx_dspark.models.base import FINAL_TAP
 from mlx_dspark.models.mlx_lm_target import probe_target
 from mlx_dspark.testing.mtp_mimo_tiny import write_tiny_mimo_target
-from tests.engine_helpers import sampled_prefix
+from tests.engine_helpers import assert_chain_sampling_is_exact
 from tests.mtp_mimo_reference import MiMoMTPReference
 
 PROMPT = [1, 5, 9, 20, 33, 7, 100, 250, 3, 64, 17, 42]
@@ -184,20 +182,6 @@ def tiny_vocab_pair(tmp_path_factory):
 
 
 def test_sampled_mtp_speculation_matches_the_exact_target_distribution(tiny_vocab_pair):
-    from tests.test_lossless_sampling import PROMPT as EXACT_PROMPT
-    from tests.test_lossless_sampling import chi_square_p_value, exact_distribution, marginals, to_array
-
-    assert EXACT_PROMPT == CHI_PROMPT
     target, mtp = tiny_vocab_pair
-    exact = exact_distribution(target, CHI_SAMPLER, 3)
-    mx.random.seed(11)
-    outcomes, stats = Counter(), Counter()
-    for _ in range(RUNS):
-        proposer = MTPProposer(mtp, target, prompt=CHI_PROMPT, greedy=False, temperature=CHI_SAMPLER.temperature)
-        steps = speculative_steps(target, proposer, CHI_PROMPT, sampler=CHI_SAMPLER, speculation=FIXED)
-        outcomes[sampled_prefix(steps, 3, stats)] += 1
-    assert stats["accepted"] > 0 and stats["rejected"] > stats["rounds"] // 5
-    counts = to_array(outcomes, 3)
-    assert chi_square_p_value(counts.reshape(-1), exact.reshape(-1)) > 1e-4
-    for observed, expected in zip(marginals(counts), marginals(exact)):
-        assert chi_square_p_value(observed, expected) > 1e-4
+    make = lambda: MTPProposer(mtp, target, prompt=CHI_PROMPT, greedy=False, temperature=CHI_SAMPLER.temperature)  # noqa: E731
+    assert_chain_sampling_is_exact(target, make, sampler=CHI_SAMPLER, speculation=FIXED, runs=RUNS, seed=11)

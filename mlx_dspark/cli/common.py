@@ -176,6 +176,7 @@ DRAFT_HELP = (
     "'auto': the published draft of a known --model (any quantization of it), else the target's own MTP layers when it "
     "carries them; 'mtp': the target's own multi-token-prediction layers (Qwen3.5 / 3.6 / 3.8 checkpoints with mtp.*, DeepSeek-V3 / "
     "GLM-4.5+ checkpoints with their next-n layer, MiMo checkpoints with model.mtp_layers.*); "
+    "a Gemma 4 assistant drafter (google/gemma-4-*-it-assistant) beside a Gemma 4 target; "
     "'PATH,mtp' (a DSpark / DFlash or EAGLE-3 draft and the MTP layers): both, each round proposing from the one that pays more on this machine; "
     "'lookup': no draft, prompt-lookup drafts alone."
 )

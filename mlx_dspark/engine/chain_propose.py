@@ -82,33 +82,46 @@ class ChainProposer:
         """Up to `num_tokens` chained drafts for positions position+1 ..; anchor (1,) sits at `position`."""
         self.flush()
         assert self.entries == position and self._last is not None, (self.entries, position)
-        h = self._last
-        tokens: list[mx.array] = []
-        token_probs: list[mx.array] = []
-        draft_probs: list[mx.array] = []
-        for k in range(num_tokens):
-            if k:
-                h = self._step(tokens[-1][:, None], h, step=k)  # a speculative entry
-            logits = self._logits(h, step=k)[:, -1].astype(mx.float32)  # (1, V)
-            if logits_hook is not None:
-                logits = logits_hook(logits, tokens)
-                if logits is None:  # the hook ends the proposal here
-                    break
-            if self.greedy:
-                token = mx.argmax(logits, axis=-1)
-            else:
-                scaled = logits * (1.0 / self.temperature)
-                token = mx.random.categorical(scaled)
-                draft_probs.append(mx.softmax(scaled, axis=-1))
-            token_probs.append(mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)))
-            tokens.append(token.astype(mx.int32))
+        proposal = draw_chain(self._last, step=lambda tokens, h, k: self._step(tokens, h, step=k),
+                              logits=lambda h, k: self._logits(h, step=k), num_tokens=num_tokens, greedy=self.greedy,
+                              temperature=self.temperature, logits_hook=logits_hook)  # fmt: skip
         for c in self.cache:
             c.trim(c.offset - self.entries)  # back to the committed entries (offsets only: the graph keeps its values)
-        if not tokens:
-            empty = mx.zeros((1, 0), mx.int32)
-            return Proposal(tokens=empty, token_probs=empty.astype(mx.float32))
-        return Proposal(
-            tokens=mx.stack(tokens, axis=1),
-            draft_probs=None if self.greedy else mx.stack(draft_probs, axis=1),
-            token_probs=mx.stack(token_probs, axis=1),
-        )
+        return proposal
+
+
+def draw_chain(first: mx.array, *, step: Callable, logits: Callable, num_tokens: int, greedy: bool, temperature: float,
+               logits_hook: Callable | None = None) -> Proposal:
+    """Up to `num_tokens` drafts of a chained drafter: `first` (1, 1, C) is its output that predicts the first
+    draft, `step(token_ids (1, 1), output, k)` its next output from the draft just taken, `logits(output, k)` the
+    k-th step's logits over the target's vocabulary (1, 1, V). Greedy: argmax; sampled: a draw from
+    softmax(logits / T), whose distributions come back as `draft_probs`. `logits_hook` (the round's penalties,
+    bias, grammar mask) processes each step's logits; None from it ends the chain there."""
+    h = first
+    tokens: list[mx.array] = []
+    token_probs: list[mx.array] = []
+    draft_probs: list[mx.array] = []
+    for k in range(num_tokens):
+        if k:
+            h = step(tokens[-1][:, None], h, k)
+        row = logits(h, k)[:, -1].astype(mx.float32)  # (1, V)
+        if logits_hook is not None:
+            row = logits_hook(row, tokens)
+            if row is None:  # the hook ends the proposal here
+                break
+        if greedy:
+            token = mx.argmax(row, axis=-1)
+        else:
+            scaled = row * (1.0 / temperature)
+            token = mx.random.categorical(scaled)
+            draft_probs.append(mx.softmax(scaled, axis=-1))
+        token_probs.append(mx.exp(mx.max(row, axis=-1) - mx.logsumexp(row, axis=-1)))
+        tokens.append(token.astype(mx.int32))
+    if not tokens:
+        empty = mx.zeros((1, 0), mx.int32)
+        return Proposal(tokens=empty, token_probs=empty.astype(mx.float32))
+    return Proposal(
+        tokens=mx.stack(tokens, axis=1),
+        draft_probs=None if greedy else mx.stack(draft_probs, axis=1),
+        token_probs=mx.stack(token_probs, axis=1),
+    )

@@ -24,7 +24,7 @@ admits alone is accepted with certainty.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
@@ -127,6 +127,7 @@ class Chooser:
         self.tap_ids = tuple(self.draft.tap_ids) if self.draft is not None else ()
         self.block_size = int(self.draft.block_size) if self.draft is not None else self.max_lookup
         self.context = getattr(self.draft, "context", None)  # the prompt cache checks the draft context
+        self.takes_target_cache = getattr(self.draft, "takes_target_cache", False)  # handed on to the draft
         self.draft_rate = Acceptance()
         self.lookup_rates: dict[int, Acceptance] = {}
         self.chosen: dict[str, int] = {"draft": 0, "lookup": 0, "forced": 0, "none": 0}  # rounds, for benchmarks
@@ -182,12 +183,13 @@ class Chooser:
                 rate.relax()
 
     def propose(self, anchor: mx.array, *, position: int, num_tokens: int, room: int | None = None,
-                logits_hook: Callable | None = None) -> Proposal | None:
+                logits_hook: Callable | None = None, target_cache: Any = None) -> Proposal | None:
         """A block of at most `room` tokens; the DSpark block holds at most `num_tokens` (0: parked)."""
         plan = self.plan(num_tokens=num_tokens, room=room)
         if not plan.draft_size:
             return plan.proposal
         extra = {} if logits_hook is None or not getattr(self.draft, "takes_logits_hook", False) else {"logits_hook": logits_hook}
+        extra.update({"target_cache": target_cache} if self.takes_target_cache else {})
         drafted = self.draft.propose(anchor, position=position, num_tokens=plan.draft_size, **extra)
         return self.finish(plan, drafted, hooked="logits_hook" in extra)
 

@@ -86,12 +86,12 @@ def cost_curve_path(model: Any, cache_dir: Path | None = None, *, head: str = "d
     return (cache_dir or cost_cache_dir()) / f"{cache_key(model, head=head)}.json"
 
 
-CHAIN_HEADS = ("eagle3", "mtp")  # drafts of one forward per draft token (LoadedModel attributes)
+CHAIN_HEADS = ("eagle3", "assistant", "mtp")  # drafts of one forward per draft token (LoadedModel attributes)
 
 
 def head_names(model: Any) -> list[str]:
     """The draft heads a loaded pair carries, in the order their curves are named: its draft model, its
-    EAGLE-3 draft, the target's own MTP layers."""
+    EAGLE-3 draft or Gemma 4 assistant, the target's own MTP layers."""
     return [name for name in ("draft", *CHAIN_HEADS) if getattr(model, name, None) is not None]
 
 
@@ -103,14 +103,18 @@ def head_block(model: Any, head: str) -> int:
         from mlx_dspark.engine.mtp_propose import DEFAULT_CHAIN
 
         return DEFAULT_CHAIN
+    if head == "assistant":
+        from mlx_dspark.engine.gemma4_assistant_propose import DEFAULT_TOKENS
+
+        return DEFAULT_TOKENS
     from mlx_dspark.engine.eagle3_propose import default_block_size
 
     return default_block_size(model.eagle3)
 
 
 def default_head(model: Any) -> str:
-    """The head a pair's one curve is for: its draft model, else its EAGLE-3 draft, else the target's own
-    MTP layers."""
+    """The head a pair's one curve is for: its draft model, else its EAGLE-3 draft or Gemma 4 assistant, else
+    the target's own MTP layers."""
     if getattr(model, "draft", None) is not None:
         return "draft"
     return next((head for head in CHAIN_HEADS if getattr(model, head, None) is not None), "draft")
@@ -125,7 +129,7 @@ def cost_curve_for(
 ) -> CostCurve:
     """The loaded pair's curve on this machine for one draft head (default `default_head`): read from
     `cache_dir` (default `cost_cache_dir()`), else measured (`measure`, default `measure_cost_curve`, or
-    `measure_chain_curve` for a chained head: "eagle3", "mtp") and written there."""
+    `measure_chain_curve` for a chained head: "eagle3", "assistant", "mtp") and written there."""
     head = default_head(model) if head is None else head
     path = cost_curve_path(model, cache_dir, head=head)
     cache_dir = path.parent
@@ -183,26 +187,29 @@ def measure_chain_curve(
     chain: int = 4,
 ) -> CostCurve:
     """The curve of a chained draft (`head`: "mtp", the target's own MTP layers; "eagle3", an EAGLE-3
-    draft): verify widths as a draft-less pair's, and the chain's cost from proposals of 1 and of `chain`
+    draft; "assistant", a Gemma 4 assistant, which reads the probe's target caches): verify widths as a draft-less pair's, and the chain's cost from proposals of 1 and of `chain`
     drafts (interleaved, the fastest of `repeats`): `draft_step_ms` per further draft, `draft_ms` the rest
     of the first (one context depth)."""
     from mlx_dspark.engine.eagle3_propose import Eagle3Proposer  # the probe stays above the proposers it times
+    from mlx_dspark.engine.gemma4_assistant_propose import AssistantProposer
     from mlx_dspark.engine.mtp_propose import MTPProposer
 
-    make = {"mtp": MTPProposer, "eagle3": Eagle3Proposer}[head]
+    make = {"mtp": MTPProposer, "eagle3": Eagle3Proposer, "assistant": AssistantProposer}[head]
     base = measure_cost_curve(target, None, context=context, deep_context=None, repeats=repeats, seed=seed)
     rng = random.Random(seed + 1)
     depth = min(base.context, (getattr(target.args, "max_position_embeddings", None) or 1 << 30) - chain - 2)
     prompt = [rng.randrange(target.args.vocab_size) for _ in range(depth)]
     proposer = make(drafter, target, prompt=prompt, greedy=True, temperature=1.0, block_size=chain)
-    logits = prefill(target, target.make_cache(), prompt, tap_ids=proposer.tap_ids, proposer=proposer)
+    cache = target.make_cache()
+    logits = prefill(target, cache, prompt, tap_ids=proposer.tap_ids, proposer=proposer)
     anchor = mx.argmax(logits).astype(mx.int32).reshape(1)
-    proposer.commit([int(anchor.item())])
+    getattr(proposer, "commit", lambda tokens: None)([int(anchor.item())])
+    extra = {"target_cache": cache} if getattr(proposer, "takes_target_cache", False) else {}
     samples: dict[int, list[float]] = {1: [], chain: []}
     for repeat in range(repeats + 1):
         for k in (1, chain) if repeat % 2 else (chain, 1):
             start = time.perf_counter()
-            mx.eval(proposer.propose(anchor, position=depth, num_tokens=k).tokens)
+            mx.eval(proposer.propose(anchor, position=depth, num_tokens=k, **extra).tokens)
             if repeat:
                 samples[k].append(1000 * (time.perf_counter() - start))
     one, full = min(samples[1]), min(samples[chain])

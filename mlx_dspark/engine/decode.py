@@ -243,6 +243,7 @@ def speculative_steps(
         if num_tokens or (takes_room and room):
             extra = {} if hook is None else {"logits_hook": hook}
             extra.update({"room": room} if takes_room else {})
+            extra.update({"target_cache": cache} if getattr(proposer, "takes_target_cache", False) else {})
             proposal = proposer.propose(anchor, position=position, num_tokens=num_tokens, **extra)
             catch_up = getattr(proposer, "take_catch_up_ms", None)
             if catch_up is not None:

@@ -42,6 +42,7 @@ class HeadChoice:
         self.tap_ids = tuple(dict.fromkeys(t for head in heads.values() for t in head.tap_ids))
         self._columns = {name: [self.tap_ids.index(t) for t in head.tap_ids] for name, head in heads.items()}
         self.block_size = max(int(head.block_size) for head in heads.values())
+        self.takes_target_cache = any(getattr(h, "takes_target_cache", False) for h in heads.values())  # handed on
         self.context = next((getattr(h, "context", None) for h in heads.values() if getattr(h, "context", None) is not None), None)
         self.acceptance = {name: [PRIOR] * int(head.block_size) for name, head in heads.items()}
         self.chosen: Counter[str] = Counter()  # rounds each head proposed, for benchmarks
@@ -101,12 +102,14 @@ class HeadChoice:
 
     # -- Proposer -----------------------------------------------------------------------------------
 
-    def propose(self, anchor: mx.array, *, position: int, num_tokens: int, logits_hook: Callable | None = None) -> Proposal:
+    def propose(self, anchor: mx.array, *, position: int, num_tokens: int, logits_hook: Callable | None = None,
+                target_cache: Any = None) -> Proposal:  # fmt: skip
         name = self._current if self._current is not None else next(iter(self.heads))
         head = self.heads[name]
         extra = {"logits_hook": logits_hook} if logits_hook is not None and getattr(head, "takes_logits_hook", False) else {}
+        extra.update({"target_cache": target_cache} if getattr(head, "takes_target_cache", False) else {})
         proposal = head.propose(anchor, position=position, num_tokens=min(num_tokens, int(head.block_size)), **extra)
-        if logits_hook is not None and not extra:
+        if logits_hook is not None and "logits_hook" not in extra:
             proposal = Proposal(tokens=proposal.tokens, draft_probs=proposal.draft_probs, token_probs=proposal.token_probs,
                                 confidence=proposal.confidence, hooked=False, source=proposal.source)  # fmt: skip
         return proposal

@@ -37,7 +37,9 @@ class Proposer(Protocol):
     penalties / bias / grammar mask for its draft positions); others propose unprocessed (still lossless).
     Optional: `commit(tokens)` receives each round's committed tokens (the prefill's token first; lookup
     indexes them), and `takes_room` = True makes the round pass `room=`, the most tokens a block may hold
-    (max_tokens left, the caches' rollback), to a proposer that sizes its own blocks (choose.Chooser)."""
+    (max_tokens left, the caches' rollback), to a proposer that sizes its own blocks (choose.Chooser);
+    `takes_target_cache` = True makes it pass `target_cache=`, the target's caches holding the committed
+    positions (rolled back), to a drafter that reads the target's K/V (a Gemma 4 assistant)."""
 
     tap_ids: Sequence[int]
     block_size: int  # the most draft tokens one proposal can hold

@@ -20,6 +20,7 @@ from mlx_dspark.engine.grammar import GrammarState
 from mlx_dspark.engine.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.engine.logits_processing import LogitsProcessor
 from mlx_dspark.engine.eagle3_propose import Eagle3Proposer, default_block_size
+from mlx_dspark.engine.gemma4_assistant_propose import DEFAULT_TOKENS as ASSISTANT_TOKENS, AssistantProposer
 from mlx_dspark.engine.mtp_propose import DEFAULT_CHAIN, MTPProposer
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
@@ -93,8 +94,9 @@ def make_steps(
         )
     if proposer is None and model.draft is None and getattr(model, "mtp", None) is not None and lookup != "only":
         proposer = _chain_proposer(model, "mtp", prompt_ids, options)
-    if proposer is None and model.draft is None and getattr(model, "eagle3", None) is not None and lookup != "only":
-        proposer = _chain_proposer(model, "eagle3", prompt_ids, options)
+    for head in ("eagle3", "assistant"):
+        if proposer is None and model.draft is None and getattr(model, head, None) is not None and lookup != "only":
+            proposer = _chain_proposer(model, head, prompt_ids, options)
     if speculation.confidence_threshold > 0 and isinstance(proposer, DraftProposer):
         # as llama-server refuses --spec-draft-p-min > 0 for a DSpark draft without a confidence head
         require_confidence_head(
@@ -174,13 +176,16 @@ def _head_choice(model: Any, prompt_ids: list[int], options: GenerationOptions) 
     return choice, choice, dataclasses.replace(speculation, cost_curve=curves[names[0]])
 
 
-def _chain_proposer(model: Any, name: str, prompt_ids: list[int], options: GenerationOptions) -> MTPProposer | Eagle3Proposer:
-    """A chained head: the target's own MTP layers (`draft="mtp"`, name "mtp") or an EAGLE-3 draft ("eagle3"):
-    k chained steps per round, k its default unless a fixed length asks more."""
+def _chain_proposer(model: Any, name: str, prompt_ids: list[int], options: GenerationOptions) -> MTPProposer | Eagle3Proposer | AssistantProposer:
+    """A chained head: the target's own MTP layers (`draft="mtp"`, name "mtp"), an EAGLE-3 draft ("eagle3") or a
+    Gemma 4 assistant ("assistant"): k chained steps per round, k its default unless a fixed length asks more."""
     sampling, speculation = options.sampling, options.speculation
     fixed = speculation.max_draft_tokens if isinstance(speculation.max_draft_tokens, int) else None
-    make, drafter, default = ((MTPProposer, model.mtp, DEFAULT_CHAIN) if name == "mtp"
-                              else (Eagle3Proposer, model.eagle3, default_block_size(model.eagle3)))  # fmt: skip
+    make, drafter, default = {
+        "mtp": lambda: (MTPProposer, model.mtp, DEFAULT_CHAIN),
+        "eagle3": lambda: (Eagle3Proposer, model.eagle3, default_block_size(model.eagle3)),
+        "assistant": lambda: (AssistantProposer, model.assistant, ASSISTANT_TOKENS),
+    }[name]()
     return make(
         drafter, model.target, prompt=prompt_ids,
         greedy=speculation.draft_sampling == "greedy" or sampling.greedy,

@@ -36,6 +36,7 @@ from mlx_dspark.models.mlx_lm_target import from_config as mlx_lm_target_from_co
 from mlx_dspark.models.dflash2 import draft_class
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.eagle3_args import is_eagle3_config
+from mlx_dspark.models.gemma4_assistant import is_assistant_config
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_name, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.precision import DRAFT_SOURCE_PRECISION, check_quantize_options, parse_dtype, quant_predicate
 from mlx_dspark.loading.weights import check_tensors
@@ -55,6 +56,8 @@ def _skeleton(config: dict, files: list[Path], *, src: Path) -> tuple[nn.Module,
     source = str(src / "config.json")
     if is_eagle3_config(config):
         raise ValueError(f"{source}: an EAGLE-3 draft (speculators_model_type 'eagle3') is not converted; load it as it is (--draft {src})")
+    if is_assistant_config(config):
+        raise ValueError(f"{source}: a Gemma 4 assistant drafter is not converted; load it as it is (--draft {src})")
     if is_draft_config(config):
         shapes = {canonical_name(name): shape for path in files for name, (_, shape) in read_header(path).items()}
         family = layer_family(list(shapes), source=str(src))

@@ -26,6 +26,7 @@ from mlx_dspark.models.dflash2 import draft_class
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.eagle3 import build_eagle3, check_options as check_eagle3_options, quantize_eagle3
+from mlx_dspark.loading.gemma4_assistant import build_assistant, check_options as check_assistant_options, quantize_assistant
 from mlx_dspark.loading.mtp import MTP_DRAFT, build_mtp, quantize_mtp, target_weights
 from mlx_dspark.loading.pair import check_shared_tensors, validate_pair
 from mlx_dspark.loading.precision import (
@@ -40,6 +41,7 @@ from mlx_dspark.loading.tokenizer import load_tokenizer
 from mlx_dspark.models.cache import check_kv_bits
 from mlx_dspark.models.draft_vocab import DraftVocabulary
 from mlx_dspark.models.eagle3_args import is_eagle3_config
+from mlx_dspark.models.gemma4_assistant import is_assistant_config
 from mlx_dspark.loading.weights import fill_model
 
 
@@ -68,14 +70,15 @@ class LoadedModel:
     draft_path: Optional[Path]
     mtp: Optional[nn.Module] = None  # the target's own MTP layers (draft="mtp"), in place of a draft
     eagle3: Optional[nn.Module] = None  # an EAGLE-3 draft (speculators layout), in place of a DSpark draft
+    assistant: Optional[nn.Module] = None  # a Gemma 4 assistant drafter, in place of a DSpark draft
 
 
 def build_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) -> nn.Module:
     """The target model of a checkpoint, its (lazy) weights in place; dtype None: the checkpoint's
     `default_dtype` (a GGUF's compute dtype), else the weights as stored."""
     config, source = checkpoint.config, checkpoint.config_source
-    if is_draft_config(config) or is_eagle3_config(config):
-        kind = "an EAGLE-3" if is_eagle3_config(config) else "a DSpark"
+    if is_draft_config(config) or is_eagle3_config(config) or is_assistant_config(config):
+        kind = "an EAGLE-3" if is_eagle3_config(config) else "a Gemma 4 assistant" if is_assistant_config(config) else "a DSpark"
         raise ValueError(f"{source}: this is {kind} draft, not a target; pass it as draft=, with its target")
     model = mlx_lm_target_from_config(config, source=source, model_class=target_model_class(config))
     return fill_model(
@@ -172,6 +175,9 @@ def load(
     draft may also be an EAGLE-3 draft (vLLM speculators layout, `speculators_model_type: eagle3`): it is
       built into `LoadedModel.eagle3` (models/eagle3.py) and drafts k chained steps; draft_tap_ids /
       draft_vocab do not apply to it (refused).
+    draft may also be a Gemma 4 assistant drafter (`google/gemma-4-*-it-assistant`, `Gemma4AssistantForCausalLM`)
+      beside a Gemma 4 target: built into `LoadedModel.assistant` (models/gemma4_assistant.py); it reads the
+      target's final state and K/V and drafts k chained steps; draft_tap_ids / draft_vocab / kv_bits are refused.
     draft "mtp": no separate draft: the target's own multi-token-prediction layers propose (`LoadedModel.mtp`):
       `mtp.*` in a Qwen3.5 / 3.6 / 3.8 Hugging Face checkpoint, the next-n layer `model.layers.<num_hidden_layers>.*`
       in a DeepSeek-V3 or GLM-4.5+ one, `model.mtp_layers.*` in a MiMo one, or any in our own conversion of one.
@@ -218,7 +224,7 @@ def load(
     tokenizer = load_tokenizer(target_path, target_checkpoint.config, gguf_tokenizer=target_checkpoint.tokenizer,
                                tool_parser=tool_parser)
 
-    draft_model = draft_config = draft_path = eagle3_model = None
+    draft_model = draft_config = draft_path = eagle3_model = assistant_model = None
     if draft is not None:
         draft_path = resolve_path(draft, role="draft")
         draft_checkpoint = read_checkpoint(draft_path, role="draft", tap_ids=draft_tap_ids)
@@ -228,6 +234,11 @@ def load(
                              source=draft_checkpoint.config_source)  # fmt: skip
         eagle3_model = build_eagle3(draft_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
                                     dtype=draft_mx_dtype)  # fmt: skip
+    elif draft is not None and is_assistant_config(draft_config):
+        check_assistant_options(dict(draft_tap_ids=draft_tap_ids, draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file,
+                                     kv_bits=kv_bits), source=draft_checkpoint.config_source)  # fmt: skip
+        assistant_model = build_assistant(draft_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
+                                          dtype=draft_mx_dtype)  # fmt: skip
     elif draft is not None:
         draft_model, shared = build_draft(
             draft_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
@@ -248,7 +259,8 @@ def load(
     if kv_bits is not None:
         check_quantized_caches(target_model, kv_bits, source=target_source)
     for chained, what, quantize_chained in ((mtp_model, f"MTP layers ({target_path})", quantize_mtp),
-                                            (eagle3_model, f"EAGLE-3 draft ({draft_path})", quantize_eagle3)):  # fmt: skip
+                                            (eagle3_model, f"EAGLE-3 draft ({draft_path})", quantize_eagle3),
+                                            (assistant_model, f"Gemma 4 assistant ({draft_path})", quantize_assistant)):  # fmt: skip
         if chained is None:
             continue
         check_finite_weights(chained, what=what)
@@ -284,4 +296,5 @@ def load(
         draft_path=draft_path,
         mtp=mtp_model,
         eagle3=eagle3_model,
+        assistant=assistant_model,
     )

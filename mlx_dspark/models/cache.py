@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.cache import QuantizedKVCache as _MlxLmQuantizedKVCache
 
 
@@ -63,3 +65,20 @@ def rollback_limit(caches: Sequence[Any], *, unbounded: int = 1 << 30) -> int:
     """The most positions `trim_caches` can roll back right after an update (a speculative round's
     rejected drafts): the smallest `max_rollback` among the caches; `unbounded` when none has one."""
     return min([int(c.max_rollback) for c in caches if getattr(c, "max_rollback", None) is not None] or [unbounded])
+
+
+def kv_rows(cache: Any) -> tuple[mx.array, mx.array]:
+    """The keys and values (B, H, n, D) a float KV cache holds now, oldest first, none past its offset (a
+    rolled-back cache's rejected rows stay in its buffer): a KVCache's first `offset` rows, a RotatingKVCache's
+    held window in temporal order. What a drafter that reads the target's K/V (a Gemma 4 assistant) attends to."""
+    if isinstance(cache, RotatingKVCache):
+        if cache.keys is None:
+            raise ValueError("kv_rows: the rotating cache is empty")
+        keys, values = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+        held = min(keys.shape[2], cache.offset)
+        return keys[..., keys.shape[2] - held :, :], values[..., values.shape[2] - held :, :]
+    if type(cache) is KVCache:
+        if cache.keys is None:
+            raise ValueError("kv_rows: the KV cache is empty")
+        return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+    raise ValueError(f"kv_rows: the keys and values of a {type(cache).__name__} are not read here (float KVCache / RotatingKVCache only)")

@@ -47,6 +47,8 @@ def packing_problem(model: Any) -> Optional[str]:
         return "the target's own MTP layers (draft 'mtp') are not packed yet"
     if getattr(model, "eagle3", None) is not None:
         return "an EAGLE-3 draft's chained proposer is not packed yet"
+    if getattr(model, "assistant", None) is not None:
+        return "a Gemma 4 assistant's chained proposer (over the target's caches) is not packed yet"
     draft = model.draft
     if draft is not None and getattr(draft.args, "dflash2", None) is not None:
         return "a DFlash2 draft's block forward (its convolutions and selector) is not packed yet"
