@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from typing import Any, Protocol, Sequence
 
-from mlx_dspark.engine import cost_heal
+from mlx_dspark.engine import acceptance_memory, cost_heal
 from mlx_dspark.engine.cost_heal import CurveHealer
 from mlx_dspark.engine.schedule import CostCurve
 
@@ -128,6 +128,13 @@ class AutoLength:
             raise ValueError(f"cost curve {curve.source} covers verify width 1 only: auto needs widths 1..{cap + 1}")
         self.acceptance = [prior] * self.cap  # q(k), k = 1..cap
         self.observed = [False] * self.cap
+        # What this pair's draft showed in earlier generations (acceptance_memory.py): the prior, and no
+        # free look when it says the draft does not pay
+        self._memory_path = curve.cache_path if heal else None
+        self.memory = acceptance_memory.recall(self._memory_path)
+        if self.memory is not None:
+            seen = list(self.memory.acceptance[: self.cap])
+            self.acceptance = seen + [seen[-1]] * (self.cap - len(seen))
         self.smoothing, self.every, self.margin = smoothing, every, margin
         self.probe_length = min(probe_length, self.cap)
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
@@ -166,7 +173,8 @@ class AutoLength:
         # after a long park took 4-5 plain steps with the step after it, where the curve said 2.8), once
         # plain steps were timed
         if self._probe_ms is None or self._plain_ms is None:
-            return predicted
+            # what a probe cost in an earlier generation of this pair, where remembered
+            return max(predicted, self.memory.probe_steps or 0.0) if self.memory is not None else predicted
         return max(predicted, self._probe_ms / self._plain_ms)
 
     def start_length(self, position: int = 0) -> int:
@@ -284,10 +292,19 @@ class AutoLength:
         elif by_length[best] <= plain:
             # parked by the prior alone (the first choice): look at the real acceptance in the next round
             self._until_probe = self._interval if self.length else 1
-            self._free_probe = not self.length and not any(self.observed)
+            self._free_probe = not self.length and not any(self.observed) and self.memory is None
             self.parked, self.length, self._streak = True, 0, 0
         elif self.length == 0 or by_length[best] > by_length[self.length] * (1 + self.margin):
             self.length = best
+
+    def finish(self) -> None:
+        """The generation ended: keep what its drafted rounds showed for the next one (acceptance_memory.py)."""
+        if not any(self.observed):
+            return  # nothing drafted: the memory (or the prior) stands
+        probe_steps = None if self._probe_ms is None or self._plain_ms is None else self._probe_ms / self._plain_ms
+        if probe_steps is None and self.memory is not None:
+            probe_steps = self.memory.probe_steps
+        acceptance_memory.remember(self._memory_path, self.acceptance, probe_steps=probe_steps)
 
     def summary(self) -> dict:
         return {"lengths": dict(sorted(self.lengths.items())), "parked_rounds": self.parked_rounds,
