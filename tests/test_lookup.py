@@ -52,6 +52,39 @@ def test_index_continues_the_latest_match_and_repeats_past_the_end():
         ContextIndex([1], ngram_sizes=(0,))
 
 
+def _naive_continuation(
+    context: list[int], pending: list[int], sizes: tuple[int, ...], max_tokens: int
+) -> tuple[list[int], int]:
+    """The rule restated on one list: the longest suffix n-gram of context + pending at its latest earlier end
+    in the context (pending tokens are not indexed), extended backwards (up to 16 tokens), then an overlapping copy."""
+    seq = context + pending
+    last = len(seq) - 1
+    for n in sorted(sizes, reverse=True):
+        if len(seq) <= n:
+            continue
+        ends = [e for e in range(n - 1, min(last, len(context))) if seq[e + 1 - n : e + 1] == seq[last + 1 - n :]]
+        if not ends:
+            continue
+        end, length = ends[-1], n
+        while length < 16 and end - length >= 0 and seq[end - length] == seq[last - length]:
+            length += 1
+        out = list(seq)
+        for i in range(max_tokens):
+            out.append(out[end + 1 + i])
+        return out[len(seq):], max([b for b in (2, 3, 4, 8, 16) if b <= length] or [length])
+    return [], 0
+
+
+def test_index_continuation_equals_the_rule_on_one_list_with_pending_tokens():
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        context = rng.integers(0, 4 if trial % 2 else 12, size=int(rng.integers(1, 60))).tolist()
+        pending = rng.integers(0, 4, size=int(rng.integers(0, 4))).tolist()
+        max_tokens = int(rng.integers(1, 40))
+        match = ContextIndex(context, ngram_sizes=(8, 4, 2)).continuation(pending, max_tokens=max_tokens)
+        assert (match.tokens, match.length) == _naive_continuation(context, pending, (8, 4, 2), max_tokens)
+
+
 def test_chooser_prefers_a_long_confident_lookup_and_sizes_it_by_cost():
     chooser = Chooser(draft=None, index=ContextIndex(list(range(20)) * 3, ngram_sizes=(4,)), cost=RoundCost.default())
     proposal = chooser.propose(mx.array([19]), position=59, num_tokens=0, room=40)

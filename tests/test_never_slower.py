@@ -57,8 +57,9 @@ def test_nothing_accepted_parks_and_the_probes_spend_at_most_their_budget():
         assert lengths[-1] == 0 and policy.parked
         probes = policy.summary()["probes"]
         probe_steps = curve.round_ms(policy.probe_length) / curve.verify_ms[0]
-        # at most one free probe (a park by the prior), the others paid from 2% of the parked rounds
-        assert probes >= 2 and (probes - 1) * probe_steps <= 0.02 * policy.parked_rounds + 1e-9
+        # at most one free probe (a park by the prior), the others paid from 2% of the parked rounds: what
+        # each cost beyond the one token it committed (nothing accepted)
+        assert probes >= 2 and (probes - 1) * (probe_steps - 1) <= 0.02 * policy.parked_rounds + 1e-9
         assert sum(1 for n in lengths[-1000:] if n) == sum(1 for n in lengths[-1000:] if n == policy.probe_length)
 
 
@@ -153,4 +154,86 @@ def test_probes_are_charged_what_they_really_took_not_what_the_curve_predicts(mo
             clock[0] += 0.0045
         policy.observe(proposed=length, accepted=0)
     charged = policy.summary()["probes"] - 1  # the first is the free look
-    assert charged >= 1 and charged * 6.0 <= 0.02 * policy.parked_rounds + 1e-9, (charged, policy.parked_rounds)
+    # each charged what it took beyond the one token it committed: 5 plain steps, not the curve's 3.1
+    assert charged >= 1 and charged * 5.0 <= 0.02 * policy.parked_rounds + 1e-9, (charged, policy.parked_rounds)
+    assert (charged + 1) * 5.0 > 0.02 * policy.parked_rounds - 5.0  # and no fewer than that pays for
+
+
+def _cached(tmp_path, curve: CostCurve, **extra) -> CostCurve:
+    """`curve` as the cost cache holds it (checked by an earlier run: no check probe), with `extra` keys."""
+    import dataclasses
+    import json
+
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps({**dataclasses.replace(curve, checked=3).to_json(), **extra}))
+    return dataclasses.replace(CostCurve.from_file(path), cache_path=path)
+
+
+def _timed_drive(policy: AutoLength, monkeypatch, rounds: int, *, accepted: int = 0) -> list[int]:
+    """Plain steps of 4.5 ms; a probe 27 ms (6 steps, its catch-up 9 ms of them)."""
+    from mlx_dspark.engine import draft_length
+
+    clock = [0.0]
+    monkeypatch.setattr(draft_length.time, "perf_counter", lambda: clock[0])
+    lengths = []
+    for _ in range(rounds):
+        length = policy.next_length(position=0)
+        if length:
+            clock[0] += 0.018
+            policy.untimed(9.0)
+            clock[0] += 0.009
+        else:
+            clock[0] += 0.0045
+        policy.observe(proposed=length, accepted=min(length, accepted))
+        lengths.append(length)
+    return lengths
+
+
+def test_a_pair_whose_draft_failed_last_time_takes_no_free_look_and_pays_its_probes_at_their_measured_cost(
+    tmp_path, monkeypatch
+):
+    demo_here = CostCurve(draft_ms=6.4, verify_ms=[4.5, 5.7, 6.7, 7.4, 8.5, 9.0, 10.1, 10.9])  # parks by the prior
+    curve = _cached(tmp_path, demo_here)
+    first = AutoLength(curve, 7, heal=True)
+    assert first.memory is None
+    lengths = _timed_drive(first, monkeypatch, 250)
+    assert sum(1 for n in lengths if n) == 1  # the free look of a park by the prior
+    first.finish()
+    second = AutoLength(curve, 7, heal=True)
+    assert second.memory is not None and second.memory.acceptance[0] < 0.35 and 5.0 < second.memory.probe_steps < 7.0
+    # 250 parked steps earn 5 plain steps of probing: less than the 6 a probe cost last time
+    assert sum(1 for n in _timed_drive(second, monkeypatch, 250) if n) == 0
+    lengths = _timed_drive(second, monkeypatch, 1000)  # a long park still probes, within the budget
+    assert 1 <= sum(1 for n in lengths if n) and sum(1 for n in lengths if n) * 6.0 <= 0.02 * 1250
+
+
+def test_a_pair_whose_draft_paid_last_time_drafts_from_the_first_round_and_a_bad_memory_is_ignored(tmp_path):
+    demo_here = CostCurve(draft_ms=6.4, verify_ms=[4.5, 5.7, 6.7, 7.4, 8.5, 9.0, 10.1, 10.9])
+    good = _cached(tmp_path, demo_here, acceptance_seen={"acceptance": [0.95, 0.9, 0.9], "probe_steps": 6.0})
+    policy = AutoLength(good, 7, heal=True)
+    assert policy.acceptance == [0.95, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
+    assert policy.next_length(position=0) >= 3
+    # a memory near paying (x0.82 of plain here) still gets its free look at the start; a far one none
+    near = AutoLength(_cached(tmp_path, demo_here, acceptance_seen={"acceptance": [0.7]}), 7, heal=True)
+    far = AutoLength(_cached(tmp_path, demo_here, acceptance_seen={"acceptance": [0.3]}), 7, heal=True)
+    assert [near.next_length(position=0) for _ in range(3)] == [near.probe_length, 0, 0]
+    assert [far.next_length(position=0) for _ in range(3)] == [0, 0, 0]
+    for bad in ({"acceptance": [1.5]}, {"acceptance": "high"}, [0.9], {"acceptance": []}):
+        curve = _cached(tmp_path, demo_here, acceptance_seen=bad)
+        assert AutoLength(curve, 7, heal=True).memory is None
+    # a policy that is not healing (a curve the user gave) neither reads nor writes one
+    assert AutoLength(good, 7).memory is None
+
+
+def test_a_generation_leaves_its_acceptance_beside_the_cached_curve(tiny_spark_pair, monkeypatch):
+    import json
+
+    from mlx_dspark.engine import cost_heal, cost_probe
+
+    monkeypatch.setattr(cost_heal, "ENABLED", True)  # the cached curve heals, and so remembers
+    pair = mlx_dspark.load(*tiny_spark_pair)
+    ids = pair.tokenizer.encode("def add(a, b):")
+    plain = mlx_dspark.generate(pair, ids, max_tokens=24, speculative=False).tokens
+    assert mlx_dspark.generate(pair, ids, max_tokens=24, lookup="off").tokens == plain
+    saved = json.loads(cost_probe.cost_curve_path(pair).read_text())["acceptance_seen"]
+    assert len(saved["acceptance"]) == 7 and all(0.0 <= q <= 1.0 for q in saved["acceptance"])

@@ -242,11 +242,14 @@ class Chooser:
         if self.index is not None and room > m:
             match = self.index.continuation(forced, max_tokens=min(self.max_lookup, room) - m)
             rate = self._lookup_rate(match.length).rate
+            gain, power = 0.0, 1.0  # expected_tokens(rate, length), summed as the length grows
             for length in range(1, len(match.tokens) + 1):
-                score = self._rate(1 + m + expected_tokens(rate, length), 1 + m + length, draft=False)
+                power *= rate
+                gain += power
+                score = self._rate(1 + m + gain, 1 + m + length, draft=False)
                 if score > best[0]:
                     best = (score, "lookup", match.tokens[:length], match.length)
-                    expected = 1 + m + expected_tokens(rate, length)
+                    expected = 1 + m + gain
         return best, expected
 
     def _chained(self, proposal: Proposal, room: int, *, strong: bool) -> Proposal:

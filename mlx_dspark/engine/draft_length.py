@@ -25,11 +25,13 @@ import time
 from collections import Counter
 from typing import Any, Protocol, Sequence
 
-from mlx_dspark.engine import cost_heal
+from mlx_dspark.engine import acceptance_memory, cost_heal
 from mlx_dspark.engine.cost_heal import CurveHealer
 from mlx_dspark.engine.schedule import CostCurve
 
 AUTO = "auto"
+OPTIMISTIC = 0.9  # the acceptance a probe's length is chosen for: what a good draft shows
+NEAR_PAYING = 0.8  # a remembered acceptance this close to paying still gets a free look at the start
 
 
 class DraftLength(Protocol):
@@ -103,7 +105,7 @@ class AutoLength:
         smoothing: float = 0.2,
         every: int = 4,
         margin: float = 0.05,
-        probe_length: int = 2,
+        probe_length: int | None = None,
         probe_every: int = 8,
         max_probe_every: int = 128,
         probe_budget: float = 0.02,
@@ -128,8 +130,18 @@ class AutoLength:
             raise ValueError(f"cost curve {curve.source} covers verify width 1 only: auto needs widths 1..{cap + 1}")
         self.acceptance = [prior] * self.cap  # q(k), k = 1..cap
         self.observed = [False] * self.cap
+        # What this pair's draft showed in earlier generations (acceptance_memory.py): the prior, and no
+        # free look when it says the draft does not pay
+        self._memory_path = curve.cache_path if heal else None
+        self.memory = acceptance_memory.recall(self._memory_path)
+        if self.memory is not None:
+            seen = list(self.memory.acceptance[: self.cap])
+            self.acceptance = seen + [seen[-1]] * (self.cap - len(seen))
         self.smoothing, self.every, self.margin = smoothing, every, margin
-        self.probe_length = min(probe_length, self.cap)
+        # A probe drafts the length that would pay best if the draft were good (OPTIMISTIC acceptance at
+        # every position): a good draft's probe then commits most of what it costs and shows the deep
+        # positions too; a bad one's costs a wider verify than a short probe (the budget counts it).
+        self.probe_length = min(probe_length, self.cap) if probe_length else self._optimistic_length()
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.length = 0
         self.parked = False
@@ -143,7 +155,8 @@ class AutoLength:
         # rounds' time (in plain steps), so a draft that keeps failing costs ~2% at most; the probe
         # that follows a park by the prior alone is free (it is how a good draft starts drafting at once).
         self.probe_budget = probe_budget
-        self._probes_charged = 0
+        self._probe_spent = 0.0  # plain steps the charged probes cost beyond the tokens they committed
+        self._charging = False  # the round in flight is a charged probe
         self._free_probe = False
         self.probes = 0
         # Exploration: a length whose frontier keeps being accepted is tried longer now and then (the
@@ -166,8 +179,14 @@ class AutoLength:
         # after a long park took 4-5 plain steps with the step after it, where the curve said 2.8), once
         # plain steps were timed
         if self._probe_ms is None or self._plain_ms is None:
-            return predicted
+            # what a probe cost in an earlier generation of this pair, where remembered
+            return max(predicted, self.memory.probe_steps or 0.0) if self.memory is not None else predicted
         return max(predicted, self._probe_ms / self._plain_ms)
+
+    def _optimistic_length(self) -> int:
+        """The length of most expected tokens per ms if every position were accepted at OPTIMISTIC."""
+        by_length = rates(self.curve, [OPTIMISTIC] * self.cap, self.cap)
+        return max(range(1, self.cap + 1), key=lambda n: (by_length[n], -n))
 
     def start_length(self, position: int = 0) -> int:
         """The length the first round would take at context `position` (the prior acceptance)."""
@@ -194,14 +213,15 @@ class AutoLength:
             self.probes += 1
             self._due = 0
             return self.probe_length
-        affordable = self._free_probe or (self._probes_charged + 1) * self._probe_cost <= self.probe_budget * self.parked_rounds
+        affordable = self._free_probe or self._probe_spent + self._probe_cost <= self.probe_budget * self.parked_rounds
         if self._hopeless or self._until_probe > 0 or not affordable:
             self.parked_rounds += 1
             return 0
         if self._free_probe:
             self._free_probe = False
         else:
-            self._probes_charged += 1
+            self._probe_spent += self._probe_cost  # the tokens it commits are credited back when it is observed
+            self._charging = True
         self.probes += 1
         self._due = 0  # choose again right after the probe's observation
         return self.probe_length
@@ -236,6 +256,9 @@ class AutoLength:
         self.lengths[proposed] += 1
         if proposed == 0:
             return
+        if self._charging:  # a charged probe committed accepted + 1 tokens: plain steps it did not cost
+            self._probe_spent -= accepted + 1
+            self._charging = False
         probe = self.parked
         if probe:  # back off while probes do not show a paying length (leaving the park resets the interval)
             self._interval = min(2 * self._interval, self.max_probe_every)
@@ -256,10 +279,12 @@ class AutoLength:
             for k, c in enumerate(confidence[0, start:stop].tolist(), start=start):
                 if k < self.cap:
                     self._update(k, float(c), weight=0.5)
-        deepest = max((k for k in range(self.cap) if self.observed[k]), default=None)
-        if deepest is not None:  # never-reached positions follow the deepest one seen, not the prior
-            for k in range(deepest + 1, self.cap):
-                self.acceptance[k] = self.acceptance[deepest]
+        seen = [self.acceptance[k] for k in range(self.cap) if self.observed[k]]
+        if seen:  # never-reached positions follow the mean of those seen, not the prior (one rejection
+            # at position k says little of k + 1 once k is accepted)
+            mean = sum(seen) / len(seen)
+            for k in range(max(k for k in range(self.cap) if self.observed[k]) + 1, self.cap):
+                self.acceptance[k] = mean
 
     def _update(self, k: int, value: float, *, weight: float = 1.0) -> None:
         rate = min(1.0, self.smoothing * weight) if self.observed[k] else 0.5  # the first sample moves the prior halfway
@@ -284,10 +309,21 @@ class AutoLength:
         elif by_length[best] <= plain:
             # parked by the prior alone (the first choice): look at the real acceptance in the next round
             self._until_probe = self._interval if self.length else 1
-            self._free_probe = not self.length and not any(self.observed)
+            # (no free look where the last generation's acceptance says the draft is far from paying)
+            near = self.memory is None or by_length[best] > NEAR_PAYING * plain
+            self._free_probe = not self.length and not any(self.observed) and near
             self.parked, self.length, self._streak = True, 0, 0
         elif self.length == 0 or by_length[best] > by_length[self.length] * (1 + self.margin):
             self.length = best
+
+    def finish(self) -> None:
+        """The generation ended: keep what its drafted rounds showed for the next one (acceptance_memory.py)."""
+        if not any(self.observed):
+            return  # nothing drafted: the memory (or the prior) stands
+        probe_steps = None if self._probe_ms is None or self._plain_ms is None else self._probe_ms / self._plain_ms
+        if probe_steps is None and self.memory is not None:
+            probe_steps = self.memory.probe_steps
+        acceptance_memory.remember(self._memory_path, self.acceptance, probe_steps=probe_steps)
 
     def summary(self) -> dict:
         return {"lengths": dict(sorted(self.lengths.items())), "parked_rounds": self.parked_rounds,

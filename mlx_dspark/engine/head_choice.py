@@ -97,6 +97,10 @@ class HeadChoice:
         if self._current is not None:
             getattr(self.policies[self._current], "untimed", lambda ms: None)(ms)
 
+    def finish(self) -> None:
+        for policy in self.policies.values():
+            getattr(policy, "finish", lambda: None)()
+
     def summary(self) -> dict:
         return {"heads": dict(self.chosen), **{name: p.summary() for name, p in self.policies.items() if hasattr(p, "summary")}}
 

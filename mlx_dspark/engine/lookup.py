@@ -65,12 +65,19 @@ class ContextIndex:
         """
         if max_tokens <= 0:
             return Match([], 0)
-        seq = self.tokens + [int(t) for t in pending]
-        last = len(seq) - 1
+        # context + pending without copying the context (asked every parked step: a copy costs O(context))
+        tokens, pending = self.tokens, [int(t) for t in pending]
+        size = len(tokens) + len(pending)
+
+        def at(i: int) -> int:
+            return tokens[i] if i < len(tokens) else pending[i - len(tokens)]
+
+        last = size - 1
         for n in self.sizes:
-            if len(seq) <= n:
+            if size <= n:
                 continue
-            ends = self._ends.get(tuple(seq[last + 1 - n :]))
+            suffix = tuple(tokens[last + 1 - n :]) if not pending else tuple(at(i) for i in range(last + 1 - n, size))
+            ends = self._ends.get(suffix)
             if not ends:
                 continue
             # the most recent occurrence that ends before the suffix itself
@@ -78,12 +85,11 @@ class ContextIndex:
             if end is None:
                 continue
             length = n  # a longer match (the same tokens further back) predicts a longer copy
-            while length < MATCH_BUCKETS[-1] and end - length >= 0 and seq[end - length] == seq[last - length]:
+            while length < MATCH_BUCKETS[-1] and end - length >= 0 and at(end - length) == at(last - length):
                 length += 1
             out: list[int] = []
-            for i in range(max_tokens):
-                out.append(seq[end + 1 + i])
-                seq.append(out[-1])  # the copy may overlap its own output: a repeat goes on
+            for i in range(end + 1, end + 1 + max_tokens):
+                out.append(at(i) if i < size else out[i - size])  # the copy may overlap its own output: a repeat goes on
             return Match(out, max([b for b in MATCH_BUCKETS if b <= length] or [length]))
         return Match([], 0)
 

@@ -116,6 +116,10 @@ def make_steps(
     if proposer is None:
         return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
                            prefill_step_size=step_size, cancel=cancel, processor=processor)
+    if draft_length is None:  # built here, not in the round, so it hears when the generation ends (_flushed)
+        draft_length = make_draft_length(
+            speculation.max_draft_tokens, speculation.draft_length(int(proposer.block_size)), speculation.cost_curve
+        )
     return _flushed(proposer, speculative_steps(
         model.target,
         proposer,
@@ -128,7 +132,7 @@ def make_steps(
         cancel=cancel,
         processor=processor,
         draft_length=draft_length,
-    ))
+    ), policy=draft_length)
 
 
 def _tree_rounds(
@@ -193,13 +197,15 @@ def _chain_proposer(model: Any, name: str, prompt_ids: list[int], options: Gener
     )  # fmt: skip
 
 
-def _flushed(proposer: Proposer, steps: Iterator[Round]) -> Iterator[Round]:
+def _flushed(proposer: Proposer, steps: Iterator[Round], *, policy: Any = None) -> Iterator[Round]:
     """The steps; when they end (stopped, cancelled, closed), the draft context takes the positions its
-    proposer batches (propose.DraftProposer.extend), so a prompt cache holding it stays whole."""
+    proposer batches (propose.DraftProposer.extend), so a prompt cache holding it stays whole, and the
+    length policy keeps what the rounds showed for the next generation (draft_length.AutoLength.finish)."""
     try:
         yield from steps
     finally:
         getattr(proposer, "flush", lambda: None)()
+        getattr(policy, "finish", lambda: None)()
 
 
 def _chosen(draft: Proposer | None, prompt_ids: list[int], speculation: Any, grammar: GrammarState | None) -> Proposer | None:
