@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 from mlx_dspark.engine.choose import Chooser, RoundCost
 from mlx_dspark.engine.constraints import compile_constraint
-from mlx_dspark.engine.cost_probe import cost_curve_for, head_names
+from mlx_dspark.engine.cost_probe import CHAIN_HEADS, cost_curve_for, default_head, head_names
 from mlx_dspark.engine.decode import Round, plain_steps, speculative_steps
 from mlx_dspark.engine.draft_length import make_draft_length
 from mlx_dspark.engine.head_choice import HeadChoice
@@ -111,7 +111,10 @@ def make_steps(
     drafting = proposer is not None or lookup != "off" or (grammar is not None and speculation.fast_forward)
     if drafting and (speculation.verify_schedule == "confidence" or speculation.auto_length) and speculation.cost_curve is None:
         # this machine's curve for the pair, measured once and cached on disk
-        speculation = dataclasses.replace(speculation, cost_curve=cost_curve_for(model))
+        curve = cost_curve_for(model)
+        if default_head(model) in CHAIN_HEADS:  # a chain's cost is measured, not healed (as in _head_choice)
+            curve = dataclasses.replace(curve, cache_path=None)
+        speculation = dataclasses.replace(speculation, cost_curve=curve)
     proposer = _chosen(proposer, prompt_ids, speculation, grammar)
     if proposer is None:
         return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
