@@ -53,6 +53,16 @@ class Tree:
             rows.append(child)
             row = child
 
+    def subtree(self, rows: list[int]) -> "Tree":
+        """The tree of these node `rows` (ascending, 1-based, each node's parent among them or the anchor),
+        renumbered in their order."""
+        new_row = {0: 0, **{row: i + 1 for i, row in enumerate(rows)}}
+        if any(self.parents[row - 1] not in new_row or new_row[self.parents[row - 1]] > i for i, row in enumerate(rows)):
+            raise ValueError(f"rows {rows} are not prefix-closed in this tree (parents {self.parents})")
+        pick = lambda values: [values[row - 1] for row in rows]  # noqa: E731
+        return Tree(tokens=pick(self.tokens), parents=[new_row[p] for p in pick(self.parents)], depths=pick(self.depths),
+                    path_probs=pick(self.path_probs))  # fmt: skip
+
     def ancestors(self) -> mx.array:
         """(1 + B, 1 + B) bool: row i sees row j iff j is i or an ancestor of i (the anchor is everyone's)."""
         rows = [[False] * (self.size + 1) for _ in range(self.size + 1)]
