@@ -166,7 +166,9 @@ def test_a_dspark_draft_in_tree_rounds_through_make_steps_is_plain_decoding(qwen
         lambda: SpeculationOptions(tree_nodes=True, lookup="off"),
         lambda: SpeculationOptions(tree_nodes=8),  # lookup is on by default
         lambda: SpeculationOptions(tree_nodes=8, lookup="off", p_min=0.1),
-        lambda: GenerationOptions(sampling=SamplingOptions(temperature=0.7), speculation=SpeculationOptions(tree_nodes=8, lookup="off")),
+        lambda: SpeculationOptions(tree_nodes="often", lookup="off"),
+        lambda: SpeculationOptions(tree_nodes=8, lookup="off", draft_sampling="sample"),
+        lambda: GenerationOptions(sampling=SamplingOptions(temperature=0.7, logit_bias={3: 1.0}), speculation=SpeculationOptions(tree_nodes=8, lookup="off")),
         lambda: GenerationOptions(logprobs=2, speculation=SpeculationOptions(tree_nodes=8, lookup="off")),
     ],
 )

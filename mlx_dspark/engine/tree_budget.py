@@ -65,20 +65,22 @@ class AutoTree:
     """Per round the chain or tree candidate of the highest expected tokens per ms; parked where none pays."""
 
     def __init__(
-        self, curve: CostCurve, cap: int, *, smoothing: float = 0.2, explore_every: int = 8,
+        self, curve: CostCurve, cap: int, *, smoothing: float = 0.2, margin: float = 0.05, explore_every: int = 8,
         park_rounds: int = 8, max_park_rounds: int = 128,
     ) -> None:  # fmt: skip
         self.cap = min(cap, curve.max_width - 1)
         if self.cap < 1:
             raise ValueError(f"cost curve {curve.source} covers verify width 1 only: tree_nodes 'auto' needs widths 1..{cap + 1}")
-        self.curve, self.smoothing, self.explore_every = curve, smoothing, explore_every
+        self.curve, self.smoothing, self.margin, self.explore_every = curve, smoothing, margin, explore_every
         self.park_rounds, self.max_park_rounds = park_rounds, max_park_rounds
-        self.tree_accepted: dict[int, float] = {}  # b -> mean accepted by the tree's first b rows
+        # b -> mean of what the tree's first b rows accepted beyond the top chain's nodes among them (nested in
+        # the same rounds: a difference of low variance, so a tree is not picked on a stale lucky mean)
+        self.tree_gain: dict[int, float] = {}
         self.chain_accepted: dict[int, float] = {}  # l -> mean accepted by the top chain's first l nodes
         self._until_explore = 0  # the first round looks at the whole tree
         self._parked_for = 0  # rounds left without a draft
         self._park_interval = park_rounds
-        self.choices: Counter[str] = Counter()  # "chain-l" / "tree-b" / "parked" -> rounds
+        self.choices: Counter[str] = Counter()  # "chain-l" / "tree-b" / "look" (the whole tree) / "parked" -> rounds
 
     def grow_nodes(self, *, position: int) -> int:
         if self._parked_for > 0:
@@ -92,7 +94,7 @@ class AutoTree:
         self._until_explore -= 1
         if self._until_explore < 0:
             self._until_explore = self.explore_every - 1
-            self.choices[f"tree-{tree.size}"] += 1
+            self.choices["look"] += 1  # the whole tree
             return everything
         name, rows, rate = self.best(tree, curve=self.curve.at(position))
         if rate <= 1.0 / max(self.curve.at(position).verify_ms[0], 1e-9):  # nothing beats a plain step: park
@@ -106,27 +108,32 @@ class AutoTree:
         return rows
 
     def best(self, tree: Tree, *, curve: CostCurve) -> tuple[str, list[int], float]:
-        """The candidate of the highest expected tokens per ms: (name, its rows, the rate)."""
+        """The candidate of the highest expected tokens per ms: (name, its rows, the rate). A tree must beat
+        the best chain by `margin` (its estimate is read off fewer rounds when chains are picked)."""
         chain = tree.top_chain()
-        candidates = []
+        chains, trees = [("parked", [], 0.0)], [("parked", [], 0.0)]
+        chain_probs = [tree.path_probs[row - 1] for row in chain]
         for b in range(1, min(tree.size, self.cap) + 1):
-            expected = self.tree_accepted.get(b, sum(tree.path_probs[:b]))
-            candidates.append((f"tree-{b}", list(range(1, b + 1)), (1 + expected) / max(curve.round_ms(b), 1e-9)))
+            inside = sum(1 for row in chain if row <= b)  # the top chain's first nodes are among the first b rows
+            chain_part = self.chain_accepted.get(inside, sum(chain_probs[:inside])) if inside else 0.0
+            expected = chain_part + self.tree_gain.get(b, sum(tree.path_probs[:b]) - sum(chain_probs[:inside]))
+            trees.append((f"tree-{b}", list(range(1, b + 1)), (1 + expected) / max(curve.round_ms(b), 1e-9)))
         for length in range(1, min(len(chain), self.cap) + 1):
             expected = self.chain_accepted.get(length, sum(tree.path_probs[row - 1] for row in chain[:length]))
-            # the chain first at a tie: the same nodes (a tree whose first rows are its top chain) or as good for less
-            candidates.append((f"chain-{length}", chain[:length], (1 + expected) / max(curve.round_ms(length), 1e-9) * (1 + 1e-9)))
-        return max(candidates, key=lambda c: c[2]) if candidates else ("parked", [], 0.0)
+            chains.append((f"chain-{length}", chain[:length], (1 + expected) / max(curve.round_ms(length), 1e-9)))
+        best_chain, best_tree = (max(c, key=lambda c: c[2]) for c in (chains, trees))
+        return best_tree if best_tree[2] > best_chain[2] * (1 + self.margin) else best_chain
 
     def observe(self, tree: Tree, *, verified: list[int], path: list[int]) -> None:
         if not verified:
             return
         held = set(verified)
         prefix = next((b for b in range(len(verified), 0, -1) if all(r in held for r in range(1, b + 1))), 0)
-        for b in range(1, prefix + 1):  # the tree's first b rows: the path's rows among them
-            self._update(self.tree_accepted, b, sum(1 for row in path if row <= b))
         chain = tree.top_chain()
         on_chain = next((k for k, (a, c) in enumerate(zip(path, chain)) if a != c), min(len(path), len(chain)))
+        for b in range(1, prefix + 1):  # the tree's first b rows: the path's rows among them, less the chain's part
+            inside = sum(1 for row in chain if row <= b)
+            self._update(self.tree_gain, b, sum(1 for row in path if row <= b) - min(on_chain, inside))
         for length in range(1, len(chain) + 1):
             if chain[length - 1] not in held:
                 break

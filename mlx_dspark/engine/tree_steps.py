@@ -58,7 +58,7 @@ def tree_steps(
     prompt_cache = PromptCache(target, max_snapshots=0) if prompt_cache is None else prompt_cache
     problem = tree_problem(target, prompt_cache.target_cache)
     if problem is not None:
-        raise ValueError(f"tree_nodes {num_nodes}: {problem}; use tree_nodes 0 (chain rounds)")
+        raise ValueError(f"tree rounds: {problem}; use tree_nodes 0 (chain rounds)")
     tap_ids = tuple(proposer.tap_ids)
     logits = prefill_cached(
         target, prompt_cache, prompt, tap_ids=tap_ids, proposer=proposer, step_size=prefill_step_size, cancel=cancel
