@@ -3,7 +3,8 @@ exact target distribution, for a chain, a wide and a deep-and-wide tree.
 
 The target is a Markov table over a tiny vocabulary (the distribution after a token depends on that token),
 so every tree row's distribution is known and the joint of the first tokens is exact. Trials run batched
-(one call of `accept_tree_sampled` for thousands of them).
+(one call of `accept_tree_sampled` for thousands of them). Then tree rounds on a tiny target: the first tokens'
+distribution, and the caches after every sampled round.
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_dspark.engine.prompt_cache import PromptCache
+from mlx_dspark.engine.propose import DraftProposer
+from mlx_dspark.engine.sample import Sampler
 from mlx_dspark.engine.tree import Tree
 from mlx_dspark.engine.tree_accept import accept_tree_sampled
-from tests.test_lossless_sampling import chi_square_p_value
+from mlx_dspark.engine.tree_steps import tree_steps
+from tests.test_lossless_sampling import PROMPT, chi_square_p_value, exact_distribution
 
 VOCAB = 5
 TRIALS = 20000
@@ -149,3 +154,57 @@ def test_a_tree_without_nodes_draws_the_bonus_from_the_anchors_distribution():
     probs = row_probs(tree, markov_table(), np.full(TRIALS, 0))
     counts = sampled_outcomes(tree, probs, seed=3)
     assert p_value(counts, restated_outcomes(tree, probs[0])) > MIN_P_VALUE
+
+
+# -- sampled tree rounds on a real target ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from tests.engine_helpers import make_draft, make_target
+
+    target = make_target("qwen3", seed=5, vocab_size=8, layers=2, embedding_scale=0.5)
+    return target, make_draft(target, seed=6, layers=1, markov_head_type="gated")
+
+
+ROUND_SAMPLER = Sampler(temperature=1.0, top_k=6)
+
+
+def test_sampled_tree_rounds_of_a_dspark_draft_give_the_targets_distribution_of_the_first_tokens(pair):
+    target, draft = pair
+    exact = exact_distribution(target, ROUND_SAMPLER, 2)
+    mx.random.seed(21)
+    counts, accepted, rounds = np.zeros((8, 8)), 0, 0
+    for _ in range(400):
+        proposer = DraftProposer(draft, target, greedy=True, temperature=1.0)
+        tokens = []
+        for step in tree_steps(target, proposer, PROMPT, num_nodes=5, max_depth=3, sampler=ROUND_SAMPLER):
+            tokens.extend(step.tokens)
+            accepted += step.accepted
+            rounds += step.verified
+            if len(tokens) >= 2:
+                break
+        counts[tuple(tokens[:2])] += 1
+    assert accepted > 0.2 * rounds  # the trees were accepted in part
+    assert chi_square_p_value(counts.reshape(-1), exact.reshape(-1)) > MIN_P_VALUE
+
+
+def test_after_each_sampled_tree_round_every_cache_holds_what_a_cold_prefill_of_the_committed_tokens_leaves(pair):
+    target, draft = pair
+    proposer = DraftProposer(draft, target, greedy=True, temperature=1.0)
+    prompt_cache = PromptCache(target, max_snapshots=0)
+    mx.random.seed(8)
+    committed, accepted = [], 0
+    for step in tree_steps(target, proposer, PROMPT, num_nodes=10, max_depth=4, sampler=ROUND_SAMPLER, prompt_cache=prompt_cache):
+        committed.extend(step.tokens)
+        accepted += step.accepted
+        held = PROMPT + committed[:-1]  # the newest token is the next anchor, not in the caches yet
+        cold = target.make_cache()
+        target(mx.array(held)[None], cache=cold)
+        for cache, fresh in zip(prompt_cache.target_cache, cold):
+            assert cache.offset == fresh.offset == len(held)
+            assert mx.allclose(cache.keys[..., : cache.offset, :], fresh.keys[..., : fresh.offset, :], atol=1e-4).item()
+            assert mx.allclose(cache.values[..., : cache.offset, :], fresh.values[..., : fresh.offset, :], atol=1e-4).item()
+        if len(committed) >= 50:
+            break
+    assert accepted >= 10  # paths of accepted nodes were committed, not only bonus tokens
