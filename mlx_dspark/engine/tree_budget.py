@@ -5,18 +5,19 @@ One policy object per generation, asked three things by the tree round (tree_ste
 `pick(tree, position=)` the node rows of the grown tree to verify, and `observe(tree, verified=, path=)`
 after the round's host read.
 
-`AutoTree` grows the best-first tree of `cap` nodes and verifies, per round, the candidate of the highest
-expected tokens per millisecond: the top chain's first l nodes (the chain a chain round verifies, l = 1
-.. the depth) or the tree's first b rows (the best b-node tree, b = 1 .. cap), each costing the draft
-block and a verify forward of 1 + its nodes on the cost curve at the context depth reached, against one
-plain step per token. Its expected accepted tokens are what the rounds showed: a verified set holds
-every smaller candidate nested in it (a row's children are tried in row order, so dropping later rows
-or later siblings changes nothing before them), and the path accepted there says what each would have
-accepted (the path's rows up to b; the path's agreement with the top chain up to l); a moving average per
-candidate. A candidate not observed yet counts what the draft itself expects (its path probabilities).
-Every `explore_every` rounds (and the first) the whole tree is verified, so every candidate stays
-observed. Where no candidate beats a plain step the policy parks: `park_rounds` rounds without a draft,
-then a look at the whole tree again (backing off while the looks lose).
+`AutoTree` grows the best-first tree of `cap` nodes, and the draft's top chain beside it, and verifies, per
+round, the candidate of the highest expected tokens per millisecond: the top chain's first l nodes (the
+chain a chain round verifies, l = 1 .. the depth) or the tree's first b rows (the best b-node tree, b = 1 ..
+cap), each costing the draft block and a verify forward of 1 + its nodes on the cost curve at the context
+depth reached, against one plain step per token. Its expected accepted tokens are what the rounds showed: a
+verified set holds every smaller candidate nested in it (a row's children are tried in row order, so
+dropping later rows or later siblings changes nothing before them), and the path accepted there says what
+each would have accepted (the path's rows up to b; the path's agreement with the top chain up to l): a
+moving average per chain length, and per tree size of what it accepted beyond the chain's nodes among its
+rows (a difference read off the same rounds: a tree is not picked on a stale lucky mean). A candidate not observed yet counts what the draft itself expects (its path
+probabilities). Every `explore_every` rounds (and the first) the whole tree is verified, so every candidate
+stays observed. Where no candidate beats a plain step the policy parks: `park_rounds` rounds without a
+draft, then a look at the whole tree again (backing off while the looks lose).
 
 Lossless whatever it picks: the choice reads draft values and past rounds only, never this round's target.
 """
@@ -63,6 +64,8 @@ class FixedTree:
 
 class AutoTree:
     """Per round the chain or tree candidate of the highest expected tokens per ms; parked where none pays."""
+
+    wants_chain = True  # the round grows the top chain as deep as it goes beside the best `cap` nodes (tree.with_chain)
 
     def __init__(
         self, curve: CostCurve, cap: int, *, smoothing: float = 0.2, margin: float = 0.05, explore_every: int = 8,

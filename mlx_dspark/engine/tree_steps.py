@@ -27,7 +27,7 @@ from mlx_dspark.engine.options import PREFILL_STEP_SIZE
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import Proposer
 from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.engine.tree import Tree, grow_tree
+from mlx_dspark.engine.tree import Tree, grow_chain, grow_tree, with_chain
 from mlx_dspark.engine.tree_accept import accept_tree_greedy, accept_tree_sampled
 from mlx_dspark.engine.tree_budget import FixedTree, TreeBudget
 from mlx_dspark.models.tree_verify import keep_path, tree_problem, tree_target_forward
@@ -80,6 +80,8 @@ def tree_steps(
         if depth and nodes:
             children = proposer.tree_children(anchor, position=position, depth=depth)
             grown = grow_tree(children, anchor, num_nodes=nodes, max_depth=depth)
+            if getattr(budget, "wants_chain", False):  # the top chain as deep as the depth, beside the best nodes
+                grown = with_chain(grown, grow_chain(children, anchor, max_depth=depth))
         verified = budget.pick(grown, position=position) if grown.size else []
         tree = grown.subtree(verified)
         committed, rows, features = _verify(target, cache, tree, anchor_id, position, tap_ids, sampler)
