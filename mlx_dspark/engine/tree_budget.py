@@ -80,6 +80,7 @@ class AutoTree:
         # the same rounds: a difference of low variance, so a tree is not picked on a stale lucky mean)
         self.tree_gain: dict[int, float] = {}
         self.chain_accepted: dict[int, float] = {}  # l -> mean accepted by the top chain's first l nodes
+        self._samples: Counter[tuple[int, int]] = Counter()  # (table, key) -> rounds observed
         self._until_explore = 0  # the first round looks at the whole tree
         self._parked_for = 0  # rounds left without a draft
         self._park_interval = park_rounds
@@ -143,8 +144,11 @@ class AutoTree:
             self._update(self.chain_accepted, length, min(on_chain, length))
 
     def _update(self, table: dict[int, float], key: int, value: float) -> None:
-        old = table.get(key)
-        table[key] = value if old is None else old + self.smoothing * (value - old)
+        """The mean of the first 1 / smoothing samples (one unlucky round does not park a good draft), then a
+        moving average."""
+        count = self._samples[id(table), key] = self._samples[id(table), key] + 1
+        old = table.get(key, 0.0)
+        table[key] = old + max(self.smoothing, 1.0 / count) * (value - old)
 
     def summary(self) -> dict:
         return {"choices": dict(sorted(self.choices.items()))}
