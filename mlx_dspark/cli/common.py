@@ -291,13 +291,15 @@ def generation_options(flags: Mapping[str, Any], *, max_tokens: int) -> Generati
         draft_sampling=flags["draft_sampling"],
         p_min=flags["p_min"],
         confidence_threshold=flags["confidence_threshold"],
-        max_draft_tokens=parse_draft_tokens(flags["max_draft_tokens"]),
+        max_draft_tokens=parse_auto(flags["max_draft_tokens"], field="max_draft_tokens", absent=AUTO,
+                                    expected=f"{AUTO!r} or an integer >= 1"),
         verify_schedule=flags.get("verify_schedule", SPECULATION.verify_schedule),
         cost_curve=cost_curve,
         mask_draft=not flags.get("no_mask_draft", False),
         lookup=lookup_mode(flags),
         fast_forward=not flags.get("no_fast_forward", False),
-        tree_nodes=parse_tree_nodes(flags.get("tree_nodes")),
+        tree_nodes=parse_auto(flags.get("tree_nodes"), field="tree_nodes", absent=0,
+                              expected=f"{AUTO!r} or an integer in [0, {MAX_TREE_NODES}]"),
     )
 
 
@@ -312,24 +314,14 @@ def draft_path(draft: Optional[str]) -> Optional[str]:
     return None if draft == LOOKUP_DRAFT else draft
 
 
-def parse_draft_tokens(text: Optional[str]) -> int | str | None:
-    """--max-draft-tokens: "auto" or an integer (checked by SpeculationOptions); absent: auto."""
+def parse_auto(text: Optional[str], *, field: str, absent: int | str, expected: str) -> int | str:
+    """--max-draft-tokens, --tree-nodes: "auto" or an integer (checked by SpeculationOptions); `absent` if not given."""
     if text is None or text == AUTO:
-        return AUTO if text is None else text
+        return absent if text is None else text
     try:
         return int(text)
     except ValueError:
-        raise OptionError("max_draft_tokens", text, f"{AUTO!r} or an integer >= 1") from None
-
-
-def parse_tree_nodes(text: Optional[str]) -> int | str:
-    """--tree-nodes: "auto" or an integer (checked by SpeculationOptions); absent: 0 (chain rounds)."""
-    if text is None or text == AUTO:
-        return 0 if text is None else text
-    try:
-        return int(text)
-    except ValueError:
-        raise OptionError("tree_nodes", text, f"{AUTO!r} or an integer in [0, {MAX_TREE_NODES}]") from None
+        raise OptionError(field, text, expected) from None
 
 
 def parse_logit_bias(text: Optional[str]) -> dict:
