@@ -91,7 +91,9 @@ def stream_generate(
     `lookup` "on" adds prompt-lookup drafts beside the draft, "only" without it; `fast_forward` verifies
     a constraint's forced runs in the round's block (engine/choose.py).
     `tree_nodes` > 0 verifies a best-first tree of that many draft nodes per round instead of a chain
-    (engine/tree_steps.py): greedy, with `lookup="off"`, a DSpark draft and an attention-only full-KV target.
+    (engine/tree_steps.py), "auto" the chain or tree size that pays most on this machine's cost curve
+    (engine/tree_budget.py): greedy or sampled (lossless), with `lookup="off"`, a DSpark draft, an
+    attention-only full-KV target and no logits processing (penalties, logit_bias, constraints, logprobs).
     """
     built = GenerationOptions.from_keywords(**option_keywords)  # a TypeError naming a keyword that is no option
     if options is None:

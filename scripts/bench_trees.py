@@ -8,10 +8,12 @@ Rows (interleaved per repeat; greedy; medians over repeats):
   rank 1 at ~60% of positions, rank 2 at ~25%), behind the demo draft's real block forward (its cost paid);
 - tree-7 (width 8, the chain's width), tree-15 (width 16), tree-31 (width 32): tree rounds of that many nodes
   from the same proposer's per-position distributions;
-- draft chain-7 / draft tree-7 / draft tree-15: the demo draft's own proposals (its Markov head's conditional
-  logits grow the tree), for what a trained draft does.
+- tree-auto: `tree_nodes="auto"` (engine/tree_budget.AutoTree, at most 15 nodes) over this run's own cost curve
+  of verify widths 1..16 (chain forwards with the draft's taps, measured first), from the same proposer;
+- draft chain-7 / draft tree-7 / draft tree-15 / draft tree-auto: the demo draft's own proposals (its Markov
+  head's conditional logits grow the tree), for what a trained draft does.
 Every run's output must equal plain decoding. Printed beside: the cost curve (bench/cost.py: target forwards of
-1..8 tokens, draft block, plain step) and chain / tree verify forwards at widths 8, 16, 32.
+1..8 tokens, draft block, plain step), chain / tree verify forwards at widths 8, 16, 32, and what auto picked.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from mlx_dspark.engine.decode import plain_steps, speculative_steps  # noqa: E40
 from mlx_dspark.engine.options import SpeculationOptions  # noqa: E402
 from mlx_dspark.engine.propose import DraftProposer  # noqa: E402
 from mlx_dspark.engine.sample import Sampler  # noqa: E402
+from mlx_dspark.engine.schedule import CostCurve  # noqa: E402
 from mlx_dspark.engine.tree import Tree  # noqa: E402
+from mlx_dspark.engine.tree_budget import AutoTree  # noqa: E402
 from mlx_dspark.engine.tree_steps import tree_steps  # noqa: E402
 from mlx_dspark.models.cache import trim_caches  # noqa: E402
 from mlx_dspark.models.tree_verify import keep_path, tree_target_forward  # noqa: E402
@@ -96,6 +100,23 @@ def verify_ms(target, prompt: list[int], width: int, taps: tuple, repeats: int) 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def chain_ms(target, prompt: list[int], max_width: int, taps: tuple, repeats: int) -> list[float]:
+    """Median ms of a chain forward of 1..max_width tokens with the draft's taps at the prompt's context,
+    the widths interleaved (a rotating order per repeat)."""
+    cache = target.make_cache()
+    mx.eval(target(mx.array(prompt)[None], cache=cache)[0])
+    times: dict[int, list[float]] = {w: [] for w in range(1, max_width + 1)}
+    for repeat in range(repeats + 1):
+        order = list(times)[repeat % max_width:] + list(times)[: repeat % max_width]
+        for width in order:
+            start = time.perf_counter()
+            mx.eval(target(mx.array([1] * width)[None], cache=cache, tap_ids=taps))
+            trim_caches(cache, width)
+            if repeat:
+                times[width].append(1000 * (time.perf_counter() - start))
+    return [statistics.median(times[w]) for w in times]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=192)
@@ -121,6 +142,19 @@ def main() -> None:
     def own() -> DraftProposer:
         return DraftProposer(draft, target, greedy=True, temperature=1.0)
 
+    # this run's costs first: auto sizes its rounds on them (widths 1..16, chain forwards with the draft's taps)
+    taps = tuple(draft.args.target_layer_ids)
+    context = prompt + reference[: args.tokens // 2]
+    curve = measure_cost_curve(pair, context=len(prompt) + args.tokens // 2, repeats=5)
+    auto_curve = CostCurve.from_measurements(
+        draft_ms=curve["draft_block_ms"], verify_ms=chain_ms(target, context, 16, taps, 5), source="bench_trees"
+    )
+    policies: dict[str, AutoTree] = {}
+
+    def auto(name: str, proposer) -> object:
+        policies[name] = AutoTree(auto_curve, 15)
+        return tree_steps(target, proposer, prompt, num_nodes=15, max_depth=7, budget=policies[name])
+
     chain = SpeculationOptions(max_draft_tokens=7, lookup="off")
     modes = {
         "plain": lambda: plain_steps(target, prompt, sampler=Sampler()),
@@ -128,9 +162,11 @@ def main() -> None:
         "tree-7": lambda: tree_steps(target, ranked(), prompt, num_nodes=7, max_depth=7),
         "tree-15": lambda: tree_steps(target, ranked(), prompt, num_nodes=15, max_depth=7),
         "tree-31": lambda: tree_steps(target, ranked(), prompt, num_nodes=31, max_depth=7),
+        "tree-auto": lambda: auto("tree-auto", ranked()),
         "draft chain-7": lambda: speculative_steps(target, own(), prompt, sampler=Sampler(), speculation=chain),
         "draft tree-7": lambda: tree_steps(target, own(), prompt, num_nodes=7, max_depth=7),
         "draft tree-15": lambda: tree_steps(target, own(), prompt, num_nodes=15, max_depth=7),
+        "draft tree-auto": lambda: auto("draft tree-auto", own()),
     }
     results: dict[str, list[dict]] = {name: [] for name in modes}
     for name, make in modes.items():  # one untimed warm-up each
@@ -153,15 +189,19 @@ def main() -> None:
                          "rounds": rows[0]["rounds"]}  # fmt: skip
         shown = "-" if name == "plain" else f"{per_verify:.2f}"
         print(f"{name:>14} {shown:>14} {ms:9.3f} {plain_ms / ms:7.2f}x {rows[0]['rounds']:>7}")
-    curve = measure_cost_curve(pair, context=len(prompt) + args.tokens // 2, repeats=5)
+    for name, policy in policies.items():
+        print(f"  {name} (last run) picked: {dict(sorted(policy.choices.items()))}")
     print(format_cost_curve(curve))
-    context = prompt + reference[: args.tokens // 2]
-    tree_ms = {w: verify_ms(target, context, w, tuple(draft.args.target_layer_ids), 7) for w in (8, 16, 32)}
+    print("  auto's curve, chain forwards of widths 1..16 (ms): " + " ".join(f"{ms:.2f}" for ms in auto_curve.verify_ms))
+    tree_ms = {w: verify_ms(target, context, w, taps, 7) for w in (8, 16, 32)}
     print("  verify forwards beside it (ms; chain = [anchor, drafts], tree = the same width as a tree):")
     for w, ms in tree_ms.items():
         print(f"    width {w:2d}: chain {ms['chain']:7.2f}  tree {ms['tree']:7.2f}  tree + commit {ms['tree+commit']:7.2f}")
     if args.out:
-        args.out.write_text(json.dumps({"summary": summary, "cost_curve": curve, "tree_verify_ms": tree_ms}, indent=2) + "\n")
+        args.out.write_text(json.dumps({
+            "summary": summary, "cost_curve": curve, "tree_verify_ms": tree_ms, "auto_curve": auto_curve.to_json(),
+            "auto_choices": {name: dict(policy.choices) for name, policy in policies.items()},
+        }, indent=2) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":

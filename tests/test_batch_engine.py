@@ -171,3 +171,10 @@ def test_auto_rows_take_their_lengths_from_the_batch_plan(pair):
             else:
                 emitted = [sum(len(r.tokens) for r in rounds[: k + 1]) for k in range(len(rounds) - 1)]
                 assert lengths == [min(3, options.max_tokens - e - 1) for e in emitted]  # its own fixed length
+
+
+def test_a_row_asking_for_tree_rounds_runs_chain_rounds_and_says_so(pair):
+    options = GenerationOptions(max_tokens=16, speculation=SpeculationOptions(tree_nodes=6, lookup="off"))
+    with pytest.warns(UserWarning, match="tree_nodes 6: a batched row runs chain rounds"):
+        out, _ = run_batch(pair, [(PROMPTS[0], options)], joins=[0])
+    assert out[0] == mlx_dspark.generate(pair, PROMPTS[0], max_tokens=16, speculative=False).tokens

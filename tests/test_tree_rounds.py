@@ -14,7 +14,7 @@ from mlx_dspark.engine.options import GenerationOptions, OptionError, SamplingOp
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import DraftProposer
 from mlx_dspark.engine.steps import make_steps
-from mlx_dspark.engine.tree import Tree, grow_tree
+from mlx_dspark.engine.tree import Tree, grow_chain, grow_tree, with_chain
 from mlx_dspark.engine.tree_accept import accept_tree_greedy
 from mlx_dspark.engine.tree_steps import tree_steps
 from tests.engine_helpers import greedy_reference, make_draft, make_target
@@ -166,7 +166,9 @@ def test_a_dspark_draft_in_tree_rounds_through_make_steps_is_plain_decoding(qwen
         lambda: SpeculationOptions(tree_nodes=True, lookup="off"),
         lambda: SpeculationOptions(tree_nodes=8),  # lookup is on by default
         lambda: SpeculationOptions(tree_nodes=8, lookup="off", p_min=0.1),
-        lambda: GenerationOptions(sampling=SamplingOptions(temperature=0.7), speculation=SpeculationOptions(tree_nodes=8, lookup="off")),
+        lambda: SpeculationOptions(tree_nodes="often", lookup="off"),
+        lambda: SpeculationOptions(tree_nodes=8, lookup="off", draft_sampling="sample"),
+        lambda: GenerationOptions(sampling=SamplingOptions(temperature=0.7, logit_bias={3: 1.0}), speculation=SpeculationOptions(tree_nodes=8, lookup="off")),
         lambda: GenerationOptions(logprobs=2, speculation=SpeculationOptions(tree_nodes=8, lookup="off")),
     ],
 )
@@ -206,3 +208,21 @@ def test_a_dflash2_draft_is_refused_for_tree_rounds(qwen3):
     options = GenerationOptions(speculation=SpeculationOptions(tree_nodes=8, lookup="off"))
     with pytest.raises(ValueError, match="tree rounds need a DSpark block draft"):
         make_steps(model, PROMPT, options, None, None, None)
+
+
+def test_with_chain_appends_the_greedy_chain_a_wide_tree_lacks_and_keeps_the_best_first_rows():
+    vocab, depth = 6, 4
+    mx.random.seed(4)
+    table = [mx.log(mx.softmax(0.3 * mx.random.normal((vocab, vocab)), axis=-1)) for _ in range(depth)]  # flat: wide trees
+    children = _table_children(table)
+    tree = grow_tree(children, mx.array([1]), num_nodes=6, max_depth=depth)
+    chain = grow_chain(children, mx.array([1]), max_depth=depth)
+    merged = with_chain(tree, chain)
+    parent, greedy = 1, []
+    for d in range(depth):  # the greedy chain, step by step on the table
+        parent = int(mx.argmax(table[d][parent]).item())
+        greedy.append(parent)
+    assert [token for token, _ in chain] == greedy
+    assert merged.tokens[: tree.size] == tree.tokens and merged.parents[: tree.size] == tree.parents
+    assert [merged.tokens[row - 1] for row in merged.top_chain()] == greedy
+    assert merged.size > tree.size  # the wide tree lacked the chain's deep nodes

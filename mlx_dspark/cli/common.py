@@ -26,6 +26,7 @@ from mlx_dspark.engine.options import (
     DEFAULT_OPTIONS,
     DRAFT_SAMPLING_MODES,
     LOOKUP_MODES,
+    MAX_TREE_NODES,
     GenerationOptions,
     OptionError,
 )
@@ -61,6 +62,7 @@ FLAGS = {
     "mask_draft": "--no-mask-draft",
     "lookup": "--lookup",
     "fast_forward": "--no-fast-forward",
+    "tree_nodes": "--tree-nodes",
 }
 CONSTRAINT_FLAGS = {"json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar", "tokenizer": "--model"}
 
@@ -118,6 +120,16 @@ Lookup = Annotated[
         "--lookup",
         help=f"Prompt-lookup drafts: {' | '.join(LOOKUP_MODES)}. on: beside the DSpark draft, the round verifies the "
         "better block (the default); off: DSpark blocks only; only: without the draft (as --draft lookup).",
+    ),
+]
+TreeNodes = Annotated[
+    Optional[str],
+    typer.Option(
+        "--tree-nodes",
+        help="Verify a token tree per round instead of a chain: N draft nodes (1..64), or auto (per round the chain or "
+        "the tree size of the most expected tokens per ms on this machine's cost curve, no draft where none pays); "
+        "needs --lookup off, a DSpark draft and an attention-only target; greedy or sampled, without penalties, "
+        "logit bias, constraints or logprobs [default: 0, chain rounds].",
     ),
 ]
 NoFastForward = Annotated[
@@ -280,12 +292,15 @@ def generation_options(flags: Mapping[str, Any], *, max_tokens: int) -> Generati
         draft_sampling=flags["draft_sampling"],
         p_min=flags["p_min"],
         confidence_threshold=flags["confidence_threshold"],
-        max_draft_tokens=parse_draft_tokens(flags["max_draft_tokens"]),
+        max_draft_tokens=parse_auto(flags["max_draft_tokens"], field="max_draft_tokens", absent=AUTO,
+                                    expected=f"{AUTO!r} or an integer >= 1"),
         verify_schedule=flags.get("verify_schedule", SPECULATION.verify_schedule),
         cost_curve=cost_curve,
         mask_draft=not flags.get("no_mask_draft", False),
         lookup=lookup_mode(flags),
         fast_forward=not flags.get("no_fast_forward", False),
+        tree_nodes=parse_auto(flags.get("tree_nodes"), field="tree_nodes", absent=0,
+                              expected=f"{AUTO!r} or an integer in [0, {MAX_TREE_NODES}]"),
     )
 
 
@@ -300,14 +315,14 @@ def draft_path(draft: Optional[str]) -> Optional[str]:
     return None if draft == LOOKUP_DRAFT else draft
 
 
-def parse_draft_tokens(text: Optional[str]) -> int | str | None:
-    """--max-draft-tokens: "auto" or an integer (checked by SpeculationOptions); absent: auto."""
+def parse_auto(text: Optional[str], *, field: str, absent: int | str, expected: str) -> int | str:
+    """--max-draft-tokens, --tree-nodes: "auto" or an integer (checked by SpeculationOptions); `absent` if not given."""
     if text is None or text == AUTO:
-        return AUTO if text is None else text
+        return absent if text is None else text
     try:
         return int(text)
     except ValueError:
-        raise OptionError("max_draft_tokens", text, f"{AUTO!r} or an integer >= 1") from None
+        raise OptionError(field, text, expected) from None
 
 
 def parse_logit_bias(text: Optional[str]) -> dict:

@@ -77,6 +77,7 @@ def generate(
     no_mask_draft: flags.NoMaskDraft = False,
     lookup: flags.Lookup = flags.SPECULATION.lookup,
     no_fast_forward: flags.NoFastForward = False,
+    tree_nodes: flags.TreeNodes = None,
     chat_template_args: flags.ChatTemplateArgs = None,
     chat_template: Optional[bool] = typer.Option(
         None, "--chat-template/--no-chat-template",

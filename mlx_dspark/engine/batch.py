@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -89,6 +90,10 @@ class BatchRow:
         self.options = options
         self.sampler = options.sampling
         self.speculation = options.speculation
+        if self.speculation.tree_nodes:  # tree rounds are a single request's (tree_steps.py): this row runs chains
+            warnings.warn(f"tree_nodes {self.speculation.tree_nodes!r}: a batched row runs chain rounds (tree rounds "
+                          "verify one request at a time)", stacklevel=2)  # fmt: skip
+            self.speculation = dataclasses.replace(self.speculation, tree_nodes=0)
         self.cancel = cancel
         self.processor = make_processor(model, self.prompt, options, grammar) or LogitsProcessor.passthrough()
         lookup = self.speculation.lookup if self.speculation.speculative else "off"

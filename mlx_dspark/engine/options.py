@@ -140,9 +140,11 @@ class SpeculationOptions:
     lookup: str = "on"
     # With a constraint: verify the grammar's forced runs (its only continuation) in the round's block
     fast_forward: bool = True
-    # Tree rounds (tree_steps.py): verify a best-first tree of at most this many draft nodes per round
-    # (greedy, lookup off, a DSpark draft, an attention-only full-KV target); 0: chain rounds
-    tree_nodes: int = 0
+    # Tree rounds (tree_steps.py): verify a best-first tree of at most this many draft nodes per round, or
+    # "auto" (tree_budget.py: per round the top chain or a tree of the size that pays most on this machine's
+    # cost curve, no draft where none does); lookup off, a DSpark draft, an attention-only full-KV target,
+    # no logits processing; 0: chain rounds
+    tree_nodes: int | str = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.speculative, bool):
@@ -165,18 +167,20 @@ class SpeculationOptions:
             raise OptionError("verify_schedule", self.verify_schedule, f"one of {', '.join(VERIFY_SCHEDULES)}")
         if self.cost_curve is not None and not isinstance(self.cost_curve, CostCurve):
             raise OptionError("cost_curve", self.cost_curve, "a schedule.CostCurve, or none for this machine's")
-        if not (_is_int(self.tree_nodes) and 0 <= self.tree_nodes <= MAX_TREE_NODES):
-            raise OptionError("tree_nodes", self.tree_nodes, f"an integer in [0, {MAX_TREE_NODES}] (0: chain rounds)")
+        if not (self.tree_nodes == AUTO or (_is_int(self.tree_nodes) and 0 <= self.tree_nodes <= MAX_TREE_NODES)):
+            raise OptionError("tree_nodes", self.tree_nodes, f"an integer in [0, {MAX_TREE_NODES}] (0: chain rounds) or {AUTO!r}")
         if self.tree_nodes:
             chain_only = {
                 "lookup": self.lookup != "off", "verify_schedule": self.verify_schedule != "fixed",
                 "p_min": self.p_min > 0, "confidence_threshold": self.confidence_threshold > 0,
+                "draft_sampling 'sample'": self.draft_sampling != "greedy",
             }  # fmt: skip
             named = [name for name, chain in chain_only.items() if chain]
             if named:
                 raise OptionError(
                     "tree_nodes", self.tree_nodes, f"0 while {', '.join(named)} set (chain-round options; for tree rounds "
-                    "set lookup 'off' and leave verify_schedule, p_min, confidence_threshold at their defaults)",
+                    "set lookup 'off' and leave verify_schedule, p_min, confidence_threshold, draft_sampling at their "
+                    "defaults: a tree's nodes are the draft's most probable, never sampled)",
                 )  # fmt: skip
 
     @property
@@ -253,21 +257,21 @@ class GenerationOptions:
         object.__setattr__(self, "chat_template_kwargs", None if kwargs is None else dict(kwargs))
 
     def _check_tree_rounds(self) -> None:
-        """Tree rounds are greedy and unprocessed: sampled trees (SpecInfer's multi-candidate rejection) and
-        logits processing over a tree's branches are not implemented."""
+        """Tree rounds (greedy or sampled) run without logits processing: penalties, logit_bias, a constraint
+        and logprobs over a tree's branches (each branch its own history) are not implemented."""
         tree_nodes = self.speculation.tree_nodes
         if not tree_nodes:
             return
         sampling = self.sampling
         refused = {
-            "temperature > 0": not sampling.greedy, "logprobs": self.logprobs is not None,
-            "a constraint": self.constraint is not None, "penalties": sampling.has_penalties, "logit_bias": bool(sampling.logit_bias),
+            "logprobs": self.logprobs is not None, "a constraint": self.constraint is not None,
+            "penalties": sampling.has_penalties, "logit_bias": bool(sampling.logit_bias),
         }  # fmt: skip
         named = [name for name, on in refused.items() if on]
         if named:
             raise OptionError(
-                "tree_nodes", tree_nodes, f"0 with {', '.join(named)}: tree rounds verify greedily without logits "
-                "processing (sampled trees are not implemented)",
+                "tree_nodes", tree_nodes, f"0 with {', '.join(named)}: tree rounds run without logits processing "
+                "(greedy or sampled with temperature, top_k, top_p, min_p only); use chain rounds for these",
             )  # fmt: skip
 
     @classmethod

@@ -14,7 +14,7 @@ from mlx_dspark.engine.choose import Chooser, RoundCost
 from mlx_dspark.engine.constraints import compile_constraint
 from mlx_dspark.engine.cost_probe import CHAIN_HEADS, cost_curve_for, default_head, head_names
 from mlx_dspark.engine.decode import Round, plain_steps, speculative_steps
-from mlx_dspark.engine.draft_length import make_draft_length
+from mlx_dspark.engine.draft_length import AUTO, make_draft_length
 from mlx_dspark.engine.head_choice import HeadChoice
 from mlx_dspark.engine.grammar import GrammarState
 from mlx_dspark.engine.lookup import LOOKUP_MAX_TOKENS
@@ -22,10 +22,11 @@ from mlx_dspark.engine.logits_processing import LogitsProcessor
 from mlx_dspark.engine.eagle3_propose import Eagle3Proposer, default_block_size
 from mlx_dspark.engine.gemma4_assistant_propose import DEFAULT_TOKENS as ASSISTANT_TOKENS, AssistantProposer
 from mlx_dspark.engine.mtp_propose import DEFAULT_CHAIN, MTPProposer
-from mlx_dspark.engine.options import GenerationOptions
+from mlx_dspark.engine.options import MAX_TREE_NODES, GenerationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import DraftProposer, Proposer
 from mlx_dspark.engine.schedule import require_confidence_head
+from mlx_dspark.engine.tree_budget import AutoTree, FixedTree
 from mlx_dspark.engine.tree_steps import tree_steps
 
 
@@ -142,7 +143,8 @@ def _tree_rounds(
     model: Any, prompt_ids: list[int], options: GenerationOptions, proposer: Proposer | None,
     prompt_cache: PromptCache | None, cancel: threading.Event | None,
 ) -> Iterator[Round]:  # fmt: skip
-    """Tree rounds (tree_steps.py) with the pair's DSpark draft, or a given proposer that grows trees."""
+    """Tree rounds (tree_steps.py) with the pair's DSpark draft, or a given proposer that grows trees; `tree_nodes`
+    "auto" sizes each round on this machine's cost curve (tree_budget.AutoTree), widths 1.. the curve's."""
     speculation = options.speculation
     if proposer is None and getattr(model.draft, "grows_trees", False):
         proposer = DraftProposer(
@@ -152,8 +154,12 @@ def _tree_rounds(
     if proposer is None or not hasattr(proposer, "tree_children"):
         raise ValueError(f"tree_nodes {speculation.tree_nodes}: tree rounds need a DSpark block draft "
                          "(this pair has none, a DFlash 2 draft, or only MTP / EAGLE-3 heads); use tree_nodes 0")  # fmt: skip
+    if speculation.tree_nodes == AUTO:
+        budget = AutoTree(speculation.cost_curve or cost_curve_for(model), MAX_TREE_NODES)
+    else:
+        budget = FixedTree(speculation.tree_nodes)
     return _flushed(proposer, tree_steps(
-        model.target, proposer, prompt_ids, num_nodes=speculation.tree_nodes,
+        model.target, proposer, prompt_ids, num_nodes=MAX_TREE_NODES, budget=budget, sampler=options.sampling,
         max_depth=speculation.draft_length(int(proposer.block_size)), max_tokens=options.max_tokens,
         prefill_step_size=options.prefill_step_size, prompt_cache=prompt_cache, cancel=cancel,
     ))  # fmt: skip

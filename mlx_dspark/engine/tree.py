@@ -53,6 +53,16 @@ class Tree:
             rows.append(child)
             row = child
 
+    def subtree(self, rows: list[int]) -> "Tree":
+        """The tree of these node `rows` (ascending, 1-based, each node's parent among them or the anchor),
+        renumbered in their order."""
+        new_row = {0: 0, **{row: i + 1 for i, row in enumerate(rows)}}
+        if any(self.parents[row - 1] not in new_row or new_row[self.parents[row - 1]] > i for i, row in enumerate(rows)):
+            raise ValueError(f"rows {rows} are not prefix-closed in this tree (parents {self.parents})")
+        pick = lambda values: [values[row - 1] for row in rows]  # noqa: E731
+        return Tree(tokens=pick(self.tokens), parents=[new_row[p] for p in pick(self.parents)], depths=pick(self.depths),
+                    path_probs=pick(self.path_probs))  # fmt: skip
+
     def ancestors(self) -> mx.array:
         """(1 + B, 1 + B) bool: row i sees row j iff j is i or an ancestor of i (the anchor is everyone's)."""
         rows = [[False] * (self.size + 1) for _ in range(self.size + 1)]
@@ -95,6 +105,36 @@ def grow_tree(children: Children, anchor: mx.array, *, num_nodes: int, max_depth
         levels.append((parent, token, frontier_logprob))
     mx.eval(levels)  # the tree's one host read
     return _best_nodes([(p.tolist(), t.tolist(), lp.tolist()) for p, t, lp in levels], num_nodes)
+
+
+def grow_chain(children: Children, anchor: mx.array, *, max_depth: int) -> list[tuple[int, float]]:
+    """The draft's greedy chain under `anchor` (1,): (token, path probability) per depth, one host read."""
+    parent, state, logprob, chain = anchor.astype(mx.int32).reshape(1), None, mx.zeros((1,), mx.float32), []
+    for depth in range(1, max_depth + 1):
+        logprobs, parent_state = children(depth, parent, state)
+        token = mx.argmax(logprobs[0]).astype(mx.int32).reshape(1)
+        logprob = logprob + logprobs[0][token]
+        parent, state = token, parent_state  # one parent: its state needs no gather
+        chain.append((token, logprob))
+    mx.eval(chain)
+    return [(int(token.item()), math.exp(float(logprob.item()))) for token, logprob in chain]
+
+
+def with_chain(tree: Tree, chain: list[tuple[int, float]]) -> Tree:
+    """`tree` with the nodes of `chain` (grow_chain's) it lacks appended after its own rows (its first rows stay
+    its best-first nodes); `top_chain()` then follows the chain as deep as it goes."""
+    out = Tree(tokens=list(tree.tokens), parents=list(tree.parents), depths=list(tree.depths), path_probs=list(tree.path_probs))
+    row = 0
+    for depth, (token, prob) in enumerate(chain, start=1):
+        found = next((i + 1 for i, (p, t) in enumerate(zip(out.parents, out.tokens)) if p == row and t == token), None)
+        if found is None:
+            out.tokens.append(token)
+            out.parents.append(row)
+            out.depths.append(depth)
+            out.path_probs.append(prob)
+            found = out.size
+        row = found
+    return out
 
 
 def _best_nodes(levels: list[tuple[list[int], list[int], list[float]]], num_nodes: int) -> Tree:

@@ -1,0 +1,143 @@
+"""The tree node budget (issue 37): `tree_nodes="auto"` picks the chain, a tree or no draft from the cost curve
+and the acceptance seen; `--tree-nodes` on the generate command line."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from mlx_dspark.bench.controlled_tree import RankedProposer
+from mlx_dspark.cli.generate import app
+from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.tree import Tree, grow_tree
+from mlx_dspark.engine.tree_budget import AutoTree
+from mlx_dspark.engine.tree_steps import tree_steps
+from tests.engine_helpers import greedy_reference, make_target
+
+VOCAB, DEPTH, CAP = 8, 4, 12
+PROMPT = [3, 14, 15, 9, 26, 5]
+
+
+def marginal_tree(top1: float, top2: float) -> Tree:
+    """The best-first tree of CAP nodes over DEPTH positions whose draft puts top1 on token 1, top2 on token 2."""
+    rest = (1 - top1 - top2) / (VOCAB - 2)
+    row = np.log(np.array([rest, top1, top2] + [rest] * (VOCAB - 3), dtype=np.float32))
+    logprobs = mx.array(np.tile(row, (1, 1)))
+    return grow_tree(lambda depth, parents, state: (logprobs, None), mx.array([0]), num_nodes=CAP, max_depth=DEPTH)
+
+
+def drive(policy: AutoTree, tree: Tree, right: np.ndarray, rounds: int) -> None:
+    """`rounds` rounds: the policy picks rows of `tree`; the target's token at each depth is right[round, depth]."""
+    for r in range(rounds):
+        if policy.grow_nodes(position=0) == 0:
+            continue
+        verified = policy.pick(tree, position=0)
+        held, path, row = set(verified), [], 0
+        for depth in range(DEPTH):
+            child = next((i + 1 for i, p in enumerate(tree.parents) if p == row and i + 1 in held and tree.tokens[i] == right[r, depth]), None)
+            if child is None:
+                break
+            path.append(child)
+            row = child
+        policy.observe(tree, verified=verified, path=path)
+
+
+def right_tokens(rng: np.random.Generator, top1: float, top2: float, rounds: int) -> np.ndarray:
+    u = rng.random((rounds, DEPTH))
+    return np.where(u < top1, 1, np.where(u < top1 + top2, 2, 5))
+
+
+def steady_choices(policy: AutoTree) -> set[str]:
+    """What the policy picks once it has seen the rounds (the whole-tree looks aside)."""
+    return {name for name, n in policy.choices.items() if n > 4 and name != "look"}
+
+
+def test_a_confident_draft_on_a_rising_cost_curve_picks_the_chain():
+    curve = CostCurve(draft_ms=0.5, verify_ms=[1.0 + 0.02 * n for n in range(CAP + 1)])
+    tree = marginal_tree(0.95, 0.03)
+    policy = AutoTree(curve, CAP)
+    drive(policy, tree, right_tokens(np.random.default_rng(0), 0.97, 0.02, 80), 80)
+    assert steady_choices(policy) == {f"chain-{DEPTH}"}, policy.choices
+
+
+def test_a_confident_draft_on_a_flat_curve_picks_the_chain_over_a_tree_of_the_same_value():
+    tree = marginal_tree(0.95, 0.03)
+    policy = AutoTree(CostCurve.flat(max_width=CAP + 1), CAP)
+    right = np.ones((60, DEPTH), dtype=int)  # the top chain, always
+    drive(policy, tree, right, 60)
+    assert steady_choices(policy) == {f"chain-{DEPTH}"}, policy.choices
+
+
+def test_an_uncertain_draft_with_a_cheap_wide_verify_picks_the_tree():
+    curve = CostCurve(draft_ms=0.5, verify_ms=[1.0 + 0.01 * n for n in range(CAP + 1)])
+    tree = marginal_tree(0.5, 0.4)
+    policy = AutoTree(curve, CAP)
+    drive(policy, tree, right_tokens(np.random.default_rng(1), 0.5, 0.4, 80), 80)
+    steady = steady_choices(policy)
+    assert steady and all(name.startswith("tree-") for name in steady), policy.choices
+    assert sum(n for name, n in policy.choices.items() if name.startswith("chain")) <= 4, policy.choices
+
+
+def test_where_width_costs_as_much_as_it_brings_the_policy_parks_and_looks_again_less_often():
+    curve = CostCurve(draft_ms=1.0, verify_ms=[1.0 + n for n in range(CAP + 1)])  # a forward of n costs ~n steps
+    tree = marginal_tree(0.5, 0.4)
+    policy = AutoTree(curve, CAP, park_rounds=4)
+    drive(policy, tree, right_tokens(np.random.default_rng(2), 0.5, 0.4, 200), 200)
+    assert policy.choices["parked"] > 150, policy.choices
+    looks = sum(n for name, n in policy.choices.items() if name != "parked")
+    assert 2 <= looks <= 8  # the first round, then a look after each park, the parks doubling
+
+
+def test_auto_tree_rounds_on_a_target_stay_plain_decoding_and_use_trees_where_width_is_cheap():
+    target = make_target("qwen3", vocab_size=96)
+    reference = greedy_reference(target, PROMPT, 140)
+    for curve, expect in ((CostCurve.flat(max_width=CAP + 1), "tree"), (CostCurve(draft_ms=1.0, verify_ms=[1.0 + n for n in range(CAP + 1)]), "parked")):
+        proposer = RankedProposer(reference, prompt_len=len(PROMPT), vocab_size=96, top1=0.6, top2=0.85)
+        policy = AutoTree(curve, CAP)
+        tokens = []
+        for step in tree_steps(target, proposer, PROMPT, num_nodes=CAP, max_depth=7, budget=policy):
+            tokens.extend(step.tokens)
+            if len(tokens) >= 120:
+                break
+        assert tokens[:120] == reference[:120]
+        top = max(policy.choices, key=policy.choices.get)
+        assert top.startswith(expect), policy.choices
+
+
+runner = CliRunner()
+
+
+def test_generate_takes_tree_nodes_as_typed(tiny_qwen3_pair):
+    target, draft = tiny_qwen3_pair
+    common = ["--model", str(target), "--draft", str(draft), "--prompt", "Hello there", "--max-tokens", "16", "--json"]
+    plain = runner.invoke(app, [*common, "--no-draft"])
+    results = {}
+    for nodes in ("auto", "6"):
+        result = runner.invoke(app, [*common, "--tree-nodes", nodes, "--lookup", "off"])
+        assert result.exit_code == 0, result.output
+        results[nodes] = json.loads(result.stdout.strip().splitlines()[-1])
+    assert results["auto"]["tokens"] == results["6"]["tokens"] == json.loads(plain.stdout.strip().splitlines()[-1])["tokens"]
+    assert results["6"]["acceptance_lengths"]
+    sampled = runner.invoke(app, [*common, "--tree-nodes", "auto", "--lookup", "off", "--temp", "0.8", "--top-k", "20", "--seed", "3"])
+    assert sampled.exit_code == 0, sampled.output
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--tree-nodes", "many", "--lookup", "off"], "--tree-nodes: tree_nodes must be 'auto' or an integer in [0, 64], got 'many'"),
+        (["--tree-nodes", "65", "--lookup", "off"], "--tree-nodes: tree_nodes must be an integer in [0, 64]"),
+        (["--tree-nodes", "8"], "--tree-nodes: tree_nodes must be 0 while lookup set"),
+        (["--tree-nodes", "auto", "--lookup", "off", "--repetition-penalty", "1.2"], "--tree-nodes: tree_nodes must be 0 with penalties"),
+    ],
+)
+def test_bad_tree_nodes_give_one_error_line_naming_the_flag(tiny_qwen3_pair, extra, message):
+    target, draft = tiny_qwen3_pair
+    result = runner.invoke(app, ["--model", str(target), "--draft", str(draft), "--prompt", "Hi", "--max-tokens", "4", *extra])
+    assert result.exit_code != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
