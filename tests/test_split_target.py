@@ -2,21 +2,25 @@
 mlx-lm's own methods, tensor parallel (`shard`) and pipeline parallel (`pipeline`): speculative greedy
 output equals the split target's own plain decoding and one process's, and a seeded sampled run equals
 the same run on one machine, for a dense llama and a qwen3_5 hybrid in each mode its class has; targets
-that cannot be split are one error line on every rank."""
+that cannot be split are one error line on every rank; the server on a split target answers as one process
+and its shutdown ends the follower."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import itertools
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -225,3 +229,64 @@ def test_ranks_that_loaded_different_files_are_one_line(llama_pair, tmp_path):
                             capture_output=True, text=True, timeout=120, cwd=tmp_path, env=environment(tmp_path / "costs"))  # fmt: skip
     assert "Traceback" not in result.stderr and "exited with code 2" in result.stderr, result.stderr[-2000:]
     assert "error: rank 0: the ranks did not load the same target (versions, config, weights): differ from this rank's (rank 1: weights)" in result.stderr
+
+
+def _chat(port: int, body: dict) -> Any:
+    """One chat completion on a fresh connection: the parsed answer, or the stream's text joined."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200, response.read()
+    if not body.get("stream"):
+        return json.loads(response.read())
+    text = ""
+    for line in response:
+        data = line.decode().strip().removeprefix("data: ")
+        if data == "[DONE]":
+            break
+        if data:
+            text += json.loads(data)["choices"][0]["delta"].get("content") or ""
+    conn.close()
+    return text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the ranks' processes through Linux's /proc")
+def test_the_server_on_a_split_target_answers_as_one_process_and_stops_its_followers(llama_pair, tmp_path):
+    from mlx_dspark.api import generate
+    from mlx_dspark.loading.load import load
+
+    target, draft = map(str, llama_pair)
+    with socket.socket() as probe:  # a free port for rank 0 (the other ranks bind none)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    job = subprocess.Popen([*launch_command(2, sys.executable), "--", "-m", "mlx_dspark.server", "--model", target,
+                            "--draft", draft, "--port", str(port), "--max-draft-tokens", "7"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                           env=environment(tmp_path / "costs"))  # fmt: skip
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(job.stderr.readline, "")), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 180
+        while not any("ready (speculative decoding)" in line for line in lines) and time.monotonic() < deadline:
+            assert job.poll() is None, "".join(lines)
+            time.sleep(0.2)
+        assert any("one request at a time" in line for line in lines), "".join(lines)
+        messages = [{"role": "user", "content": "Say something."}]
+        want = generate(load(target, draft=draft), messages, max_tokens=24)  # one process, plain greedy decoding
+        answer = _chat(port, {"messages": messages, "max_tokens": 24})
+        assert answer["choices"][0]["message"]["content"] == want.text and answer["dspark"]["speculative"]
+        assert _chat(port, {"messages": messages, "max_tokens": 24, "stream": True}) == want.text
+        rank0 = _rank_pid(job.pid, 0)
+        assert rank0 is not None, "".join(lines)
+        os.kill(rank0, signal.SIGTERM)  # the server's shutdown: rank 0 releases the follower, both exit 0
+        assert job.wait(timeout=60) == 0
+        time.sleep(0.5)  # the reader's last lines
+        text = "".join(lines)
+        assert "shutting down" in text and "rank 1: followed" in text, text[-3000:]
+        assert "Traceback" not in text and "error:" not in text and "exited with code" not in text, text[-3000:]
+        assert sum("listening on" in line for line in lines) == 1  # rank 0 alone binds
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=15)

@@ -126,10 +126,11 @@ def end_on_terminate(rank: int) -> None:
     threading.Thread(target=wait, name="mlx_dspark-sigterm", daemon=True).start()
 
 
-def watch_ranks(rank: int, *, timeout: float = 5.0) -> Optional[RankWatch]:
-    """Start watching the other ranks of an `mlx.launch` ring job (and SIGTERM from it); None where there is
-    no ring hostfile."""
-    end_on_terminate(rank)
+def watch_ranks(rank: int, *, timeout: float = 5.0, terminate: bool = True) -> Optional[RankWatch]:
+    """Start watching the other ranks of an `mlx.launch` ring job (and, with `terminate`, SIGTERM from it: the
+    server's rank 0 keeps SIGTERM for its own shutdown); None where there is no ring hostfile."""
+    if terminate:
+        end_on_terminate(rank)
     addresses = ring_addresses()
     if addresses is None or len(addresses) < 2:
         return None

@@ -18,6 +18,7 @@ import typer
 
 from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import exit_on_interrupt, fail, flag_errors
+from mlx_dspark.cli.split import PIPELINE_HELP, launched_group, split_or_follow
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.serve.cache_pool import PromptCacheBudget, parse_bytes
 from mlx_dspark.serve.protocol import DEFAULT_MAX_BATCH, SERVER_DEFAULTS
@@ -100,11 +101,13 @@ def serve(
         help="Let clients set this chat template switch in chat_template_kwargs (repeatable; "
         "enable_thinking, thinking_effort and reasoning_effort are always allowed).",
     ),  # fmt: skip
+    pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ) -> None:
     """Bind, load the pair in the background, and serve until interrupted.
 
     Chat completions, Messages and Responses go through the tokenizer's chat template; /v1/completions
-    takes its prompt as raw text."""
+    takes its prompt as raw text. Under `mlx.launch -n N` the target is split over the N ranks: every rank
+    loads it first, rank 0 then binds and serves one request at a time, the others follow its forwards."""
     from mlx_dspark.loading.load import load
     from mlx_dspark.serve.app import make_server
     if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -153,6 +156,14 @@ def serve(
         load, model, draft=draft if speculative else None, dtype=dtype, quantize=quantize,
         draft_tap_ids=tap_ids if speculative else None, tool_parser=tool_parser, **precision,
     )  # fmt: skip
+    group = launched_group()  # under `mlx.launch -n N`: the target split over the ranks, rank 0 serves
+    split = group is not None
+    if split:
+        max_batch, prompt_cache = _one_at_a_time(max_batch, ranks=group.size(), rank=group.rank())
+        with flags.load_errors(model if not speculative else f"{model} + {draft}"):
+            pair = loader()
+        split_or_follow(pair, group, pipeline=pipeline, serving=True)  # ranks > 0 follow rank 0's requests here, then exit
+        loader = functools.partial(_loaded, pair)
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,
                              max_body_bytes=max_body_bytes, allow_origins=allow_origin,
@@ -167,23 +178,45 @@ def serve(
     if host not in LOOPBACK_HOSTS and api_key is None:
         typer.echo(f"[mlx_dspark] warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
 
-    typer.echo(f"[mlx_dspark] listening on {server.url}/v1 as model {model_id!r}; loading {model} ...", err=True)
-    run_until_interrupted(server, defaults)
+    loading = "" if split else f"; loading {model} ..."  # a split target is loaded (and split) before the bind
+    typer.echo(f"[mlx_dspark] listening on {server.url}/v1 as model {model_id!r}{loading}", err=True)
+    run_until_interrupted(server, defaults, between_forwards=split)
 
 
-def run_until_interrupted(server, defaults: GenerationOptions) -> None:
+def _one_at_a_time(max_batch: Optional[int], *, ranks: int, rank: int) -> tuple[int, PromptCacheBudget]:
+    """A split target's server settings: one request at a time, no prompt cache reuse (the followers hold
+    no copy of rank 0's kept caches: every request prefills its whole prompt on every rank)."""
+    if max_batch is not None and max_batch > 1:
+        fail(f"--max-batch {max_batch}: a target split over {ranks} ranks serves one request at a time (batching "
+             "across ranks is not built); drop --max-batch or give 1")
+    if rank == 0:
+        typer.echo(f"[mlx_dspark] a target split over {ranks} ranks: one request at a time (--max-batch 1), "
+                   "prompt cache reuse off (every request prefills its whole prompt)", err=True)
+    return 1, PromptCacheBudget(conversations=0)
+
+
+def _loaded(pair):
+    return pair
+
+
+def run_until_interrupted(server, defaults: GenerationOptions, *, between_forwards: bool = False) -> None:
     """Serve with the model's work on this (the main) thread until Ctrl-C or SIGTERM, then exit cleanly.
 
     The main thread runs MLX: a thread that used MLX must not outlive the interpreter (see
     `ModelWorker._park`), and the main thread is the one that never does. The HTTP side runs in a
     background thread. The first signal stops at once (waiting clients get a 503); while we close,
     further signals are ignored, so shutting down always ends with exit status 0.
+
+    `between_forwards` (a split target's rank 0): the signal only sets `worker.interrupted` and the worker
+    stops at its next step or idle poll, never inside a target forward it has announced to the followers
+    (they would wait in that forward's collectives); a prefill under way ends first.
     """
     from mlx_dspark.serve.worker import FAILED
 
     def interrupt(signum, frame):  # SIGTERM behaves as Ctrl-C
         server.worker.interrupted.set()  # seen by the serving loop even if the KeyboardInterrupt is swallowed
-        raise KeyboardInterrupt
+        if not between_forwards:
+            raise KeyboardInterrupt
 
     previous_int = signal.signal(signal.SIGINT, interrupt)
     previous_term = signal.signal(signal.SIGTERM, interrupt)

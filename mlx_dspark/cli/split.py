@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import signal
 import sys
 from typing import Any, Optional
 
@@ -32,15 +33,17 @@ def launched_group() -> Optional[Any]:
     return group if group.size() > 1 else None
 
 
-def split_or_follow(pair: Any, group: Any, *, pipeline: bool = False) -> None:
+def split_or_follow(pair: Any, group: Any, *, pipeline: bool = False, serving: bool = False) -> None:
     """Split the loaded target over `group` (tensor parallel where mlx-lm's class can, else or with
-    `pipeline` pipeline parallel); on rank 0 make it lead and return, elsewhere follow and exit."""
+    `pipeline` pipeline parallel); on rank 0 make it lead and return, elsewhere follow and exit. `serving`:
+    rank 0 is the server, which keeps SIGTERM for its own shutdown (its clients answered, then the followers
+    released) instead of ending in one error line."""
     from mlx_dspark.cli.rank_watch import lost, watch_ranks
     from mlx_dspark.loading.fingerprint import target_fingerprint
     from mlx_dspark.models.split_target import PIPELINE, SplitTargetError, agree, follow, lead, split_target
 
     rank = group.rank()
-    watch_ranks(rank)  # a rank that dies or hangs from here on ends the job in one line
+    watch_ranks(rank, terminate=not (serving and rank == 0))  # a rank that dies or hangs from here on ends the job in one line
     on_lost = functools.partial(lost, rank)
     try:
         agree(group, target_fingerprint(pair.target_path), what="target (versions, config, weights)")
@@ -49,6 +52,9 @@ def split_or_follow(pair: Any, group: Any, *, pipeline: bool = False) -> None:
         fail(f"rank {group.rank()}: {err}")
     if group.rank() != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 writes the answer
+        # rank 0 decides when the job ends (a terminal's Ctrl-C reaches every rank on its machine): it releases
+        # the followers once it is done, between forwards
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         forwards = follow(pair.target, group, on_lost=on_lost)
         typer.echo(f"[mlx_dspark] rank {group.rank()}: followed {forwards} target forwards", err=True)
         raise typer.Exit(0)

@@ -180,7 +180,10 @@ class LeaderTarget:
         key = self._split_keys.get(id(cache))
         if key is None or position == 0:  # a cache starting afresh is a new one for the followers too
             self._split_count += 1
+            self._split_keys.pop(id(cache), None)  # the newest last: a server makes caches for as long as it runs
             key = self._split_keys[id(cache)] = self._split_count
+            while len(self._split_keys) > 4 * _FOLLOWER_CACHES:  # the followers keep fewer still
+                del self._split_keys[next(iter(self._split_keys))]
         tap_ids = [int(i) for i in kwargs.get("tap_ids", ())]  # a pipeline stage adds its own into their all_sum
         words = mx.concatenate([inputs.reshape(-1).astype(mx.int32), mx.array(tap_ids, dtype=mx.int32)])
         last_only = int(bool(kwargs.get("last_only", False)))  # a head split over the vocabulary gathers its rows
