@@ -27,7 +27,8 @@ PROMPT = [1, 5, 9, 20, 33, 7, 100, 250, 3, 64, 17, 42, 8, 91, 4, 66, 120, 2, 19,
 
 
 def _params(model) -> dict[str, np.ndarray]:
-    return {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    """Exact values (bfloat16 as its bits: numpy has no bfloat16)."""
+    return {k: np.array(v.view(mx.uint16) if v.dtype == mx.bfloat16 else v) for k, v in tree_flatten(model.parameters())}
 
 
 def _block_proposals(pair) -> list[list[int]]:
@@ -43,9 +44,9 @@ def _block_proposals(pair) -> list[list[int]]:
     return out
 
 
-def _assert_same_block_draft(target: Path, source: Path, exported: Path) -> None:
-    a = mlx_dspark.load(str(target), draft=str(source), dtype="float32")
-    b = mlx_dspark.load(str(target), draft=str(exported), dtype="float32")
+def _assert_same_block_draft(target: Path, source: Path, exported: Path, *, dtype: str = "float32") -> None:
+    a = mlx_dspark.load(str(target), draft=str(source), dtype=dtype)
+    b = mlx_dspark.load(str(target), draft=str(exported), dtype=dtype)
     pa, pb = _params(a.draft), _params(b.draft)
     assert sorted(pa) == sorted(pb)
     for name in pa:
@@ -68,12 +69,13 @@ def dflash2_drafts(tiny_qwen3_target, tmp_path_factory):
     return {"plain": plain, "scaled": scaled}
 
 
-@pytest.mark.parametrize("kind", ["plain", "scaled"])
-def test_a_dflash2_gguf_export_reads_back_as_the_same_draft(kind, dflash2_drafts, tiny_qwen3_target, tmp_path):
+@pytest.mark.parametrize(("kind", "bf16"), [("plain", False), ("scaled", False), ("plain", True)])
+def test_a_dflash2_gguf_export_reads_back_as_the_same_draft(kind, bf16, dflash2_drafts, tiny_qwen3_target, tmp_path):
+    """With --bf16 the matrices (3-D conv bases and codebooks too) are BF16: the same draft in bfloat16."""
     source = dflash2_drafts[kind]
     out = tmp_path / "dflash2.gguf"
-    export_draft(source, out, to="gguf", target=tiny_qwen3_target)
-    _assert_same_block_draft(tiny_qwen3_target, source, out)
+    export_draft(source, out, to="gguf", target=tiny_qwen3_target, bf16=bf16)
+    _assert_same_block_draft(tiny_qwen3_target, source, out, dtype="bfloat16" if bf16 else "float32")
 
 
 def test_the_dflash2_gguf_has_llama_cpps_keys_and_tensor_shapes(dflash2_drafts, tiny_qwen3_target, tmp_path):
@@ -211,6 +213,12 @@ def test_an_eagle3_draft_is_refused_by_the_other_formats_in_one_line(llama_targe
         with pytest.raises(ValueError, match=rf"an EAGLE-3 draft does not fit --to {to}; export it --to speculators$"):
             export_draft(source, out, to=to)
         assert not out.exists()
+    # --force over an earlier export: a refused one leaves it as it was
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="does not fit --to deepspec"):
+        export_draft(source, tmp_path / "old", to="deepspec", force=True)
+    assert (tmp_path / "old" / "config.json").read_text() == "{}"
 
 
 # -- MTP -----------------------------------------------------------------------------------------
