@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_dspark.export.hf_files import dtype_name, weights_dtype, write_checkpoint
+from mlx_dspark.export.hf_files import draft_fields, weights_dtype, write_checkpoint
 from mlx_dspark.export.source import EMBED, HEAD, ExportDraft
 from mlx_dspark.models.dspark_args import DSPARK_FIELDS, NESTED_FIELDS
 
@@ -35,7 +35,6 @@ def deepspec_config(draft: ExportDraft, *, dtype: mx.Dtype) -> dict:
     config = {k: v for k, v in draft.config.items() if k not in _DROPPED}
     nested = draft.config.get(NESTED_FIELDS) or {}
     config.update({k: v for k, v in nested.items() if k in DSPARK_FIELDS})
-    name = dtype_name(dtype)
     config.update(
         {
             "architectures": [ARCHITECTURES[args.family]],
@@ -46,15 +45,9 @@ def deepspec_config(draft: ExportDraft, *, dtype: mx.Dtype) -> dict:
             "markov_head_type": args.markov_head_type,
             "enable_confidence_head": args.enable_confidence_head,
             "confidence_head_with_markov": args.confidence_head_with_markov,
-            "layer_types": list(args.layer_types),
-            "num_hidden_layers": args.num_hidden_layers,
-            "tie_word_embeddings": False,
-            "dtype": name,
-            "torch_dtype": name,
+            **draft_fields(args, dtype=dtype),
         }
     )
-    if args.num_target_layers is not None:
-        config["num_target_layers"] = args.num_target_layers
     if not args.packaging.sample_from_anchor:  # a DFlash draft (z-lab's is so by its architecture, dropped here)
         config["sample_from_anchor"] = False
     if args.confidence_temperatures is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -20,6 +21,22 @@ def weights_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
 
 def dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).split(".")[-1]
+
+
+def draft_fields(args: Any, *, dtype: mx.Dtype) -> dict[str, Any]:
+    """The fields a block draft's config.json states from its parsed args whatever the layout: its layers,
+    untied (the head is the target's), the weights' dtype, the target depth it was trained on if known."""
+    name = dtype_name(dtype)
+    fields = {
+        "layer_types": list(args.layer_types),
+        "num_hidden_layers": args.num_hidden_layers,
+        "tie_word_embeddings": False,
+        "dtype": name,
+        "torch_dtype": name,
+    }
+    if args.num_target_layers is not None:
+        fields["num_target_layers"] = args.num_target_layers
+    return fields
 
 
 def write_checkpoint(out: Path, weights: dict[str, mx.array], config: dict, *, dtype: mx.Dtype) -> None:

@@ -23,7 +23,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_dspark.export.hf_files import dtype_name, weights_dtype, write_checkpoint
+from mlx_dspark.export.hf_files import draft_fields, weights_dtype, write_checkpoint
 from mlx_dspark.export.source import ExportDraft
 from mlx_dspark.models.dflash2_args import ARCHITECTURE, FIELDS
 from mlx_dspark.models.dspark_args import DSPARK_FIELDS, NESTED_FIELDS
@@ -47,7 +47,6 @@ def zlab_config(draft: ExportDraft, *, dtype: mx.Dtype) -> dict:
     if args.packaging.embedding_scale is not None:
         nested["input_embedding_scale"] = args.packaging.embedding_scale
     config = {k: v for k, v in draft.config.items() if k not in _DROPPED and k != NESTED_FIELDS}
-    name = dtype_name(dtype)
     config.update(
         {
             "architectures": [ARCHITECTURE],
@@ -55,15 +54,9 @@ def zlab_config(draft: ExportDraft, *, dtype: mx.Dtype) -> dict:
             "is_causal": False,
             "block_size": args.block_size,
             NESTED_FIELDS: dict(sorted(nested.items())),
-            "layer_types": list(args.layer_types),
-            "num_hidden_layers": args.num_hidden_layers,
-            "tie_word_embeddings": False,
-            "dtype": name,
-            "torch_dtype": name,
+            **draft_fields(args, dtype=dtype),
         }
     )
-    if args.num_target_layers is not None:
-        config["num_target_layers"] = args.num_target_layers
     return dict(sorted(config.items()))
 
 
