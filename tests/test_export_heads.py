@@ -237,3 +237,13 @@ def test_the_targets_mtp_layers_are_refused_in_one_line_naming_convert(tmp_path)
     with pytest.raises(ValueError, match=r"pass 'drafts/x' alone"):
         export_draft("drafts/x,mtp", tmp_path / "ds", to="deepspec")
     assert not (tmp_path / "d.gguf").exists() and not (tmp_path / "ds").exists()
+
+
+def test_a_gemma4_assistant_drafter_is_refused_in_one_line(tmp_path):
+    from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant
+    from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
+
+    gemma = write_tiny_mlx_lm_target(tmp_path / "gemma4", family="gemma4_text", seed=0)
+    draft = write_assistant(tmp_path / "assistant", target_path=gemma, seed=1)
+    with pytest.raises(ValueError, match=r"a Gemma 4 assistant drafter: export has no format for it"):
+        export_draft(draft, tmp_path / "ds", to="deepspec")

@@ -15,7 +15,8 @@ GGUF draft leaves them out and uses the target's). An EAGLE-3 draft's copy of th
 is kept apart the same way (`EMBED`).
 
 The target's own MTP layers are no draft file: asked for (`mtp`, `PATH,mtp`, or a target checkpoint
-that carries them), the export refuses in one line saying where they live.
+that carries them), the export refuses in one line saying where they live; a Gemma 4 assistant drafter
+has no export format (refused in one line too).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from mlx_dspark.loading.load import build_draft, build_target, split_draft
 from mlx_dspark.loading.mtp import MTP_DRAFT, supports_mtp
 from mlx_dspark.models.dspark_args import DraftArgs, is_draft_config
 from mlx_dspark.models.eagle3_args import Eagle3Args, is_eagle3_config
+from mlx_dspark.models.gemma4_assistant import is_assistant_config
 from mlx_dspark.models.heads import target_head
 
 EMBED, HEAD = "embed_tokens.weight", "lm_head.weight"
@@ -123,6 +125,9 @@ def read_draft_for_export(
     checkpoint = read_checkpoint(draft_path, role="draft", tap_ids=tap_ids)
     if not is_draft_config(checkpoint.config) and not is_eagle3_config(checkpoint.config) and supports_mtp(checkpoint.config):
         raise ValueError(f"{checkpoint.config_source}: a target, not a draft; {MTP_LAYERS}")
+    if is_assistant_config(checkpoint.config):
+        raise ValueError(f"{checkpoint.config_source}: a Gemma 4 assistant drafter: export has no format for it; "
+                         "use its published files as they are (--draft DIR)")  # fmt: skip
     target_model, target_source = None, "target"
     if target is not None:
         target_path = resolve_path(target, role="target")
