@@ -24,15 +24,15 @@ import typer
 from mlx_dspark.cli.common import parse_tap_ids
 from mlx_dspark.loading.precision import DTYPES
 
-app = typer.Typer(
-    add_completion=False,
-    help="Export a draft for another engine: DSpark / DFlash to llama.cpp (gguf) or DeepSpec / vLLM / SGLang (deepspec); "
+HELP = (
+    "Export a draft for another engine: DSpark / DFlash to llama.cpp (gguf) or DeepSpec / vLLM / SGLang (deepspec); "
     "DFlash 2 to llama.cpp (gguf) or z-lab's layout (zlab); EAGLE-3 to vLLM speculators' layout (speculators). "
-    "The target's MTP layers are not exported: convert keeps them with the target.",
+    "The target's MTP layers are not exported: convert keeps them with the target."
 )
+app = typer.Typer(add_completion=False, help=HELP)
 
 
-@app.command()
+@app.command(help=HELP)
 def cli(
     draft: str = typer.Argument(
         ..., help="the draft: a directory (DeepSpec, z-lab, speculators, ours, MLX-quantized), a .gguf, or a repo id"
