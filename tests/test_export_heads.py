@@ -155,6 +155,31 @@ def test_a_draft_that_drafts_from_row_1_keeps_doing_so_when_exported(packaging, 
     assert mlx_dspark.load(str(target), draft=str(out)).draft.args.packaging.first_draft_row == 1
 
 
+def test_a_drafts_packaging_scales_are_carried_by_both_formats(tiny_qwen3_pair, dflash2_drafts, tmp_path):
+    """attention_value_scale, attention_scale, input_embedding_scale and markov_w2_scale (a published
+    packaging's, models/dspark_packaging.py) become the GGUF's keys and `markov_w2.scale` tensor; a DFlash 2
+    draft's input_embedding_scale goes under z-lab's dflash_config."""
+    import shutil
+
+    target, draft = tiny_qwen3_pair
+    scaled = Path(shutil.copytree(draft, tmp_path / "scaled"))
+    config = json.loads((scaled / "config.json").read_text())
+    config.update(attention_value_scale=0.5, attention_scale=0.2, input_embedding_scale=2.0, markov_w2_scale=0.7)
+    (scaled / "config.json").write_text(json.dumps(config))
+    for to in ("gguf", "deepspec"):
+        out = tmp_path / ("d.gguf" if to == "gguf" else "deepspec")
+        export_draft(scaled, out, to=to, target=target)
+        _assert_same_block_draft(target, scaled, out)
+    dflash2 = Path(shutil.copytree(dflash2_drafts["plain"], tmp_path / "dflash2"))
+    config = json.loads((dflash2 / "config.json").read_text())
+    config["dflash_config"]["input_embedding_scale"] = 2.0
+    (dflash2 / "config.json").write_text(json.dumps(config))
+    for to in ("gguf", "zlab"):
+        out = tmp_path / ("d2.gguf" if to == "gguf" else "zlab")
+        export_draft(dflash2, out, to=to, target=target)
+        _assert_same_block_draft(target, dflash2, out)
+
+
 # -- EAGLE-3 -------------------------------------------------------------------------------------
 
 

@@ -9,10 +9,10 @@ draft and target vocabularies agree), and the tensors under upstream's names wit
 tensors in the source's float type (F32 / F16 / BF16, or BF16 with `bf16=True`), 1-D tensors F32.
 
 A DFlash 2 draft adds its convolutions and selector (`export/gguf_dflash2.py`); a draft without a
-Markov head (DFlash, DFlash 2) is written without `markov_w1`, which upstream runs as DFlash (drafts from
-row 1: `sample_from_anchor` false). Upstream has only the vanilla Markov head and Qwen3-style draft layers. A draft with Spark2_5-style
-layers is written with the spark2_5 target's tensor names (`attn_qkv`, `attn_gate`): our loader reads
-it, upstream's runtime does not (no graph for it). The target's embedding and LM head are left out
+Markov head (DFlash, DFlash 2) is written without `markov_w1`, which upstream runs as DFlash (drafts
+from row 1: `sample_from_anchor` false). Upstream has only the vanilla Markov head and Qwen3-style
+draft layers. A draft with Spark2_5-style layers is written with the spark2_5 target's tensor names
+(`attn_qkv`, `attn_gate`): our loader reads it, upstream's runtime does not (no graph for it). The target's embedding and LM head are left out
 (llama.cpp shares the target's), and so are `confidence_temperatures` (upstream has no key for them).
 """
 
@@ -203,6 +203,14 @@ def _add_keys(writer: Any, draft: ExportDraft) -> None:
     writer.add_bool(p + "sample_from_anchor", args.packaging.sample_from_anchor)
     writer.add_bool(p + "has_confidence_head", bool(args.enable_confidence_head))
     writer.add_string(p + "hidden_activation", layers.hidden_act)  # "silu" / "gelu", as upstream reads it
+    packaging = args.packaging  # the scales a published packaging carries (models/dspark_packaging.py)
+    for key, value in (
+        ("attention.value_scale", packaging.value_scale),
+        ("attention.scale", packaging.attention_scale),
+        ("embedding_scale", packaging.embedding_scale),
+    ):
+        if value is not None:
+            writer.add_float32(p + key, value)
     if draft.kind == "dflash2":
         gguf_dflash2.add_keys(writer, draft, prefix=p)
 
@@ -241,6 +249,8 @@ def write_draft_gguf(
     for name, array in tensors.items():
         data, raw = _tensor_data(array, bf16=bf16)
         writer.add_tensor(name, data, raw_dtype=raw)
+    if draft.args.packaging.markov_w2_scale is not None:  # one value, as upstream stores it
+        writer.add_tensor("markov_w2.scale", np.array([draft.args.packaging.markov_w2_scale], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -39,9 +39,6 @@ from mlx_dspark.models.gemma4_assistant import is_assistant_config
 from mlx_dspark.models.heads import target_head
 
 EMBED, HEAD = "embed_tokens.weight", "lm_head.weight"
-
-
-KINDS = ("dspark", "dflash2", "eagle3")  # DSpark / DFlash (one graph), DFlash 2, EAGLE-3
 MTP_LAYERS = (
     "the target's own MTP layers are part of its checkpoint, not a draft file, so there is nothing to export: "
     "`python -m mlx_dspark.convert TARGET` keeps them with the target (--draft mtp loads them)"
@@ -60,7 +57,8 @@ class ExportDraft:
 
     @property
     def kind(self) -> str:
-        """One of KINDS: which graph the draft runs (and so which formats can hold it)."""
+        """Which graph the draft runs, and so which formats can hold it: "dspark" (DSpark and DFlash: one
+        graph), "dflash2" or "eagle3"."""
         if isinstance(self.args, Eagle3Args):
             return "eagle3"
         return "dflash2" if self.args.dflash2 is not None else "dspark"
