@@ -17,17 +17,16 @@ class for it, so only our loader reads such a directory.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_dspark.export.hf_files import draft_fields, weights_dtype, write_checkpoint
 from mlx_dspark.export.source import EMBED, HEAD, ExportDraft
 from mlx_dspark.models.dspark_args import DSPARK_FIELDS, NESTED_FIELDS
 
 ARCHITECTURES = {"qwen3": "Qwen3DSparkModel", "spark2_5": "Spark2_5DSparkModel", "gemma4": "Gemma4DSparkModel"}
 _DROPPED = ("quantization", "quantization_config", NESTED_FIELDS, "auto_map")
-WEIGHTS_FILE = "model.safetensors"
 
 
 def deepspec_config(draft: ExportDraft, *, dtype: mx.Dtype) -> dict:
@@ -36,7 +35,6 @@ def deepspec_config(draft: ExportDraft, *, dtype: mx.Dtype) -> dict:
     config = {k: v for k, v in draft.config.items() if k not in _DROPPED}
     nested = draft.config.get(NESTED_FIELDS) or {}
     config.update({k: v for k, v in nested.items() if k in DSPARK_FIELDS})
-    dtype_name = str(dtype).split(".")[-1]
     config.update(
         {
             "architectures": [ARCHITECTURES[args.family]],
@@ -47,45 +45,34 @@ def deepspec_config(draft: ExportDraft, *, dtype: mx.Dtype) -> dict:
             "markov_head_type": args.markov_head_type,
             "enable_confidence_head": args.enable_confidence_head,
             "confidence_head_with_markov": args.confidence_head_with_markov,
-            "layer_types": list(args.layer_types),
-            "num_hidden_layers": args.num_hidden_layers,
-            "tie_word_embeddings": False,
-            "dtype": dtype_name,
-            "torch_dtype": dtype_name,
+            **draft_fields(args, dtype=dtype),
         }
     )
-    if args.num_target_layers is not None:
-        config["num_target_layers"] = args.num_target_layers
+    if not args.packaging.sample_from_anchor:  # a DFlash draft (z-lab's is so by its architecture, dropped here)
+        config["sample_from_anchor"] = False
     if args.confidence_temperatures is not None:
         config["confidence_temperatures"] = list(args.confidence_temperatures)
     return dict(sorted(config.items()))
 
 
-def _weights_dtype(draft: ExportDraft) -> mx.Dtype:
-    kinds = {v.dtype for v in draft.weights.values() if v.ndim >= 2}
-    return kinds.pop() if len(kinds) == 1 else mx.float32
-
-
-def write_deepspec(draft: ExportDraft, out: Path, *, dtype: mx.Dtype | None = None) -> list[str]:
-    """Write the export into the directory `out` (created; the caller checked it may be written).
-
-    `dtype` casts every floating tensor (default: the draft's own). Returns notes for the user."""
+def check_exportable(draft: ExportDraft) -> None:
+    """ValueError naming what the export lacks: the copies of the target's embedding and LM head."""
     missing = [name for name in (EMBED, HEAD) if name not in draft.shared]
     if missing:
         raise ValueError(
             f"{draft.path}: the draft holds no copy of the target's {' and '.join(missing)}, which DeepSpec's layout "
             "stores: pass --target with the draft's target so the export can include them"
         )
-    dtype = dtype or _weights_dtype(draft)
+
+
+def write_deepspec(draft: ExportDraft, out: Path, *, dtype: mx.Dtype | None = None) -> list[str]:
+    """Write the export into the directory `out` (created; the caller checked it may be written).
+
+    `dtype` casts every floating tensor (default: the draft's own). Returns notes for the user."""
+    check_exportable(draft)
+    dtype = dtype or weights_dtype(draft.weights)
     weights = {**draft.weights, **{name: draft.shared[name] for name in (EMBED, HEAD)}}
-    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in sorted(weights.items())}
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".export.tmp.safetensors"  # mx.save_safetensors wants the suffix; hidden until it is whole
-    mx.eval(list(weights.values()))
-    mx.save_safetensors(str(tmp), weights, metadata={"format": "pt"})
-    tmp.replace(out / WEIGHTS_FILE)
-    config = deepspec_config(draft, dtype=dtype)
-    (out / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_checkpoint(out, weights, deepspec_config(draft, dtype=dtype), dtype=dtype)
     notes = []
     if draft.args.family == "spark2_5":
         notes.append("the draft has Spark2_5-style layers: DeepSpec, vLLM and SGLang have no class for them (our loader reads it)")

@@ -8,9 +8,11 @@ layer id + 1, `block_size`, `sliding_window` + `sliding_window_pattern`, `attent
 draft and target vocabularies agree), and the tensors under upstream's names with no permutes: 2-D
 tensors in the source's float type (F32 / F16 / BF16, or BF16 with `bf16=True`), 1-D tensors F32.
 
-Upstream has only the vanilla Markov head and Qwen3-style draft layers. A draft with Spark2_5-style
-layers is written with the spark2_5 target's tensor names (`attn_qkv`, `attn_gate`): our loader reads
-it, upstream's runtime does not (no graph for it). The target's embedding and LM head are left out
+A DFlash 2 draft adds its convolutions and selector (`export/gguf_dflash2.py`); a draft without a
+Markov head (DFlash, DFlash 2) is written without `markov_w1`, which upstream runs as DFlash (drafts
+from row 1: `sample_from_anchor` false). Upstream has only the vanilla Markov head and Qwen3-style
+draft layers. A draft with Spark2_5-style layers is written with the spark2_5 target's tensor names
+(`attn_qkv`, `attn_gate`): our loader reads it, upstream's runtime does not (no graph for it). The target's embedding and LM head are left out
 (llama.cpp shares the target's), and so are `confidence_temperatures` (upstream has no key for them).
 """
 
@@ -23,6 +25,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
+from mlx_dspark.export import gguf_dflash2
 from mlx_dspark.loading.gguf_layout import DRAFT_GLOBAL, DRAFT_SHARED, LAYER_COMMON, LAYER_QWEN3, LAYER_SPARK
 from mlx_dspark.export.source import ExportDraft
 from mlx_dspark.loading.gguf_tokenizer import CONTROL, LLAMA3_SPLIT, NORMAL, QWEN2_SPLIT, UNUSED, USER_DEFINED, GGUFTokenizer
@@ -36,8 +39,11 @@ _LAYER = {ours: name for table in (LAYER_COMMON, LAYER_QWEN3, LAYER_SPARK) for n
 _PRE_NAMES = {None: "gpt-2", QWEN2_SPLIT: "qwen2", LLAMA3_SPLIT: "llama-bpe"}
 
 
-def gguf_tensor_name(name: str) -> str:
-    """A DeepSpec draft tensor name -> upstream's GGUF name (ValueError for one upstream has no name for)."""
+def gguf_tensor_name(name: str, *, extra: Optional[dict[str, str]] = None) -> str:
+    """A DeepSpec draft tensor name -> upstream's GGUF name (ValueError for one upstream has no name for);
+    `extra`: whole names outside DeepSpec's layout (a DFlash 2 draft's convolutions and selector)."""
+    if extra and name in extra:
+        return extra[name]
     stem, _, suffix = name.rpartition(".")
     if stem.startswith("layers."):
         index, _, rest = stem[len("layers.") :].partition(".")
@@ -148,11 +154,18 @@ def check_exportable(draft: ExportDraft) -> None:
             f"{draft.path}: the draft has Gemma 4 layers (sandwich norms, layer_scalar, scale-free v_norm, softcap); "
             "upstream's gemma4 DSpark GGUF layout is not one we write: export it --to deepspec"
         )
-    if args.markov_rank == 0 or args.markov_head_type != "vanilla":
+    if args.markov_rank == 0 and args.packaging.sample_from_anchor:
         raise ValueError(
-            f"{draft.path}: the draft's Markov head is {args.markov_head_type or 'absent'} (markov_rank {args.markov_rank}); "
+            f"{draft.path}: the draft has no Markov head (markov_rank 0) but drafts from the anchor row: llama.cpp runs a "
+            "dflash file without markov_w1 as DFlash, from row 1; export it --to deepspec"
+        )
+    if args.markov_rank and args.markov_head_type != "vanilla":
+        raise ValueError(
+            f"{draft.path}: the draft's Markov head is {args.markov_head_type} (markov_rank {args.markov_rank}); "
             "llama.cpp's DSpark GGUF has only the vanilla Markov head"
         )
+    if draft.kind == "dflash2":
+        gguf_dflash2.check(draft)
 
 
 def _add_keys(writer: Any, draft: ExportDraft) -> None:
@@ -187,13 +200,23 @@ def _add_keys(writer: Any, draft: ExportDraft) -> None:
     writer.add_array(p + "target_layers", [i + 1 for i in args.target_layer_ids])  # upstream: HF id + 1
     writer.add_uint32(p + "block_size", args.block_size)
     writer.add_bool(p + "attention.causal", False)
-    writer.add_bool(p + "sample_from_anchor", True)
+    writer.add_bool(p + "sample_from_anchor", args.packaging.sample_from_anchor)
     writer.add_bool(p + "has_confidence_head", bool(args.enable_confidence_head))
     writer.add_string(p + "hidden_activation", layers.hidden_act)  # "silu" / "gelu", as upstream reads it
+    packaging = args.packaging  # the scales a published packaging carries (models/dspark_packaging.py)
+    for key, value in (
+        ("attention.value_scale", packaging.value_scale),
+        ("attention.scale", packaging.attention_scale),
+        ("embedding_scale", packaging.embedding_scale),
+    ):
+        if value is not None:
+            writer.add_float32(p + key, value)
+    if draft.kind == "dflash2":
+        gguf_dflash2.add_keys(writer, draft, prefix=p)
 
 
 def _tensor_data(array: mx.array, *, bf16: bool) -> tuple[np.ndarray, Any]:
-    """(numpy data, raw GGML type or None) of one tensor: 1-D F32, 2-D F32 / F16 / BF16."""
+    """(numpy data, raw GGML type or None) of one tensor: 1-D F32, 2-D and 3-D F32 / F16 / BF16."""
     from gguf import GGMLQuantizationType
 
     if array.ndim == 1 or (array.dtype == mx.float32 and not bf16):
@@ -216,7 +239,8 @@ def write_draft_gguf(
             f"{draft.path}: no tokenizer for the GGUF's tokenizer.ggml.* keys (llama.cpp needs the target's vocabulary "
             "in the draft file): pass --target with the target's directory or GGUF"
         )
-    tensors = {gguf_tensor_name(name): array for name, array in sorted(draft.weights.items())}
+    extra = gguf_dflash2.tensor_names(draft.args.num_hidden_layers) if draft.kind == "dflash2" else None
+    tensors = {gguf_tensor_name(name, extra=extra): array for name, array in sorted(draft.weights.items())}
     tmp = out.with_name(out.name + ".tmp")
     writer = GGUFWriter(tmp, ARCH)
     writer.add_name(draft.path.name)
@@ -225,6 +249,8 @@ def write_draft_gguf(
     for name, array in tensors.items():
         data, raw = _tensor_data(array, bf16=bf16)
         writer.add_tensor(name, data, raw_dtype=raw)
+    if draft.args.packaging.markov_w2_scale is not None:  # one value, as upstream stores it
+        writer.add_tensor("markov_w2.scale", np.array([draft.args.packaging.markov_w2_scale], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -59,12 +59,14 @@ def check_pair(target_args: Any, args: Eagle3Args, *, target_source: str, draft_
         )
 
 
-def build_eagle3(checkpoint: Checkpoint, *, target: nn.Module, target_source: str = "target",
+def build_eagle3(checkpoint: Checkpoint, *, target: Optional[nn.Module], target_source: str = "target",
                  dtype: Optional[mx.Dtype] = None) -> Eagle3Draft:
-    """The draft (lazy weights), its pair with `target` checked and an embedding copy compared."""
+    """The draft (lazy weights), its pair with `target` checked and an embedding copy compared (target
+    None: the draft alone, as the exporter reads it without a target)."""
     config, config_source, source = checkpoint.config, checkpoint.config_source, str(checkpoint.path)
     args = Eagle3Args.from_dict(config, source=config_source)
-    check_pair(target.args, args, target_source=target_source, draft_source=config_source)
+    if target is not None:
+        check_pair(target.args, args, target_source=target_source, draft_source=config_source)
     weights = dict(checkpoint.weights)
     if args.reduced_vocab and CHECKPOINT_NAME not in weights:
         raise ValueError(
@@ -77,7 +79,7 @@ def build_eagle3(checkpoint: Checkpoint, *, target: nn.Module, target_source: st
         Eagle3Draft(args), config, weights, origin, source=source, what="EAGLE-3 draft",
         dtype=checkpoint.default_dtype if dtype is None else dtype, config_name=Path(config_source).name,
     )  # fmt: skip
-    if copy is not None:
+    if copy is not None and target is not None:
         own = check_shared_tensors({EMBEDDING: copy}, target, draft_source=source, storage=checkpoint.storage)
         if own:
             raise ValueError(

@@ -369,7 +369,7 @@ def _packaging(meta: Metadata, p: str, family: str, *, dflash2: bool = False) ->
         values = np.asarray(meta.tensors["markov_w2.scale"].data, dtype=np.float32).reshape(-1)
         if values.size != 1:
             raise ValueError(f"{meta.path}: tensor 'markov_w2.scale' holds {values.size} values; expected one")
-        fields["markov_w2_scale"] = float(values[0])
+        fields["markov_w2_scale"] = float(str(values[0]))  # as a float key is read: the shortest decimal of the float32
     return fields
 
 
