@@ -16,8 +16,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_dspark.engine.accept import accept_greedy
-from mlx_dspark.models.cache import trim_caches
-from mlx_dspark.models.rollback import restore_caches, snapshot_caches
+from mlx_dspark.models.rollback import undo_timed_forward
 from mlx_dspark.engine.decode import plain_steps, prefill
 from mlx_dspark.engine.propose import DraftProposer
 from mlx_dspark.engine.sample import Sampler
@@ -96,16 +95,9 @@ class CostProbe:
             out, _ = self.target(self.candidates[:, :width], cache=self.cache, tap_ids=self.proposer.tap_ids)
             return accept_greedy(draft_tokens=self.candidates[0, 1:width], target_logits=out[0])
 
-        saved = snapshot_caches(self.cache) if width == 1 else None  # a hybrid's width-1 step is not recorded
         timing = _timed(build, outputs=lambda a: [a.accepted, a.tokens])
-        self._undo(width, saved)
+        undo_timed_forward(self.cache, width)  # a hybrid's width-1 step stays: the context moves on by one
         return timing
-
-    def _undo(self, width: int, saved: Any) -> None:
-        if saved is None:
-            trim_caches(self.cache, width)
-        else:
-            restore_caches(self.cache, saved)
 
     def decode(self) -> tuple[float, float]:
         """One plain decode step (no taps), unpipelined."""
@@ -114,9 +106,8 @@ class CostProbe:
             out, _ = self.target(self.candidates[:, :1], cache=self.cache)
             return mx.argmax(out[0, -1])
 
-        saved = snapshot_caches(self.cache)
         timing = _timed(build, outputs=lambda t: [t])
-        self._undo(1, saved)
+        undo_timed_forward(self.cache, 1)
         return timing
 
     def draft_block(self) -> tuple[float, float]:

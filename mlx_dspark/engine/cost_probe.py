@@ -22,8 +22,7 @@ from mlx_dspark.engine.cost_heal import write_cached  # noqa: F401  (the cache's
 from mlx_dspark.engine.decode import prefill
 from mlx_dspark.engine.propose import DraftProposer
 from mlx_dspark.engine.schedule import CostCurve
-from mlx_dspark.models.cache import trim_caches
-from mlx_dspark.models.rollback import restore_caches, snapshot_caches
+from mlx_dspark.models.rollback import undo_timed_forward
 
 COST_CACHE_DIR = Path.home() / ".cache" / "mlx_dspark" / "cost"
 COST_DIR_ENV = "MLX_DSPARK_COST_DIR"  # where the curves are cached instead, when set
@@ -235,16 +234,9 @@ def _measure_at(
                 out = proposer.propose(anchor, position=context, num_tokens=block)
                 mx.eval(out.tokens, *([] if out.confidence is None else [out.confidence]))
             else:
-                saved = snapshot_caches(cache) if width == 1 else None  # a hybrid's width-1 step is not recorded
-                if saved is not None:
-                    mx.eval([a for s in saved for a in s.arrays()])
-                    start = time.perf_counter()
                 verify_logits, features = target(candidates[:, :width], cache=cache, tap_ids=_taps(proposer))
                 mx.eval(mx.argmax(verify_logits, axis=-1), *([] if features is None else [features]))
-                if saved is None:
-                    trim_caches(cache, width)
-                else:
-                    restore_caches(cache, saved)
+                undo_timed_forward(cache, width)  # a hybrid's width-1 step stays: the context moves on by one
             if repeat:
                 samples[width].append(1000 * (time.perf_counter() - start))
     # The fastest of the interleaved repeats: load from other processes only ever adds time, so on a
