@@ -292,3 +292,30 @@ def test_the_server_on_a_split_target_answers_as_one_process_and_stops_its_follo
         if job.poll() is None:
             job.kill()
             job.wait(timeout=15)
+
+
+def test_the_split_hook_runs_on_the_lazy_target_before_its_weights_are_read(llama_pair, monkeypatch):
+    """mlx.launch entry points split the target inside `load`, before its parameters are evaluated and
+    before the load's probe forward: a rank reads and holds its own slice only (mlx-lm's sharded_load)."""
+    import mlx_dspark
+    from mlx_dspark.cli.split import target_splitter
+    from mlx_dspark.loading import load as load_module
+
+    events = []
+    real_probe = load_module.probe_target
+    monkeypatch.setattr(load_module, "probe_target", lambda model: (events.append("probe"), real_probe(model)))
+    monkeypatch.setattr(load_module.mx, "eval", _recording_eval(load_module.mx.eval, events))
+    target, draft = map(str, llama_pair)
+    pair = mlx_dspark.load(target, draft=draft, split=lambda model, path: events.append(("split", Path(path).name)))
+    assert events.index(("split", Path(target).name)) < events.index("probe")
+    assert "eval target" not in events[: events.index(("split", Path(target).name))]
+    assert pair.target is not None and target_splitter(None) is None  # a plain run passes no hook
+
+
+def _recording_eval(real_eval, events):
+    def recorded(*args):
+        if any(isinstance(a, dict) and "model" in a for a in args):  # the target's parameter tree
+            events.append("eval target")
+        return real_eval(*args)
+
+    return recorded

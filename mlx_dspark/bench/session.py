@@ -78,13 +78,14 @@ def _controlled_prompts(model, prompts: Sequence, options: Options) -> list[list
     return [controlled.tiled_prompt(runner.prompt_ids(model, p), options.controlled_context) for p in chosen]
 
 
-def load_pair(options: Options) -> Any:
-    """The pair the flags name (the command's load boundary wraps this call)."""
+def load_pair(options: Options, *, split: Any = None) -> Any:
+    """The pair the flags name (the command's load boundary wraps this call); `split`: `load`'s hook that
+    splits the target over the ranks of an `mlx.launch` run."""
     import mlx_dspark
 
     return mlx_dspark.load(
         options.model, draft=options.draft, dtype=options.dtype, quantize=options.quantize, draft_tap_ids=options.draft_tap_ids,
-        **options.load_options,
+        split=split, **options.load_options,
     )
 
 

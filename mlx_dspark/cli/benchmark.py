@@ -22,7 +22,7 @@ import typer
 
 from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import fail, flag_errors
-from mlx_dspark.cli.split import PIPELINE_HELP, launched_group, split_or_follow
+from mlx_dspark.cli.split import PIPELINE_HELP, launched_group, split_or_follow, target_splitter
 
 app = typer.Typer(add_completion=False, help="Benchmark DSpark against plain decoding (ours and mlx-lm's).")
 
@@ -199,11 +199,11 @@ def main(
         schedule_ab=schedule_ab,
         progress=progress,
     )
+    group = launched_group()  # under `mlx.launch -n N`: the target split over the ranks as it loads, rank 0 reports
     with flags.load_errors(f"{options.model} + {options.draft}"):
-        loaded = session.load_pair(options)
-    group = launched_group()  # under `mlx.launch -n N`: the target split over the ranks, rank 0 reports
+        loaded = session.load_pair(options, split=target_splitter(group, pipeline=pipeline))
     if group is not None:
-        split_or_follow(loaded, group, pipeline=pipeline)
+        split_or_follow(loaded, group)
     try:
         with flag_errors():  # a dataset line, a model path, or a --max-draft-tokens the loaded draft cannot take
             meta = run_meta(dtype=dtype, quantize=quantize)

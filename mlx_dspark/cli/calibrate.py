@@ -13,7 +13,7 @@ import typer
 
 from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import exit_on_interrupt, fail
-from mlx_dspark.cli.split import PIPELINE_HELP, launched_group, split_or_follow
+from mlx_dspark.cli.split import PIPELINE_HELP, launched_group, split_or_follow, target_splitter
 
 app = typer.Typer(add_completion=False, help="This machine's draft and verify costs for a pair, and what auto draft lengths make of them.")
 
@@ -137,11 +137,11 @@ def cli(
         fail("--draft: the cost curve is measured for a target and its DSpark draft; give both")
     with exit_on_interrupt(), flags.flag_errors():
         flags.check_quantize(quantize)
-        with flags.load_errors(f"{model} + {draft}"):
-            pair = load(model, draft=draft, dtype=dtype, quantize=quantize)
         group = launched_group()  # under `mlx.launch -n N`: the split target's costs, network included
+        with flags.load_errors(f"{model} + {draft}"):
+            pair = load(model, draft=draft, dtype=dtype, quantize=quantize, split=target_splitter(group, pipeline=pipeline))
         if group is not None:
-            split_or_follow(pair, group, pipeline=pipeline)
+            split_or_follow(pair, group)
         reports = {}
         for head in head_names(pair):  # each head's own curve (a chain: its cost per draft)
             path = cost_curve_path(pair, head=head)

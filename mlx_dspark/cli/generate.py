@@ -17,7 +17,7 @@ import typer
 from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import exit_on_interrupt, fail, flag_errors, needs_cost_curve, resolve_cost_curve
 from mlx_dspark.cli.demo import raw_text_prompts
-from mlx_dspark.cli.split import PIPELINE_HELP, launched_group, split_or_follow
+from mlx_dspark.cli.split import PIPELINE_HELP, launched_group, split_or_follow, target_splitter
 
 app = typer.Typer(add_completion=False, help="Generate text with a target and its DSpark draft.")
 
@@ -128,14 +128,14 @@ def generate(
         typer.echo(f"[mlx_dspark] {demo.note}; prompt ({form}): {prompt!r}", err=True)
     draft = flags.draft_path(draft)  # `--draft lookup`: the target alone, lookup drafts (options.speculation.lookup)
     speculative = draft is not None and not no_draft
+    group = launched_group()  # under `mlx.launch -n N`: the target split over the N ranks as it loads
     with flags.load_errors(model if not speculative else f"{model} + {draft}"):
         pair = load(
             model, draft=draft if speculative else None, dtype=dtype, quantize=quantize,
-            draft_tap_ids=tap_ids if speculative else None, **precision,
+            draft_tap_ids=tap_ids if speculative else None, split=target_splitter(group, pipeline=pipeline), **precision,
         )  # fmt: skip
-    group = launched_group()  # under `mlx.launch -n N`: the target split over the N ranks
     if group is not None:
-        split_or_follow(pair, group, pipeline=pipeline)
+        split_or_follow(pair, group)
 
     if needs_cost_curve(options) and pair.draft is not None and not no_draft:
         with flag_errors():  # a draft without a confidence head; the curve is measured here on first use

@@ -18,7 +18,7 @@ import typer
 
 from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import exit_on_interrupt, fail, flag_errors
-from mlx_dspark.cli.split import PIPELINE_HELP, launched_group, split_or_follow
+from mlx_dspark.cli.split import PIPELINE_HELP, launched_group, split_or_follow, target_splitter
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.serve.cache_pool import PromptCacheBudget, parse_bytes
 from mlx_dspark.serve.protocol import DEFAULT_MAX_BATCH, SERVER_DEFAULTS
@@ -161,8 +161,8 @@ def serve(
     if split:
         max_batch, prompt_cache = _one_at_a_time(max_batch, ranks=group.size(), rank=group.rank())
         with flags.load_errors(model if not speculative else f"{model} + {draft}"):
-            pair = loader()
-        split_or_follow(pair, group, pipeline=pipeline, serving=True)  # ranks > 0 follow rank 0's requests here, then exit
+            pair = loader(split=target_splitter(group, pipeline=pipeline, serving=True))  # each rank reads its slice
+        split_or_follow(pair, group)  # ranks > 0 follow rank 0's requests here, then exit
         loader = functools.partial(_loaded, pair)
     try:
         server = make_server(loader, model_id=model_id, host=host, port=port, defaults=defaults, api_key=api_key,

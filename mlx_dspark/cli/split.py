@@ -11,7 +11,8 @@ import functools
 import os
 import signal
 import sys
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import typer
 
@@ -33,23 +34,39 @@ def launched_group() -> Optional[Any]:
     return group if group.size() > 1 else None
 
 
-def split_or_follow(pair: Any, group: Any, *, pipeline: bool = False, serving: bool = False) -> None:
-    """Split the loaded target over `group` (tensor parallel where mlx-lm's class can, else or with
-    `pipeline` pipeline parallel); on rank 0 make it lead and return, elsewhere follow and exit. `serving`:
-    rank 0 is the server, which keeps SIGTERM for its own shutdown (its clients answered, then the followers
+def target_splitter(group: Optional[Any], *, pipeline: bool = False, serving: bool = False) -> Optional[Callable[[Any, Path], None]]:
+    """`load(split=...)` for a run over `group` (None: a plain run): before the target's weights are read, the
+    rank watch starts (a rank that dies or hangs from here on ends the job in one line), the ranks agree they
+    load the same files, and the target is split over them (tensor parallel where mlx-lm's class can, else
+    or with `pipeline` pipeline parallel), so each rank reads and holds its own slice only. `serving`: rank 0
+    is the server, which keeps SIGTERM for its own shutdown (its clients answered, then the followers
     released) instead of ending in one error line."""
-    from mlx_dspark.cli.rank_watch import lost, watch_ranks
+    if group is None:
+        return None
+    from mlx_dspark.cli.rank_watch import watch_ranks
     from mlx_dspark.loading.fingerprint import target_fingerprint
-    from mlx_dspark.models.split_target import PIPELINE, SplitTargetError, agree, follow, lead, split_target
+    from mlx_dspark.models.split_target import PIPELINE, SplitTargetError, agree, split_target
 
-    rank = group.rank()
-    watch_ranks(rank, terminate=not (serving and rank == 0))  # a rank that dies or hangs from here on ends the job in one line
-    on_lost = functools.partial(lost, rank)
-    try:
-        agree(group, target_fingerprint(pair.target_path), what="target (versions, config, weights)")
-        mode = split_target(pair.target, group, mode=PIPELINE if pipeline else None)
-    except SplitTargetError as err:
-        fail(f"rank {group.rank()}: {err}")
+    def split(target: Any, path: Path) -> None:
+        rank = group.rank()
+        watch_ranks(rank, terminate=not (serving and rank == 0))
+        try:
+            agree(group, target_fingerprint(path), what="target (versions, config, weights)")
+            object.__setattr__(target, "_split_mode", split_target(target, group, mode=PIPELINE if pipeline else None))
+        except SplitTargetError as err:
+            fail(f"rank {rank}: {err}")
+
+    return split
+
+
+def split_or_follow(pair: Any, group: Any) -> None:
+    """After a load split over `group` (`target_splitter`): on rank 0 make the target lead and return,
+    elsewhere follow rank 0's forwards and exit."""
+    from mlx_dspark.cli.rank_watch import lost
+    from mlx_dspark.models.split_target import follow, lead
+
+    on_lost = functools.partial(lost, group.rank())
+    mode = pair.target._split_mode
     if group.rank() != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 writes the answer
         # rank 0 decides when the job ends (a terminal's Ctrl-C reaches every rank on its machine): it releases

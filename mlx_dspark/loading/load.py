@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint, resolve_path
 from mlx_dspark.models.finite import check_finite_weights
@@ -150,6 +151,7 @@ def load(
     draft_vocab_file: str | Path | None = None,
     kv_bits: Optional[int] = None,
     tool_parser: Optional[str] = None,
+    split: Optional[Callable[[Any, Path], Any]] = None,
 ) -> LoadedModel:
     """Load a target and optionally its DSpark draft.
 
@@ -190,6 +192,9 @@ def load(
       sliding layers stay in float. This changes the target's numerics (not identical to float caches).
     tool_parser: an mlx-lm tool parser (a module of `mlx_lm.tool_parsers`, e.g. "json_tools") replacing
       the one mlx-lm infers from the chat template.
+    split: called as `split(target_model, target_path)` before the target's weights are read (they are lazy
+      until then): the `mlx.launch` entry points split the target over their ranks there (cli/split.py), so
+      each rank reads and holds its own slice only, as mlx-lm's `sharded_load` does.
     """
     draft, use_mtp = split_draft(draft)
     if use_mtp and draft is None:
@@ -215,7 +220,8 @@ def load(
     target_checkpoint = read_checkpoint(target_path, role="target")
     target_model = build_target(target_checkpoint, dtype=mx_dtype)
     mtp_model = build_mtp(target_checkpoint, dtype=draft_mx_dtype) if use_mtp else None
-    check_finite_weights(target_model, what=f"target ({target_path})")
+    if split is None:  # a split target is checked after the split: each rank reads its own slice only
+        check_finite_weights(target_model, what=f"target ({target_path})")
     if quantize is not None and "quantization" in target_checkpoint.config:
         raise ValueError(
             f"{target_checkpoint.config_source}: the checkpoint is already quantized "
@@ -254,6 +260,11 @@ def load(
     if quantize is not None:
         nn.quantize(target_model, q_group_size, quantize, class_predicate=quant_predicate(target_model, group_size=q_group_size))
     target_model.eval()
+    if split is not None:
+        split(target_model, target_path)
+        for _, weight in tree_flatten(target_model.parameters()):  # one at a time: one whole tensor read at once
+            mx.eval(weight)
+        check_finite_weights(target_model, what=f"target ({target_path}), this rank's part")
     mx.eval(target_model.parameters())
     probe_target(target_model)  # our forward must give mlx-lm's own logits, or the target is refused
     if kv_bits is not None:

@@ -131,6 +131,8 @@ def _pipeline(target: Any, group: Any, family: str) -> None:
 class PipelineStage:
     """Mixin put before a pipelined target's class: the taps of other ranks' layers reach every rank."""
 
+    pipelined = True
+
     def _complete_taps(self, logits: mx.array, taps: dict[int, mx.array], tap_ids: tuple[int, ...]) -> dict[int, mx.array]:
         layer_ids = [i for i in tap_ids if i != FINAL_TAP]  # the final state is on every rank already
         final = self._capture.final  # (B, L, H) on every rank: all-gathered
