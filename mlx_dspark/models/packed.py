@@ -37,17 +37,17 @@ PACKED_DRAFT_FAMILIES = ("qwen3", "spark2_5", "gemma4")  # the draft layer famil
 def packing_problem(model: Any) -> Optional[str]:
     """Why a loaded pair cannot run packed (continuous batching), or None: the packed forwards follow
     mlx-lm's models where its load-time probe passes (models/packed_mlx_lm.py) and the draft layer
-    families (`DecoderLayer`), nothing else."""
+    families (`DecoderLayer`), nothing else. A chained head (MTP layers, an EAGLE-3 draft) drafts per row
+    over its own cache (engine/batch.py), so it needs nothing packed but the target."""
     if not is_mlx_lm_target(model.target):
         return f"the target ({type(model.target).__name__}) is not an mlx-lm model"
     problem = packed_mlx_lm.packing_problem(model.target)
     if problem is not None:
         return problem
-    if getattr(model, "mtp", None) is not None:  # a batch row would draft without them
-        return "the target's own MTP layers (draft 'mtp') are not packed yet"
-    if getattr(model, "eagle3", None) is not None:
-        return "an EAGLE-3 draft's chained proposer is not packed yet"
-    if getattr(model, "assistant", None) is not None:
+    heads = [name for name in ("draft", "eagle3", "mtp", "assistant") if getattr(model, name, None) is not None]
+    if len(heads) > 1:  # engine/head_choice.py picks per round over single-request costs; a batch row does not
+        return f"a pair with several draft heads ({', '.join(heads)}) chooses its head per round, which batched rows do not; load one head"
+    if getattr(model, "assistant", None) is not None:  # its chain reads the target's caches (takes_target_cache)
         return "a Gemma 4 assistant's chained proposer (over the target's caches) is not packed yet"
     draft = model.draft
     if draft is not None and draft.args.family not in PACKED_DRAFT_FAMILIES:
