@@ -13,6 +13,8 @@ processor, proposer state and RNG. `batch_round(model, rows, ...)` runs, for all
    its own `choose.Chooser`: `Chooser.plan` picks a lookup / forced block (no draft forward; up to 32
    tokens, within the row's room) or the DSpark block of the row's draft length, which then comes from
    the same packed draft forward and `Chooser.finish` completes (forced run in front, lookup tail).
+   A chained head's row (MTP layers, an EAGLE-3 draft) drafts its k steps by itself over its own drafter
+   cache (engine/batch_propose.py); only the verify is packed with the other rows.
 2. **Verify**: one packed target forward over every row's segment: `[anchor, x1..xl]` for a drafting
    row, `[anchor]` for a plain or parked one, and the next chunk (at most `prefill_chunk` tokens) of a
    newcomer's prompt, so running streams keep flowing while it prefills.
@@ -43,8 +45,10 @@ import numpy as np
 from mlx_dspark.engine.accept import accept_greedy, accept_sampled
 from mlx_dspark.engine.batch_length import BatchCost, Probes, RowDemand
 from mlx_dspark.engine.batch_plan import plan_round
+from mlx_dspark.engine.batch_propose import propose_rows
+from mlx_dspark.engine.chain_propose import ChainProposer
 from mlx_dspark.engine.choose import Chooser
-from mlx_dspark.engine.cost_probe import cost_curve_for
+from mlx_dspark.engine.cost_probe import cost_curve_for, default_head
 from mlx_dspark.engine.decode import Round, _admitted
 from mlx_dspark.engine.draft_length import AutoLength, DraftLength, make_draft_length
 from mlx_dspark.engine.grammar import GrammarState
@@ -54,10 +58,10 @@ from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import DraftProposer, Proposal
 from mlx_dspark.engine.schedule import require_confidence_head
-from mlx_dspark.engine.steps import _chosen, make_processor
+from mlx_dspark.engine.steps import _chain_proposer, _chosen, make_processor
 from mlx_dspark.models.cache import rollback_limit, trim_caches
 from mlx_dspark.models.finite import check_finite_logits
-from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward
+from mlx_dspark.models.packed import packed_target_forward
 
 PREFILL_CHUNK = 128  # prompt tokens a newcomer adds to one round
 
@@ -104,21 +108,26 @@ class BatchRow:
         self.max_draft = 0
         if proposer is not None and proposer.context is not self.prompt_cache.draft_context:
             raise ValueError("the proposer must draft over the row's prompt cache: DraftProposer(..., context=prompt_cache.draft_context)")
-        if proposer is None and self.speculation.speculative and model.draft is not None and lookup != "only":
+        head = default_head(model)  # the pair's one head (models/packed.packing_problem refuses several)
+        if head == "assistant" and self.speculation.speculative:  # as packing_problem: its chain reads the target's caches
+            raise ValueError("a Gemma 4 assistant drafts over the target's caches, which a batched row does not hand it: "
+                             "serve it with --max-batch 1")  # fmt: skip
+        if proposer is None and self.speculation.speculative and lookup != "only" and getattr(model, head, None) is not None:
             self.proposer = DraftProposer(
                 model.draft,
                 model.target,
                 greedy=self.speculation.draft_sampling == "greedy" or self.sampler.greedy,
                 temperature=max(self.sampler.temperature, 1e-6),
                 context=self.prompt_cache.draft_context,
-            )
+            ) if head == "draft" else _chain_proposer(model, head, self.prompt, options)  # fmt: skip
+        self.chained = isinstance(self.proposer, ChainProposer)  # drafts k chained steps of its own (batch_propose.py)
         # this machine's single-request curve (measured once and cached), read once for the row's length
         # policy, its Chooser and its confidence schedule
         speculation = self.speculation
         curve = speculation.cost_curve
         if curve is None and speculation.speculative and (speculation.auto_length or speculation.verify_schedule == "confidence"):
             # a batch round's time is the batch's, not this row's: it must not heal the single-request curve
-            curve = dataclasses.replace(cost_curve_for(model), cache_path=None)
+            curve = dataclasses.replace(cost_curve_for(model, head=head), cache_path=None)
         self.length: DraftLength | None = None  # the row's own length policy (auto: its acceptance, the curve)
         if self.proposer is not None:
             self.max_draft = speculation.draft_length(self.proposer.block_size)
@@ -135,10 +144,13 @@ class BatchRow:
             chosen = _chosen(self.proposer, self.prompt, dataclasses.replace(speculation, cost_curve=curve), grammar)
             self.chooser = chosen if isinstance(chosen, Chooser) else None
         self.schedule = None  # the cost curve a confidence-scheduled row cuts its proposals with
+        if self.chained and self.speculation.verify_schedule == "confidence":  # refused here, not in a shared round
+            raise ValueError(f"verify_schedule 'confidence' needs a draft with a confidence head; the {head} head has none: "
+                             "use verify_schedule 'fixed'")  # fmt: skip
         if self.proposer is not None and self.speculation.verify_schedule == "confidence":
             require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft")
             self.schedule = curve
-        if self.proposer is not None:
+        if self.proposer is not None and not self.chained:
             if self.speculation.confidence_threshold > 0:  # as make_steps: a threshold needs a confidence head
                 require_confidence_head(self.proposer.draft, source=getattr(model, "draft_path", None) or "the draft",
                                         need=f"confidence_threshold {self.speculation.confidence_threshold}", fix="set it to 0")  # fmt: skip
@@ -174,7 +186,7 @@ class BatchRow:
                 raise RuntimeError("no round is ready for this row: run batch_round before pulling its steps")
             yield self.rounds.popleft()
 
-    def _random(self) -> None:
+    def reseed(self) -> None:
         """Before building this row's random draws: re-seed MLX's generator from the row's own stream."""
         if self._seeds is not None:
             mx.random.seed(int(self._seeds.integers(2**32)))
@@ -205,48 +217,6 @@ class BatchRow:
             return RowDemand(floor=length, acceptance=getattr(self.length, "acceptance", [self.acceptance or 0.6] * length))
         room = min(cap, self.room())
         return RowDemand(floor=min(self.probes.floor(), room), acceptance=self.length.acceptance, cap=room)
-
-
-def _row_proposal(proposal: Proposal, i: int) -> Proposal:
-    def take(a):
-        return None if a is None else a[i : i + 1]
-
-    return Proposal(tokens=proposal.tokens[i : i + 1], draft_probs=take(proposal.draft_probs),
-                    token_probs=take(proposal.token_probs), confidence=take(proposal.confidence), hooked=False)  # fmt: skip
-
-
-def _propose(model: Any, rows: list[BatchRow], lengths: list[int]) -> list[Proposal]:
-    """One packed draft block forward for the drafting rows; heads together for greedy rows, per row for
-    sampled ones and for rows whose logits processing changes the draft's logits (penalties, bias, the
-    grammar's mask: the row's `draft_hook`, as a single request drafts; `hooked` proposals)."""
-    anchors = mx.array([r.anchor for r in rows], dtype=mx.int32)
-    block = packed_block_hidden(model.draft, anchors, [r.proposer.context for r in rows], target=model.target)
-    proposals: list[Proposal | None] = [None] * len(rows)
-    hooks = [r.processor.draft_hook() for r in rows]
-    greedy = [i for i, r in enumerate(rows) if r.proposer.greedy and hooks[i] is None]
-    if greedy:
-        index = mx.array(greedy, dtype=mx.int32)
-        together = model.draft.propose_from_block(
-            anchors[index], block[index], target=model.target, greedy=True, temperature=1.0,
-            num_tokens=max(lengths[i] for i in greedy),
-        )  # fmt: skip
-        for j, i in enumerate(greedy):
-            proposals[i] = _row_proposal(together, j)
-    for i, row in enumerate(rows):
-        if proposals[i] is None:
-            if not row.proposer.greedy:
-                row._random()
-            proposals[i] = _row_proposal(model.draft.propose_from_block(
-                anchors[i : i + 1], block[i : i + 1], target=model.target, greedy=row.proposer.greedy,
-                temperature=row.proposer.temperature, num_tokens=lengths[i], logits_hook=hooks[i],
-            ), 0)  # fmt: skip
-            proposals[i].hooked = hooks[i] is not None
-    for i, row in enumerate(rows):
-        revise = getattr(row.proposer, "revise", None)
-        if revise is not None:
-            proposals[i] = revise(proposals[i], position=row.position, num_tokens=lengths[i])
-        proposals[i].hooked = hooks[i] is not None and proposals[i].hooked
-    return proposals
 
 
 @dataclass
@@ -306,13 +276,13 @@ def _accept(plan: _Plan, logits: mx.array) -> None:
     if plan.prefill:
         plan.first_logits = logits
         processed = row.processor.target_logits(logits, mx.zeros((0,), mx.int32))
-        row._random()
+        row.reseed()
         plan.candidates = row.sampler.sample(processed[0]).astype(mx.int32).reshape(1)
         plan.accepted = mx.array(0, mx.int32)
         plan.logprobs = row.processor.logprob_arrays(processed, plan.candidates)
         return
     processed = row.processor.target_logits(logits, plan.draft)
-    row._random()
+    row.reseed()
     if row.proposer is None and row.chooser is None:  # plain decoding: the target's own draw
         plan.candidates = row.sampler.sample(processed).astype(mx.int32)
         plan.accepted = mx.array(0, mx.int32)
@@ -324,6 +294,15 @@ def _accept(plan: _Plan, logits: mx.array) -> None:
         acceptance = accept_sampled(draft_tokens=plan.draft, draft_probs=plan.draft_probs, target_probs=probs)
         plan.accepted, plan.candidates = acceptance.accepted, acceptance.tokens
     plan.logprobs = row.processor.logprob_arrays(processed, plan.candidates)
+
+
+def _commit_tokens(row: BatchRow, tokens: list[int]) -> None:
+    """The committed tokens to what reads them: the logits processor, the Chooser (it passes them on to its
+    draft) or else the proposer (a chained head pairs its cache entries with them)."""
+    row.processor.commit(tokens)
+    reader = row.chooser if row.chooser is not None else row.proposer
+    if reader is not None and hasattr(reader, "commit"):
+        reader.commit(tokens)
 
 
 def _commit(plan: _Plan) -> None:
@@ -339,16 +318,12 @@ def _commit(plan: _Plan) -> None:
         check_finite_logits(plan.first_logits, step="the first step (the end of the prompt)")
         first = int(plan.candidates.item())
         row.anchor, row.emitted = first, 1
-        row.processor.commit([first])
-        if row.chooser is not None:
-            row.chooser.commit([first])
+        _commit_tokens(row, [first])
         row.rounds.append(Round(tokens=[first], logprobs=row.processor.read_logprobs(plan.logprobs, [first])))
         return
     accepted, num_draft = int(plan.accepted.item()), int(plan.draft.shape[0])
     committed = plan.candidates.reshape(-1)[: accepted + 1].tolist()
-    row.processor.commit(committed)
-    if row.chooser is not None:
-        row.chooser.commit(committed)
+    _commit_tokens(row, committed)
     trim_caches(row.prompt_cache.target_cache, num_draft - accepted)  # the row's own rollback
     if row.proposer is not None:
         if plan.source == "draft":  # as decode.py: lookup / forced blocks say nothing of the draft
@@ -390,17 +365,18 @@ def batch_round(
     drafting = [i for i, n in enumerate(sizes) if n > 0]
     proposals: dict[int, Proposal | None] = {i: plan.proposal for i, plan in chosen.items()}
     if drafting:
-        made = _propose(model, [rows[i] for i in drafting], [sizes[i] for i in drafting])
+        made = propose_rows(model, [rows[i] for i in drafting], [sizes[i] for i in drafting])
         for i, proposal in zip(drafting, made):  # a Chooser's block: forced run in front, a lookup tail
             proposals[i] = rows[i].chooser.finish(chosen[i], proposal, hooked=proposal.hooked) if i in chosen else proposal
         # the draft runs while the host builds the verify graph
         mx.async_eval([p.tokens for p in proposals.values() if p is not None])
     plans = [_plan(row, proposals.get(i), budgets[i], prefill_chunk) for i, row in enumerate(rows)]
     lengths = [int(p.segment.shape[0]) for p in plans]
-    speculative = any(r.proposer is not None for r in rows)
+    # every drafting row's proposer taps the same layers (one head per pair in a batch)
+    tap_ids = next((tuple(r.proposer.tap_ids) for r in rows if r.proposer is not None), ())
     logits, features = packed_target_forward(
         model.target, mx.concatenate([p.segment for p in plans]), [r.prompt_cache.target_cache for r in rows], lengths,
-        tap_ids=tuple(model.draft.args.target_layer_ids) if speculative else (), head_rows=_head_rows(plans),
+        tap_ids=tap_ids, head_rows=_head_rows(plans),
     )  # fmt: skip
     pending, row_start, head_start = [], 0, 0
     for plan, n in zip(plans, lengths):

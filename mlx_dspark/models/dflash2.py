@@ -23,7 +23,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dspark.models.dflash2_args import ARCHITECTURE, DFlash2Fields, dflash2_fields  # noqa: F401  (re-exported)
-from mlx_dspark.models.draft_cache import ContextCache
 from mlx_dspark.models.dspark import DecoderLayer, DSparkDraft
 from mlx_dspark.models.dspark_heads import Proposal
 
@@ -63,11 +62,11 @@ class DFlash2Layer(DecoderLayer):
         self.attention_conv = GroupedDynamicCausalConv(hidden, fields.conv_kernel_size, fields.conv_group_size)
         self.mlp_conv = GroupedDynamicCausalConv(hidden, fields.conv_kernel_size, fields.conv_group_size)
 
-    def __call__(self, x: mx.array, context: ContextCache, mask: Optional[mx.array]) -> mx.array:
+    def forward(self, x: mx.array, attend: Callable[[mx.array], mx.array]) -> mx.array:
+        """x (B, L, H): the block rows of B sequences; the convolutions run along L, within each block."""
         h = self.input_layernorm(x)
         dyn = self.attention_conv.dynamic(h)
-        attn = self.self_attn.attend(self.attention_conv.apply(h, dyn, 0), offset=context.offset, context=context.fetch(), mask=mask)
-        x = x + self.attention_conv.apply(attn, dyn, 1)
+        x = x + self.attention_conv.apply(attend(self.attention_conv.apply(h, dyn, 0)), dyn, 1)
         h = self.post_attention_layernorm(x)
         dyn = self.mlp_conv.dynamic(h)
         return x + self.mlp_conv.apply(self.mlp(self.mlp_conv.apply(h, dyn, 0)), dyn, 1)

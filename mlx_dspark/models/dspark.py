@@ -70,8 +70,12 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, h: mx.array, context: ContextCache, mask: Optional[mx.array]) -> mx.array:
         # Queries and the block's own K/V from the block rows; the cached context K/V come first.
-        attn = self.self_attn.attend(self.input_layernorm(h), offset=context.offset, context=context.fetch(), mask=mask)
-        return self.residual(h, attn)
+        return self.forward(h, lambda x: self.self_attn.attend(x, offset=context.offset, context=context.fetch(), mask=mask))
+
+    def forward(self, h: mx.array, attend: Callable[[mx.array], mx.array]) -> mx.array:
+        """The layer over block rows h (B, L, H) with `attend(x)` its attention's output for inputs x (B, L, H)
+        (the context's; models/packed.py passes one that splits the rows per sequence)."""
+        return self.residual(h, attend(self.input_layernorm(h)))
 
     def residual(self, h: mx.array, attn: mx.array) -> mx.array:
         """The block after its attention output `attn` (also models/packed.py's): the family's residual form."""

@@ -37,21 +37,19 @@ PACKED_DRAFT_FAMILIES = ("qwen3", "spark2_5", "gemma4")  # the draft layer famil
 def packing_problem(model: Any) -> Optional[str]:
     """Why a loaded pair cannot run packed (continuous batching), or None: the packed forwards follow
     mlx-lm's models where its load-time probe passes (models/packed_mlx_lm.py) and the draft layer
-    families (`DecoderLayer`), nothing else."""
+    families (`DecoderLayer`), nothing else. A chained head (MTP layers, an EAGLE-3 draft) drafts per row
+    over its own cache (engine/batch.py), so it needs nothing packed but the target."""
     if not is_mlx_lm_target(model.target):
         return f"the target ({type(model.target).__name__}) is not an mlx-lm model"
     problem = packed_mlx_lm.packing_problem(model.target)
     if problem is not None:
         return problem
-    if getattr(model, "mtp", None) is not None:  # a batch row would draft without them
-        return "the target's own MTP layers (draft 'mtp') are not packed yet"
-    if getattr(model, "eagle3", None) is not None:
-        return "an EAGLE-3 draft's chained proposer is not packed yet"
-    if getattr(model, "assistant", None) is not None:
+    heads = [name for name in ("draft", "eagle3", "mtp", "assistant") if getattr(model, name, None) is not None]
+    if len(heads) > 1:  # engine/head_choice.py picks per round over single-request costs; a batch row does not
+        return f"a pair with several draft heads ({', '.join(heads)}) chooses its head per round, which batched rows do not; load one head"
+    if getattr(model, "assistant", None) is not None:  # its chain reads the target's caches (takes_target_cache)
         return "a Gemma 4 assistant's chained proposer (over the target's caches) is not packed yet"
     draft = model.draft
-    if draft is not None and getattr(draft.args, "dflash2", None) is not None:
-        return "a DFlash2 draft's block forward (its convolutions and selector) is not packed yet"
     if draft is not None and draft.args.family not in PACKED_DRAFT_FAMILIES:
         return f"the draft's layer family {draft.args.family!r} is not packed (only {', '.join(PACKED_DRAFT_FAMILIES)})"
     return None
@@ -82,30 +80,36 @@ def packed_target_forward(
 
 def packed_block_hidden(draft: Any, anchors: mx.array, contexts: Sequence[list], *, target: Any) -> mx.array:
     """`DSparkDraft.block_hidden` for B sequences at once: anchors (B,), contexts[i] sequence i's context
-    caches -> o = norm(h) (B, block_size, hidden). The block rows are packed as in the target's forward;
-    each sequence's block attends to its own context (`DecoderLayer` of models/dspark.py, row by row: its
-    own embedding, projections and residual form, the attention split per sequence)."""
+    caches -> o = norm(h) (B, block_size, hidden). Each layer runs its own `forward` over the (B, block_size)
+    rows (its embedding, norms, MLP, residual form; a DFlash 2 layer's convolutions along each block's own
+    rows); only its attention is packed as in the target's forward: the rows as (T, 1, hidden), each at its
+    own position, split per sequence to attend to that sequence's own context (`_attend`)."""
     size, num = draft.args.block_size, anchors.shape[0]
     ids = mx.concatenate(
         [anchors.reshape(num, 1), mx.full((num, size - 1), draft.args.mask_token_id, dtype=anchors.dtype)], axis=1
-    ).reshape(num * size, 1)
-    h = draft.embed_block(ids, target=target)  # (T, 1, hidden)
+    )
+    h = draft.embed_block(ids, target=target)  # (B, size, hidden)
     row_positions = positions([ctx[0].offset for ctx in contexts], [size] * num)
     for index, layer in enumerate(draft.layers):
-        attention = layer.self_attn
-        x = layer.input_layernorm(h)
-        queries, keys, values = attention.project(x, row_positions)  # (T, heads, 1, D)
-        outs = []
-        for b, ctx in enumerate(contexts):
-            cache = ctx[index]
-            rows = slice(b * size, (b + 1) * size)
-            q, k, v = (a[rows].transpose(2, 1, 0, 3) for a in (queries, keys, values))  # (1, heads, size, D)
-            context = cache.fetch()
-            if context is not None:
-                k = mx.concatenate([context[0].astype(k.dtype), k], axis=2)
-                v = mx.concatenate([context[1].astype(v.dtype), v], axis=2)
-            mask = block_mask(cache.offset, size, cache.length, cache.window)
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attention.scale, mask=mask)
-            outs.append(out.transpose(2, 1, 0, 3))
-        h = layer.residual(h, attention.output(mx.concatenate(outs, axis=0), x))
-    return draft.norm(h).reshape(num, size, -1)
+        caches = [ctx[index] for ctx in contexts]
+        h = layer.forward(h, lambda x, attention=layer.self_attn, caches=caches: _attend(attention, x, caches, row_positions))
+    return draft.norm(h)
+
+
+def _attend(attention: Any, x: mx.array, caches: Sequence[Any], row_positions: mx.array) -> mx.array:
+    """The attention output of blocks x (B, size, hidden), block b over its context cache `caches[b]`."""
+    num, size, hidden = x.shape
+    rows = x.reshape(num * size, 1, hidden)
+    queries, keys, values = attention.project(rows, row_positions)  # (T, heads, 1, D)
+    outs = []
+    for b, cache in enumerate(caches):
+        block = slice(b * size, (b + 1) * size)
+        q, k, v = (a[block].transpose(2, 1, 0, 3) for a in (queries, keys, values))  # (1, heads, size, D)
+        context = cache.fetch()
+        if context is not None:
+            k = mx.concatenate([context[0].astype(k.dtype), k], axis=2)
+            v = mx.concatenate([context[1].astype(v.dtype), v], axis=2)
+        mask = block_mask(cache.offset, size, cache.length, cache.window)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attention.scale, mask=mask)
+        outs.append(out.transpose(2, 1, 0, 3))
+    return attention.output(mx.concatenate(outs, axis=0), rows).reshape(num, size, -1)

@@ -272,7 +272,7 @@ def packed_target_forward(
 ) -> tuple[mx.array, Optional[mx.array]]:
     """models/packed.packed_target_forward for an mlx-lm target (same arguments and results)."""
     total = sum(lengths)
-    tap_ids = check_tap_ids(tap_ids, target.args.num_hidden_layers)
+    tap_ids = check_tap_ids(tap_ids, target.args.num_hidden_layers, final=True)  # FINAL_TAP: an MTP head's
     offsets = [_first_offset(c) for c in caches]
     row_positions = mx.array([o + j for o, n in zip(offsets, lengths) for j in range(n)], dtype=mx.int32)
     forward = _Forward()
