@@ -15,22 +15,17 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_dspark
-from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.engine.mtp_propose import MTPProposer
-from mlx_dspark.engine.options import SpeculationOptions
-from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.loading.checkpoint import read_checkpoint
-from mlx_dspark.loading.load import build_target
-from mlx_dspark.loading.mtp import build_mtp
-from mlx_dspark.models.base import FINAL_TAP
-from mlx_dspark.models.mlx_lm_target import probe_target
 from mlx_dspark.testing.mtp_nemotron_h_tiny import write_tiny_nemotron_h_target
-from tests.engine_helpers import assert_chain_sampling_is_exact
 from tests.mtp_nemotron_h_reference import NemotronHMTPReference
-from tests.test_mtp import mlx_lm_greedy
-
-PROMPT = [1, 5, 9, 20, 33, 7, 100, 250, 3, 64, 17, 42]
-FIXED = SpeculationOptions(max_draft_tokens=3)
+from tests.mtp_helpers import (
+    PROMPT,
+    assert_conversion_loads_the_same_layers,
+    assert_greedy_speculation_is_mlx_lms_generate,
+    assert_sampled_speculation_is_exact,
+    close,
+    final_hidden,
+    greedy_chain_of,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +36,6 @@ def target_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def loaded(target_dir):
     return mlx_dspark.load(str(target_dir), draft="mtp")
-
-
-def final_hidden(target, tokens: list[int]) -> mx.array:
-    _, features = target(mx.array([tokens]), tap_ids=(FINAL_TAP,))
-    return features  # (1, n, C)
-
-
-def close(ours: np.ndarray, expected: np.ndarray) -> bool:
-    return float(np.abs(ours - expected).max()) < 1e-4 * max(1.0, float(np.abs(expected).max()))
 
 
 def test_the_mtp_block_loads_apart_from_the_target_and_reads_its_embedding_and_head(loaded):
@@ -73,23 +59,15 @@ def test_one_step_gives_the_numpy_restatements_logits(target_dir, loaded):
 
 
 def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_entries(target_dir, loaded):
-    target, mtp = loaded.target, loaded.mtp
-    anchor = 77
-    proposer = MTPProposer(mtp, target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
-    proposer.extend(final_hidden(target, PROMPT))
-    proposer.commit([anchor])
-    proposal = proposer.propose(mx.array([anchor]), position=len(PROMPT), num_tokens=4)
-    drafts, probs = NemotronHMTPReference(target_dir).greedy_chain(PROMPT[1:] + [anchor], np.array(final_hidden(target, PROMPT)[0]), 4)
+    proposal, proposer = greedy_chain_of(loaded)
+    drafts, probs = NemotronHMTPReference(target_dir).greedy_chain(PROMPT[1:] + [77], np.array(final_hidden(loaded.target, PROMPT)[0]), 4)
     assert proposal.tokens[0].tolist() == drafts
     assert close(np.array(proposal.token_probs[0]), np.array(probs))
     assert all(c.offset == len(PROMPT) for c in proposer.cache)  # the 3 chained entries were trimmed
 
 
 def test_greedy_mtp_speculation_is_mlx_lms_generate_over_200_tokens(target_dir, loaded):
-    reference = mlx_lm_greedy(target_dir, PROMPT, 210)
-    spec = mlx_dspark.generate(prepare_model(loaded, RunSettings(ignore_eos=True)), PROMPT, max_tokens=210, max_draft_tokens=3)
-    assert spec.tokens == reference and len(reference) == 210
-    assert spec.rounds < 210 and spec.acceptance_lengths
+    assert_greedy_speculation_is_mlx_lms_generate(target_dir, loaded)
 
 
 def test_convert_keeps_the_mtp_block_under_its_hf_names_and_the_conversion_loads_the_same_block(target_dir, loaded, tmp_path):
@@ -100,9 +78,7 @@ def test_convert_keeps_the_mtp_block_under_its_hf_names_and_the_conversion_loads
     out = convert(target_dir, tmp_path / "mlx", log=lambda _: None)
     written = {k for f in out.glob("*.safetensors") for k in safe_open(str(f), "np").keys()}
     assert "mtp.layers.1.mixer.switch_mlp.fc1.weight" in written and "mtp.layers.0.eh_proj.weight" in written
-    converted = mlx_dspark.load(str(out), draft="mtp")
-    ours, theirs = dict(tree_flatten(loaded.mtp.parameters())), dict(tree_flatten(converted.mtp.parameters()))
-    assert ours.keys() == theirs.keys() and all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
+    assert_conversion_loads_the_same_layers(loaded, out)
 
 
 def test_draft_auto_picks_the_mtp_block_when_the_files_hold_it_and_a_bare_checkpoint_says_how_to_get_it(target_dir, tmp_path):
@@ -141,17 +117,6 @@ def test_the_older_pattern_field_builds_the_same_block(tmp_path):
 
 # -- sampled: the target's exact distribution ----------------------------------------------------------
 
-VOCAB = 8
-CHI_PROMPT = [1, 5, 2, 7, 3]  # test_lossless_sampling's PROMPT, which exact_distribution reads
-CHI_SAMPLER = Sampler(temperature=0.7)
-
 
 def test_sampled_mtp_speculation_matches_the_exact_target_distribution(tmp_path):
-    path = write_tiny_nemotron_h_target(tmp_path / "chi", seed=5, vocab_size=VOCAB)
-    checkpoint = read_checkpoint(path)
-    target, mtp = build_target(checkpoint), build_mtp(checkpoint)
-    target.eval()
-    mx.eval(target.parameters(), mtp.parameters())
-    probe_target(target)
-    make = lambda: MTPProposer(mtp, target, prompt=CHI_PROMPT, greedy=False, temperature=CHI_SAMPLER.temperature)  # noqa: E731
-    assert_chain_sampling_is_exact(target, make, sampler=CHI_SAMPLER, speculation=FIXED, runs=300, seed=11)
+    assert_sampled_speculation_is_exact(write_tiny_nemotron_h_target, tmp_path)

@@ -14,22 +14,18 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_dspark
-from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.engine.mtp_propose import MTPProposer
-from mlx_dspark.engine.options import SpeculationOptions
-from mlx_dspark.engine.sample import Sampler
 from mlx_dspark.loading.checkpoint import read_checkpoint
-from mlx_dspark.loading.load import build_target
-from mlx_dspark.loading.mtp import build_mtp
-from mlx_dspark.models.base import FINAL_TAP
-from mlx_dspark.models.mlx_lm_target import probe_target
 from mlx_dspark.testing.mtp_qwen3_next_tiny import write_tiny_qwen3_next_target
-from tests.engine_helpers import assert_chain_sampling_is_exact
 from tests.mtp_qwen3_next_reference import Qwen3NextMTPReference
-from tests.test_mtp import mlx_lm_greedy
-
-PROMPT = [1, 5, 9, 20, 33, 7, 100, 250, 3, 64, 17, 42]
-FIXED = SpeculationOptions(max_draft_tokens=3)
+from tests.mtp_helpers import (
+    PROMPT,
+    assert_conversion_loads_the_same_layers,
+    assert_greedy_speculation_is_mlx_lms_generate,
+    assert_sampled_speculation_is_exact,
+    close,
+    final_hidden,
+    greedy_chain_of,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +36,6 @@ def target_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def loaded(target_dir):
     return mlx_dspark.load(str(target_dir), draft="mtp")
-
-
-def final_hidden(target, tokens: list[int]) -> mx.array:
-    _, features = target(mx.array([tokens]), tap_ids=(FINAL_TAP,))
-    return features  # (1, n, C)
-
-
-def close(ours: np.ndarray, expected: np.ndarray) -> bool:
-    return float(np.abs(ours - expected).max()) < 1e-4 * max(1.0, float(np.abs(expected).max()))
 
 
 def test_the_mtp_layer_loads_apart_from_the_target_with_its_moe_mlp(target_dir, loaded):
@@ -70,32 +57,22 @@ def test_one_step_gives_the_numpy_restatements_logits(target_dir, loaded):
 
 
 def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_entries(target_dir, loaded):
-    target, mtp = loaded.target, loaded.mtp
-    anchor = 77
-    proposer = MTPProposer(mtp, target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
-    proposer.extend(final_hidden(target, PROMPT))
-    proposer.commit([anchor])
-    proposal = proposer.propose(mx.array([anchor]), position=len(PROMPT), num_tokens=4)
-    expected = Qwen3NextMTPReference(target_dir).greedy_chain(PROMPT[1:] + [anchor], np.array(final_hidden(target, PROMPT)[0]), 4)
+    proposal, proposer = greedy_chain_of(loaded)
+    expected = Qwen3NextMTPReference(target_dir).greedy_chain(PROMPT[1:] + [77], np.array(final_hidden(loaded.target, PROMPT)[0]), 4)
     assert proposal.tokens[0].tolist() == expected
     assert all(c.offset == len(PROMPT) for c in proposer.cache)  # the 3 chained entries were trimmed
 
 
 def test_greedy_mtp_speculation_is_mlx_lms_generate_over_200_tokens(target_dir, loaded):
-    reference = mlx_lm_greedy(target_dir, PROMPT, 210)
-    spec = mlx_dspark.generate(prepare_model(loaded, RunSettings(ignore_eos=True)), PROMPT, max_tokens=210, max_draft_tokens=3)
-    assert spec.tokens == reference and len(reference) == 210
-    assert spec.rounds < 210 and spec.acceptance_lengths
+    assert_greedy_speculation_is_mlx_lms_generate(target_dir, loaded)
 
 
 def test_convert_keeps_the_mtp_layer_and_the_conversion_loads_the_same_layer(target_dir, loaded, tmp_path):
     from mlx_dspark.loading.convert import convert
 
     out = convert(target_dir, tmp_path / "mlx", log=lambda _: None)
-    converted = mlx_dspark.load(str(out), draft="mtp")
+    converted = assert_conversion_loads_the_same_layers(loaded, out)
     assert not converted.mtp.raw_norms  # experts stacked and norms moved by mlx-lm's own sanitize, written so
-    ours, theirs = dict(tree_flatten(loaded.mtp.parameters())), dict(tree_flatten(converted.mtp.parameters()))
-    assert ours.keys() == theirs.keys() and all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
 
 
 def test_without_the_tensors_load_says_how_to_get_them_and_auto_does_not_pick_mtp(target_dir, tmp_path):
@@ -124,17 +101,6 @@ def test_more_than_one_or_zero_declared_layers_are_refused_by_field(tmp_path):
 
 # -- sampled: the target's exact distribution ----------------------------------------------------------
 
-VOCAB = 8
-CHI_PROMPT = [1, 5, 2, 7, 3]  # test_lossless_sampling's PROMPT, which exact_distribution reads
-CHI_SAMPLER = Sampler(temperature=0.7)
-
 
 def test_sampled_mtp_speculation_matches_the_exact_target_distribution(tmp_path):
-    path = write_tiny_qwen3_next_target(tmp_path / "chi", seed=5, vocab_size=VOCAB)
-    checkpoint = read_checkpoint(path)
-    target, mtp = build_target(checkpoint), build_mtp(checkpoint)
-    target.eval()
-    mx.eval(target.parameters(), mtp.parameters())
-    probe_target(target)
-    make = lambda: MTPProposer(mtp, target, prompt=CHI_PROMPT, greedy=False, temperature=CHI_SAMPLER.temperature)  # noqa: E731
-    assert_chain_sampling_is_exact(target, make, sampler=CHI_SAMPLER, speculation=FIXED, runs=300, seed=11)
+    assert_sampled_speculation_is_exact(write_tiny_qwen3_next_target, tmp_path)
