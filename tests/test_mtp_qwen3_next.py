@@ -75,6 +75,13 @@ def test_convert_keeps_the_mtp_layer_and_the_conversion_loads_the_same_layer(tar
     assert not converted.mtp.raw_norms  # experts stacked and norms moved by mlx-lm's own sanitize, written so
 
 
+def test_a_raw_files_norms_move_by_one_without_the_experts_beside_them(target_dir, loaded):
+    """`convert` sanitizes shard by shard: a shard holding the layer's norms but not its experts still moves them."""
+    norms = {k: v for k, v in read_checkpoint(target_dir).weights.items() if k.startswith("mtp.") and k.endswith("norm.weight")}
+    moved = loaded.mtp.sanitize(norms)
+    assert len(norms) == 5 and all(mx.array_equal(moved[k.removeprefix("mtp.")], v + 1.0).item() for k, v in norms.items())
+
+
 def test_without_the_tensors_load_says_how_to_get_them_and_auto_does_not_pick_mtp(target_dir, tmp_path):
     from mlx_dspark.loading.draft_registry import resolve_auto_draft
 

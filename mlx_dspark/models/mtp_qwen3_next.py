@@ -15,10 +15,9 @@ is zero-centred (stored w - 1, vLLM's GemmaRMSNorm). A chain of k > 1 steps feed
 of the token just proposed (what vLLM's proposer keeps as the draft's hidden state).
 
 The layer count is `num_nextn_predict_layers`, 1 when the config does not say (vLLM's default; the published
-Qwen3-Next configs do not carry the field); the tensors `mtp.layers.<i>.*` say whether the files hold them.
-mlx-lm's qwen3_next sanitize drops every key containing `mtp.`; loading/mtp.py takes them. The layers' own
-tensors go through mlx-lm's qwen3_next sanitize (stacked experts, norms + 1 in a raw file), so their layout
-and numerics are the target's layers'.
+Qwen3-Next configs do not carry the field); the tensors `mtp.*` say whether the files hold them.
+mlx-lm's qwen3_next sanitize drops every key containing `mtp.`; loading/mtp.py takes them. The experts are
+stacked by mlx-lm's qwen3_next sanitize, so the layer's layout and numerics are the target's layers'.
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ from mlx_dspark.models import mtp_qwen3_5
 
 PREFIX = mtp_qwen3_5.PREFIX
 MODEL_TYPES = ("qwen3_next",)
-OWN_NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")  # zero-centred in raw HF files
-_LAYERS = PREFIX + "layers."
 
 
 def declares_layers(config: dict) -> bool:
@@ -81,15 +78,10 @@ class MTP(mtp_qwen3_5.MTP):
         return qwen3_next.Qwen3NextDecoderLayer(layer_args, layer_idx=index)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """`mtp.*` names without the prefix; the layers through mlx-lm's qwen3_next sanitize (as `model.layers.<i>`),
-        the projection's norms + 1 in a raw file."""
-        layers, out = {}, {}
-        for name, value in weights.items():
-            key = name.removeprefix(PREFIX)
-            if name.startswith(_LAYERS):
-                layers["model." + key] = value
-            else:
-                out[key] = value + 1.0 if self.raw_norms and key in OWN_NORMS and value.ndim == 1 else value
+        """Qwen3.5's renaming (`mtp.` dropped, every norm + 1 in a raw file: decided once for the checkpoint, as
+        `convert` reads it shard by shard) and the experts stacked by mlx-lm's qwen3_next sanitize."""
+        experts = {"model." + k.removeprefix(PREFIX): v for k, v in weights.items() if ".mlp.experts." in k}
+        out = super().sanitize({k: v for k, v in weights.items() if ".mlp.experts." not in k})
         family = qwen3_next.Model(dataclasses.replace(self.args.layer_args, num_hidden_layers=self.num_layers))  # lazy, never evaluated
-        out.update({key.removeprefix("model."): value for key, value in family.sanitize(layers).items()})
+        out.update({key.removeprefix("model."): value for key, value in family.sanitize(experts).items()})
         return out
