@@ -17,6 +17,8 @@ from safetensors.numpy import load_file
 
 
 class MTPReference:
+    EMBED = "model.language_model.embed_tokens.weight"  # the target's embedding (under the multimodal wrapper)
+
     def __init__(self, path: str | Path):
         path = Path(path)
         self.w = {}
@@ -32,7 +34,7 @@ class MTPReference:
         self.theta = rope.get("rope_theta", 10000.0)
         self.eps = c["rms_norm_eps"]
         tied = c.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
-        self.embed_table = self.w["model.language_model.embed_tokens.weight"]
+        self.embed_table = self.w[self.EMBED]
         self.head = self.embed_table if tied else self.w["lm_head.weight"]
 
     def norm(self, x: np.ndarray, name: str) -> np.ndarray:

@@ -187,7 +187,7 @@ DRAFT_HELP = (
     "DSpark draft: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf; "
     "'auto': the published draft of a known --model (any quantization of it), else the target's own MTP layers when it "
     "carries them; 'mtp': the target's own multi-token-prediction layers (Qwen3.5 / 3.6 / 3.8 checkpoints with mtp.*, DeepSeek-V3 / "
-    "GLM-4.5+ checkpoints with their next-n layer, MiMo checkpoints with model.mtp_layers.*); "
+    "GLM-4.5+ checkpoints with their next-n layer, MiMo checkpoints with model.mtp_layers.*, Qwen3-Next checkpoints with mtp.*, Nemotron-H checkpoints with mtp.layers.*); "
     "a Gemma 4 assistant drafter (google/gemma-4-*-it-assistant) beside a Gemma 4 target; "
     "'PATH,mtp' (a DSpark / DFlash or EAGLE-3 draft and the MTP layers): both, each round proposing from the one that pays more on this machine; "
     "'lookup': no draft, prompt-lookup drafts alone."

@@ -1,8 +1,8 @@
-"""The proposer over a target's own MTP layers (models/mtp_qwen3_5.py, models/mtp_deepseek.py,
-models/mtp_mimo.py): a chain_propose.ChainProposer whose features are the target's final hidden states (tap
-`FINAL_TAP`). The MTP module says what its output is (Qwen, MiMo: normed; DeepSeek / GLM: pre-norm), which
-embedding and head it reads (`embed`, `logits`: its own copies or the target's) and which layer step k runs
-(`step=`).
+"""The proposer over a target's own MTP layers (models/mtp_qwen3_5.py, mtp_qwen3_next.py, mtp_deepseek.py,
+mtp_mimo.py, mtp_nemotron_h.py): a chain_propose.ChainProposer whose features are the target's final hidden
+states (tap `FINAL_TAP`). The MTP module says what its output is (Qwen, MiMo, Nemotron-H: normed; DeepSeek /
+GLM: pre-norm), which embedding and head it reads (`embed`, `logits`: its own copies or the target's) and which
+layer step k runs (`step=`).
 """
 
 from __future__ import annotations

@@ -182,7 +182,8 @@ def load(
       target's final state and K/V and drafts k chained steps; draft_tap_ids / draft_vocab / kv_bits are refused.
     draft "mtp": no separate draft: the target's own multi-token-prediction layers propose (`LoadedModel.mtp`):
       `mtp.*` in a Qwen3.5 / 3.6 / 3.8 Hugging Face checkpoint, the next-n layer `model.layers.<num_hidden_layers>.*`
-      in a DeepSeek-V3 or GLM-4.5+ one, `model.mtp_layers.*` in a MiMo one, or any in our own conversion of one.
+      in a DeepSeek-V3 or GLM-4.5+ one, `model.mtp_layers.*` in a MiMo one, `mtp.*` in a Qwen3-Next one,
+      `mtp.layers.*` in a Nemotron-H one, or any in our own conversion of one.
       "PATH,mtp" (or a list [PATH, "mtp"]): both heads; each round proposes from the one that pays more
       (engine/head_choice.py).
     draft_vocab: draft over the K most frequent target tokens only (FR-Spec; `models/draft_vocab.py`),

@@ -1,8 +1,11 @@
 """A target's own MTP layers (`load(target, draft="mtp")`, `--draft mtp`): read from the target's checkpoint.
 
-Two layouts, one per model module (dispatch on model_type):
+One layout per model module (dispatch on model_type):
 - Qwen3.5 / 3.6 / 3.8 (`qwen3_5`): `mtp.*` tensors, `text_config.mtp_num_hidden_layers`
   (`models/mtp_qwen3_5.py`);
+- Qwen3-Next (`qwen3_next`): `mtp.*` tensors, `num_nextn_predict_layers` or 1 when absent (`models/mtp_qwen3_next.py`);
+- Nemotron-H (`nemotron_h`): `mtp.layers.<j>.*`, `num_nextn_predict_layers` and `mtp_layers_block_type`
+  (`models/mtp_nemotron_h.py`);
 - DeepSeek-V3 (`deepseek_v3`) and GLM-4.5+ (`glm4_moe`): next-n layers at `model.layers.<num_hidden_layers + i>.*`,
   `num_nextn_predict_layers` (`models/mtp_deepseek.py`);
 - MiMo (`mimo`): `model.mtp_layers.<i>.*`, `num_nextn_predict_layers` (`models/mtp_mimo.py`).
@@ -23,14 +26,18 @@ import mlx.nn as nn
 
 from mlx_dspark.loading.checkpoint import Checkpoint, read_header, weight_files
 from mlx_dspark.loading.weights import fill_model
-from mlx_dspark.models import mtp_deepseek, mtp_mimo, mtp_qwen3_5
+from mlx_dspark.models import mtp_deepseek, mtp_mimo, mtp_nemotron_h, mtp_qwen3_5, mtp_qwen3_next
 
 MTP_DRAFT = "mtp"  # the `draft=` / `--draft` value naming the target's own MTP layers
 _MODULES = {
     **dict.fromkeys(mtp_qwen3_5.MODEL_TYPES, mtp_qwen3_5),
     **dict.fromkeys(mtp_deepseek.MODEL_TYPES, mtp_deepseek),
     **dict.fromkeys(mtp_mimo.MODEL_TYPES, mtp_mimo),
+    **dict.fromkeys(mtp_qwen3_next.MODEL_TYPES, mtp_qwen3_next),
+    **dict.fromkeys(mtp_nemotron_h.MODEL_TYPES, mtp_nemotron_h),
 }
+# the families whose published checkpoints carry one MTP layer (more is refused, by name)
+_ONE_LAYER = {mtp_deepseek: "DeepSeek-V3 / GLM-4.5", mtp_mimo: "MiMo-7B", mtp_qwen3_next: "Qwen3-Next", mtp_nemotron_h: "Nemotron-H"}
 MODEL_TYPES = tuple(_MODULES)
 
 
@@ -41,14 +48,22 @@ def _module(config: dict) -> Any:
 def mtp_layer_count(config: dict) -> int:
     """How many MTP layers a target config declares (0: none, or a family we do not build)."""
     module = _module(config)
-    if module is mtp_qwen3_5 or module is mtp_mimo:
-        return module.mtp_layer_count(config)
-    return mtp_deepseek.nextn_layer_count(config) if module is mtp_deepseek else 0
+    if module is None:
+        return 0
+    return mtp_deepseek.nextn_layer_count(config) if module is mtp_deepseek else module.mtp_layer_count(config)
 
 
 def supports_mtp(config: dict) -> bool:
     """Whether a target config declares MTP layers of a family we build."""
     return mtp_layer_count(config) > 0
+
+
+def declares_mtp(config: dict) -> bool:
+    """Whether the config itself names the layers: a Qwen3-Next config without `num_nextn_predict_layers` (the
+    published ones) is not taken at its word (only its files can say)."""
+    if _module(config) is mtp_qwen3_next:
+        return mtp_qwen3_next.declares_layers(config)
+    return supports_mtp(config)
 
 
 def is_mtp_tensor(config: dict, name: str) -> bool:
@@ -65,7 +80,7 @@ def target_weights(config: dict, weights: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tensor_names(config: dict) -> str:
-    if _module(config) is mtp_qwen3_5:
+    if _module(config) in (mtp_qwen3_5, mtp_qwen3_next):
         return "mtp.*"
     return " / ".join(p + "*" for p in _module(config).layer_prefixes(config))
 
@@ -87,14 +102,24 @@ def mtp_skeleton(config: dict, shapes: dict[str, Any], *, source: str) -> Option
         return None
     if module is mtp_qwen3_5:
         return mtp_qwen3_5.MTP(mtp_qwen3_5.MTPArgs.from_dict(config, source=source), raw_norms=mtp_qwen3_5.is_raw_hf(shapes))
+    if module is mtp_qwen3_next:
+        return mtp_qwen3_next.MTP(mtp_qwen3_next.mtp_args(config, source=source), raw_norms=mtp_qwen3_next.is_raw_hf(shapes))
     if module is mtp_mimo:  # the embedding and the LM head are always the target's
         return mtp_mimo.MTP(mtp_mimo.MiMoMTPArgs.from_dict(config, source=source))
+    if module is mtp_nemotron_h:
+        return mtp_nemotron_h.MTP(mtp_nemotron_h.NemotronHMTPArgs.from_dict(config, source=source))
     prefixes = mtp_deepseek.layer_prefixes(config)
     return mtp_deepseek.MTP(
         mtp_deepseek.NextNArgs.from_dict(config, source=source),
         own_embedding=f"{prefixes[0]}embed_tokens.weight" in shapes,
         own_head=all(f"{p}shared_head.head.weight" in shapes for p in prefixes),
     )
+
+
+def _declared(config: dict, count: int) -> str:
+    if declares_mtp(config):
+        return f"the config declares {count} MTP layer(s)"
+    return f"a {config.get('model_type')} target's MTP layer is in its original files"
 
 
 def build_mtp(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) -> nn.Module:
@@ -113,8 +138,8 @@ def build_mtp(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) -> nn
             f"{source}: draft 'mtp': {field} is absent or 0, so this target carries no MTP "
             "layers; pass a DSpark draft, --draft lookup, or --no-draft"
         )
-    if _module(config) in (mtp_deepseek, mtp_mimo) and count > 1:
-        family = "DeepSeek-V3 / GLM-4.5" if _module(config) is mtp_deepseek else "MiMo-7B"
+    if _module(config) in _ONE_LAYER and count > 1:
+        family = _ONE_LAYER[_module(config)]
         raise ValueError(
             f"{source}: draft 'mtp': num_nextn_predict_layers is {count}; only 1 is supported (every published "
             f"{family} checkpoint has 1: with more, what the later layers' caches hold over the committed "
@@ -124,8 +149,7 @@ def build_mtp(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) -> nn
     model = mtp_skeleton(config, {k: v.shape for k, v in checkpoint.weights.items()}, source=source)
     if model is None:
         raise ValueError(
-            f"{checkpoint.path}: draft 'mtp': the config declares {count} MTP layer(s) but the weights "
-            f"hold no {_tensor_names(config)} tensors; {how_to_get(str(checkpoint.path), config)}"
+            f"{checkpoint.path}: draft 'mtp': {_declared(config, count)} but the weights hold no {_tensor_names(config)} tensors; {how_to_get(str(checkpoint.path), config)}"
         )
     # a renamed tensor (stacked experts, split kv_b_proj) is named in messages by the files holding the layers
     origin = defaultdict(lambda: ", ".join(sorted({checkpoint.origin[k] for k in weights})))

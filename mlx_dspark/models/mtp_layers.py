@@ -1,6 +1,7 @@
-"""What every MTP module shares (models/mtp_qwen3_5.py, mtp_deepseek.py, mtp_mimo.py): a list of layers,
-one KV cache each, and the target's embedding for the tokens it reads (a module with its own copy overrides
-`embed`). The proposer (engine/mtp_propose.py) reads only this and each module's `__call__` / `logits`."""
+"""What every MTP module shares (models/mtp_qwen3_5.py, mtp_qwen3_next.py, mtp_deepseek.py, mtp_mimo.py,
+mtp_nemotron_h.py): a list of layers, one KV cache each (Nemotron-H: one per attention layer of its block), and
+the target's embedding for the tokens it reads (a module with its own copy overrides `embed`). The proposer
+(engine/mtp_propose.py) reads only this and each module's `__call__` / `logits`."""
 
 from __future__ import annotations
 

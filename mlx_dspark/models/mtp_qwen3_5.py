@@ -90,8 +90,13 @@ class MTP(MTPLayers):
         self.pre_fc_norm_embedding = nn.RMSNorm(C, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(C, eps=eps)
         self.fc = nn.Linear(2 * C, C, bias=False)
-        self.layers = [qwen3_5.DecoderLayer(args.layer_args, layer_idx=0) for _ in range(args.mtp_num_hidden_layers)]
+        self.layers = [self.decoder_layer(args.layer_args, i) for i in range(args.mtp_num_hidden_layers)]
         self.norm = nn.RMSNorm(C, eps=eps)
+
+    @staticmethod
+    def decoder_layer(layer_args: Any, index: int) -> nn.Module:
+        """MTP layer `index`: the family's full-attention decoder layer (models/mtp_qwen3_next.py: its own)."""
+        return qwen3_5.DecoderLayer(layer_args, layer_idx=0)
 
     def __call__(self, embeddings: mx.array, hidden: mx.array, cache: Optional[list[KVCache]] = None, *, step: int = 0) -> mx.array:
         """embeddings (B, L, C) of tokens t+1, hidden (B, L, C) normed states at t -> normed MTP states (B, L, C).
