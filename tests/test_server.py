@@ -340,10 +340,16 @@ def test_concurrent_requests_equal_the_same_requests_one_at_a_time(server):
     assert len(set(alone)) > 1  # the prompts really differ, so a mix-up would show
 
 
+def long_answer(server: DSparkHTTPServer) -> dict:
+    """Request fields for an answer that runs to its 4000 tokens (the tiny pair's own answer ends in 75, well
+    under a second: a loaded machine noticed a disconnect after it)."""
+    return {"max_tokens": 4000, "logit_bias": {str(i): -100 for i in server.worker.model.tokenizer.eos_token_ids}}
+
+
 def test_a_client_that_disconnects_mid_stream_stops_its_generation(server):
     before = len(server.worker.recent)
     conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
-    body = {"messages": MESSAGES, "max_tokens": 4000, "stream": True}
+    body = {"messages": MESSAGES, "stream": True, **long_answer(server)}
     conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200

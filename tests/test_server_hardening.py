@@ -23,7 +23,7 @@ import pytest
 
 from mlx_dspark.serve.app import DSparkHTTPServer
 from mlx_dspark.engine.options import GenerationOptions
-from tests.test_server import MESSAGES, MODEL_ID, call, pair_loader, running_server, wait_for
+from tests.test_server import MESSAGES, MODEL_ID, call, long_answer, pair_loader, running_server, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +251,7 @@ def test_control_characters_in_the_request_line_are_escaped_in_the_log(server, c
 
 
 def test_queued_counts_only_waiting_clients_and_a_departed_client_never_starts(server):
-    long_body = {"messages": MESSAGES, "max_tokens": 4000, "stream": True}
+    long_body = {"messages": MESSAGES, "stream": True, **long_answer(server)}
     busy = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
     busy.request("POST", "/v1/chat/completions", body=json.dumps(long_body), headers={"Content-Type": "application/json"})
     response = busy.getresponse()

@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_dspark.engine.accept import accept_greedy
-from mlx_dspark.models.rollback import undo_timed_forward
+from mlx_dspark.engine.cost_probe import undo_timed_forward
 from mlx_dspark.engine.decode import plain_steps, prefill
 from mlx_dspark.engine.propose import DraftProposer
 from mlx_dspark.engine.sample import Sampler

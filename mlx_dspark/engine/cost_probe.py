@@ -22,7 +22,8 @@ from mlx_dspark.engine.cost_heal import write_cached  # noqa: F401  (the cache's
 from mlx_dspark.engine.decode import prefill
 from mlx_dspark.engine.propose import DraftProposer
 from mlx_dspark.engine.schedule import CostCurve
-from mlx_dspark.models.rollback import undo_timed_forward
+from mlx_dspark.models.cache import trim_caches
+from mlx_dspark.models.rollback import TRIM, cache_kind
 
 COST_CACHE_DIR = Path.home() / ".cache" / "mlx_dspark" / "cost"
 COST_DIR_ENV = "MLX_DSPARK_COST_DIR"  # where the curves are cached instead, when set
@@ -246,3 +247,13 @@ def _measure_at(
         verify_ms=[min(samples[w]) for w in widths],
         source="measured at first use",
     ).with_context(depth)
+
+
+def undo_timed_forward(caches: Any, width: int) -> None:
+    """After a forward of `width` tokens timed by a cost probe: trimmed away, except a hybrid's width-1
+    step (never recorded), which stays: the context moves on by one position as a plain step's would.
+    (A snapshot restore instead could not be followed by the ranks of a split target: they roll back by
+    trimming, models/split_target.py.)"""
+    if width == 1 and not all(cache_kind(c) == TRIM for c in caches):
+        return
+    trim_caches(caches, width)

@@ -46,7 +46,6 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from mlx_dspark.models.cache import trim_caches
 
 TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache)
 TRIM, ROTATING, REPLAY = "trim", "rotating", "replay"
@@ -147,15 +146,6 @@ def restore_caches(caches: Sequence[Any], saved: Sequence[LayerState]) -> None:
     for cache, state in zip(caches, saved):
         restore_layer(cache, state, copy=True)
 
-
-def undo_timed_forward(caches: Sequence[Any], width: int) -> None:
-    """After a forward of `width` tokens timed by a cost probe: trimmed away, except a hybrid's width-1
-    step (never recorded), which stays: the context moves on by one position as a plain step's would.
-    (A snapshot restore instead could not be followed by the ranks of a split target: they roll back by
-    trimming, split_target.py.)"""
-    if width == 1 and not all(cache_kind(c) == TRIM for c in caches):
-        return
-    trim_caches(caches, width)
 
 
 # -- rollback of the latest forward ----------------------------------------------------------------
