@@ -237,3 +237,13 @@ def test_a_generation_leaves_its_acceptance_beside_the_cached_curve(tiny_spark_p
     assert mlx_dspark.generate(pair, ids, max_tokens=24, lookup="off").tokens == plain
     saved = json.loads(cost_probe.cost_curve_path(pair).read_text())["acceptance_seen"]
     assert len(saved["acceptance"]) == 7 and all(0.0 <= q <= 1.0 for q in saved["acceptance"])
+
+
+def test_a_probe_that_accepted_a_run_gets_a_second_free_look_soon_and_a_failed_one_does_not():
+    # the first look after a prompt is one sample: accepting 2 of its drafts is worth a second look, free
+    demo_here = CostCurve(draft_ms=6.4, verify_ms=[4.5, 5.7, 6.7, 7.4, 8.5, 9.0, 10.1, 10.9])  # 2 of 7 do not pay
+    lengths = drive(AutoLength(demo_here, 7), lambda i, n: 2, 40)
+    looks = [i for i, n in enumerate(lengths) if n]
+    assert len(looks) == 3 and looks[1] - looks[0] <= 9 and looks[2] - looks[1] <= 9, lengths  # two confirming looks, no more
+    lengths = drive(AutoLength(demo_here, 7), lambda i, n: 0, 40)
+    assert sum(1 for n in lengths if n) == 1, lengths  # nothing accepted: the park settles, the budget decides

@@ -32,6 +32,7 @@ from mlx_dspark.engine.schedule import CostCurve
 AUTO = "auto"
 OPTIMISTIC = 0.9  # the acceptance a probe's length is chosen for: what a good draft shows
 NEAR_PAYING = 0.8  # a remembered acceptance this close to paying still gets a free look at the start
+CONFIRM_ACCEPTED, MAX_CONFIRMS = 2, 2  # a probe accepting this many gets a free second look, this often per generation
 
 
 class DraftLength(Protocol):
@@ -158,6 +159,7 @@ class AutoLength:
         self._probe_spent = 0.0  # plain steps the charged probes cost beyond the tokens they committed
         self._charging = False  # the round in flight is a charged probe
         self._free_probe = False
+        self._confirms = 0  # free looks that followed a probe accepting a run (CONFIRM_ACCEPTED)
         self.probes = 0
         # Exploration: a length whose frontier keeps being accepted is tried longer now and then (the
         # positions past it are never observed otherwise); backed off while the longer rounds fail.
@@ -263,6 +265,11 @@ class AutoLength:
         if probe:  # back off while probes do not show a paying length (leaving the park resets the interval)
             self._interval = min(2 * self._interval, self.max_probe_every)
             self._until_probe = self._interval
+            if accepted >= CONFIRM_ACCEPTED and self._confirms < MAX_CONFIRMS:
+                # a probe that accepted a run is one sample (the first round after a prompt is seldom like the
+                # rest): look again soon, free, before the park settles on it
+                self._confirms += 1
+                self._free_probe, self._until_probe = True, self.probe_every
         exploring, self._exploring = self._exploring, 0
         if exploring:  # reaching past the old frontier: explore as often again; else less often
             self._explore_after = self.explore_every if accepted > exploring else min(2 * self._explore_after, self.max_explore_every)
