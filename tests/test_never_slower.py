@@ -247,3 +247,16 @@ def test_a_probe_that_accepted_a_run_gets_a_second_free_look_soon_and_a_failed_o
     assert len(looks) == 3 and looks[1] - looks[0] <= 9 and looks[2] - looks[1] <= 9, lengths  # two confirming looks, no more
     lengths = drive(AutoLength(demo_here, 7), lambda i, n: 0, 40)
     assert sum(1 for n in lengths if n) == 1, lengths  # nothing accepted: the park settles, the budget decides
+
+
+def test_parked_after_drafting_that_paid_the_first_look_comes_soon_and_free():
+    # the text turned unpredictable after drafting paid: the draft parks, and looks again 8 rounds on
+    # (the probe budget of the parked rounds alone would wait ~150 rounds); once that look fails, the budget decides
+    demo_here = CostCurve(draft_ms=6.4, verify_ms=[4.5, 5.7, 6.7, 7.4, 8.5, 9.0, 10.1, 10.9])
+    policy = AutoLength(demo_here, 7)
+    drive(policy, lambda i, n: n, 30)  # everything accepted: drafting
+    assert not policy.parked
+    lengths = drive(policy, lambda i, n: 0, 120)
+    parked_at = lengths.index(0)
+    looks = [i for i, n in enumerate(lengths) if n and i > parked_at]
+    assert looks and looks[0] - parked_at <= 10 and len(looks) == 1, lengths

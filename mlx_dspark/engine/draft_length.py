@@ -316,9 +316,10 @@ class AutoLength:
         elif by_length[best] <= plain:
             # parked by the prior alone (the first choice): look at the real acceptance in the next round
             self._until_probe = self._interval if self.length else 1
-            # (no free look where the last generation's acceptance says the draft is far from paying)
+            # (no free look where the last generation's acceptance says the draft is far from paying); parked
+            # after drafting that paid: the text may turn back soon, the first look is free too
             near = self.memory is None or by_length[best] > NEAR_PAYING * plain
-            self._free_probe = not self.length and not any(self.observed) and near
+            self._free_probe = (not self.length and not any(self.observed) and near) or self.length > 0
             self.parked, self.length, self._streak = True, 0, 0
         elif self.length == 0 or by_length[best] > by_length[self.length] * (1 + self.margin):
             self.length = best
