@@ -53,7 +53,8 @@ def options_for(mode: str, max_tokens: int):
     return GenerationOptions(max_tokens=max_tokens, sampling=SamplingOptions(temperature=0.0), speculation=speculation)
 
 
-def run_blas(pairs: list[Path], *, max_tokens: int, repeats: int, blas: str) -> dict:
+def run_blas(pairs: list[Path], *, max_tokens: int, repeats: int, blas: str, modes: tuple[str, ...] = MODES,
+             prompts: tuple[str, ...] = ()) -> dict:
     from mlx_dspark import load
     from mlx_dspark.api import generate
     from mlx_dspark.bench.runner import RunSettings, prepare_model
@@ -67,14 +68,16 @@ def run_blas(pairs: list[Path], *, max_tokens: int, repeats: int, blas: str) -> 
         print(f"[{blas}] {pair.name}: cost curve draft {curve.draft_ms:.1f} ms, verify(1..{curve.max_width}) "
               + " ".join(f"{v:.1f}" for v in curve.verify_ms) + " ms", flush=True)
         for name, text in unpredictable_prompts().items():
+            if prompts and name not in prompts:
+                continue
             ids = model.tokenizer.encode(text)[:192]
-            tps = {m: [] for m in MODES}
+            tps = {m: [] for m in modes}
             parked = {"default": 0, "default_nolookup": 0}
             drafted = dict(parked)
             reference = None
             identical = True
             for repeat in range(repeats + 1):  # repeat 0 warms up and is not recorded
-                order = MODES[repeat % len(MODES):] + MODES[: repeat % len(MODES)]
+                order = modes[repeat % len(modes):] + modes[: repeat % len(modes)]
                 for mode in order:
                     result = generate(model, ids, options=options_for(mode, max_tokens))
                     if mode == "plain":
@@ -88,21 +91,19 @@ def run_blas(pairs: list[Path], *, max_tokens: int, repeats: int, blas: str) -> 
                         parked[mode] += sum(1 for n in result.proposal_lengths if n == 0) + (result.target_forwards - 1 - len(result.proposal_lengths))
                         drafted[mode] += sum(1 for n in result.proposal_lengths if n > 0)
             median = {m: statistics.median(v) for m, v in tps.items()}
+            over = {m: median[m] / median["plain"] for m in modes}
             cell = {
                 "pair": pair.name, "prompt": name, "tokens": max_tokens, "median_tps": median, "tps": tps,
-                "default_over_plain": median["default"] / median["plain"],
-                "nolookup_over_plain": median["default_nolookup"] / median["plain"],
-                "fixed7_over_plain": median["fixed7"] / median["plain"],
-                "parked_rounds_per_run": {m: n / repeats for m, n in parked.items()},
-                "drafted_rounds_per_run": {m: n / repeats for m, n in drafted.items()},
+                **{f"{'nolookup' if m == 'default_nolookup' else m}_over_plain": x for m, x in over.items() if m != "plain"},
+                "parked_rounds_per_run": {m: n / repeats for m, n in parked.items() if m in modes},
+                "drafted_rounds_per_run": {m: n / repeats for m, n in drafted.items() if m in modes},
                 "greedy_identical": identical, "curve": curve.to_json(),
             }
             results["cells"].append(cell)
-            print(f"[{blas}] {pair.name:>8} {name:>14}: plain {median['plain']:.1f} tok/s | default x{cell['default_over_plain']:.3f} "
-                  f"(lookup off x{cell['nolookup_over_plain']:.3f}) | fixed7 x{cell['fixed7_over_plain']:.3f} | rounds parked / drafted "
-                  f"per run: default {parked['default'] / repeats:.0f} / {drafted['default'] / repeats:.0f}, lookup off "
-                  f"{parked['default_nolookup'] / repeats:.0f} / {drafted['default_nolookup'] / repeats:.0f}"
-                  f" | identical {identical}", flush=True)
+            shown = " | ".join(f"{m} x{x:.3f}" for m, x in over.items() if m != "plain")
+            counts = ", ".join(f"{m} {parked[m] / repeats:.0f} / {drafted[m] / repeats:.0f}" for m in parked if m in modes)
+            print(f"[{blas}] {pair.name:>8} {name:>14}: plain {median['plain']:.1f} tok/s | {shown} | rounds parked / drafted "
+                  f"per run: {counts} | identical {identical}", flush=True)
     results["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
     return results
 
@@ -114,6 +115,8 @@ def main(
     repeats: int = typer.Option(3, "--repeats"),
     blas: str = typer.Option("default", "--blas", help="default, openblas (this process is preloaded), or both (two children)."),
     out: Path = typer.Option(Path("benchmarks/results/never_slower.json"), "--out"),
+    modes: str = typer.Option(",".join(MODES), "--modes", help=f"Modes to interleave, comma-separated (plain always): {', '.join(MODES)}."),
+    prompts: str = typer.Option("", "--prompts", help="Prompts to run, comma-separated (default all): invented_words, base64, digits."),
 ) -> None:
     pairs = pairs or [ROOT / "mlx_dspark" / "demo"]
     if blas == "both":
@@ -124,15 +127,21 @@ def main(
                 env.update(LD_PRELOAD="libopenblas.so.0", OPENBLAS_NUM_THREADS="1")
             part = out.with_suffix(f".{child}.json")
             subprocess.run([sys.executable, __file__, *map(str, pairs), "--max-tokens", str(max_tokens), "--repeats", str(repeats),
-                            "--blas", child, "--out", str(part)], env=env, check=True)
+                            "--blas", child, "--out", str(part), "--modes", modes, "--prompts", prompts], env=env, check=True)
             rows.append(json.loads(part.read_text()))
         out.write_text(json.dumps(rows, indent=2) + "\n")
-        worst = min(c["default_over_plain"] for r in rows for c in r["cells"])
-        print(f"worst default / plain over every cell: x{worst:.3f}")
+        worst = [c["default_over_plain"] for r in rows for c in r["cells"] if "default_over_plain" in c]
+        if worst:
+            print(f"worst default / plain over every cell: x{min(worst):.3f}")
         return
     with tempfile.TemporaryDirectory() as cost_dir:
         os.environ["MLX_DSPARK_COST_DIR"] = cost_dir  # a fresh cost cache: what a new user measures
-        results = run_blas(pairs, max_tokens=max_tokens, repeats=repeats, blas=blas)
+        chosen = ("plain", *(m for m in modes.split(",") if m and m != "plain"))
+        unknown = [m for m in chosen if m not in MODES]
+        if unknown:
+            raise typer.BadParameter(f"unknown mode(s) {unknown}: choose from {', '.join(MODES)}", param_hint="--modes")
+        results = run_blas(pairs, max_tokens=max_tokens, repeats=repeats, blas=blas, modes=chosen,
+                           prompts=tuple(p for p in prompts.split(",") if p))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
 
