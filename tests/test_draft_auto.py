@@ -4,6 +4,7 @@ target by name or by config, the lazy download (injected here: no network), and 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,15 @@ import typer
 
 import mlx_dspark
 from mlx_dspark.cli.common import resolve_draft
-from mlx_dspark.loading.draft_registry import DRAFT_PATTERNS, choose_draft, known_pairs, normalize_name, resolve_auto_draft
+from mlx_dspark.loading.draft_registry import (
+    DRAFT_PATTERNS,
+    KINDS,
+    check_pairs,
+    choose_draft,
+    known_pairs,
+    normalize_name,
+    resolve_auto_draft,
+)
 
 QWEN3_4B = "deepseek-ai/dspark_qwen3_4b_block7"
 
@@ -38,8 +47,80 @@ def test_the_registry_is_data_every_entry_complete():
     pairs = known_pairs()
     assert len(pairs) >= 8
     for pair in pairs:
-        assert pair["targets"] and "/" in pair["draft"] and pair["packaging"]
-        assert {"model_type", "hidden_size", "num_hidden_layers", "file"} <= set(pair)
+        assert pair["targets"] and "/" in pair["draft"] and pair["packaging"] and pair["source"]
+        assert {"model_type", "hidden_size", "num_hidden_layers", "file"} <= set(pair) and pair["kind"] in KINDS
+    assert {pair["kind"] for pair in pairs} >= {"DSpark", "DFlash 2", "EAGLE-3", "Gemma 4 assistant"}
+    # a signature names one draft: a renamed copy must not match two rows' configs
+    signatures = [tuple(pair[k] for k in ("model_type", "hidden_size", "num_hidden_layers")) for pair in pairs if pair["model_type"]]
+    assert len(signatures) == len(set(signatures))
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda row: row.pop("source"), "lacks source"),
+        (lambda row: row.update(kind="Medusa"), "pairs[1].kind is 'Medusa'"),
+        (lambda row: row.update(draft="no-owner"), "pairs[1].draft must be an owner/name repo"),
+        (lambda row: row.update(file="draft.safetensors"), "pairs[1].file must be a .gguf"),
+        (lambda row: row.update(targets=[]), "pairs[1].targets"),
+    ],
+)
+def test_a_malformed_registry_row_is_one_error_naming_the_row_and_field(change, field):
+    rows = [dict(pair) for pair in known_pairs()[:2]]
+    change(rows[1])
+    with pytest.raises(ValueError, match=re.escape(field)):
+        check_pairs(rows, source="known_drafts.json")
+
+
+@pytest.mark.parametrize(
+    ("target", "draft", "kind", "others"),
+    [
+        # DFlash 2 first (z-lab's DFlash2DraftModel files, the layout test_dflash2_draft loads); the DSpark speculator named
+        ("mlx-community/Qwen3.8-27B-4bit", "z-lab/Qwen3.8-27B-DFlash2", "DFlash 2", ["RedHatAI/Qwen3.8-27B-speculator.dspark (DSpark)"]),
+        ("Qwen/Qwen3.8-27B", "z-lab/Qwen3.8-27B-DFlash2", "DFlash 2", ["RedHatAI/Qwen3.8-27B-speculator.dspark (DSpark)"]),
+        # a Gemma 4 -it target: Google's assistant, the EAGLE-3 speculator named where one is published
+        ("mlx-community/gemma-4-31B-it-bf16", "google/gemma-4-31B-it-assistant", "Gemma 4 assistant",
+         ["RedHatAI/gemma-4-31B-it-speculator.eagle3 (EAGLE-3)"]),
+        ("mlx-community/gemma-4-26B-A4B-it-4bit", "google/gemma-4-26B-A4B-it-assistant", "Gemma 4 assistant",
+         ["RedHatAI/gemma-4-26B-A4B-it-speculator.eagle3 (EAGLE-3)"]),
+        ("mlx-community/gemma-4-E2B-it-bf16", "google/gemma-4-E2B-it-assistant", "Gemma 4 assistant", []),
+        ("lmstudio-community/gemma-4-E4B-it-MLX-8bit", "google/gemma-4-E4B-it-assistant", "Gemma 4 assistant", []),
+        # the 12B's assistant is the unified variant, not built: its DSpark draft stays
+        ("mlx-community/gemma-4-12B-it-8bit", "deepseek-ai/dspark_gemma4_12b_block7", "DSpark", []),
+        # EAGLE-3 where it is the only published draft, named second beside a DSpark one
+        ("mlx-community/Qwen3-32B-4bit", "RedHatAI/Qwen3-32B-speculator.eagle3", "EAGLE-3", []),
+        ("mlx-community/Llama-3.1-8B-Instruct-4bit", "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3", "EAGLE-3", []),
+        ("mlx-community/Qwen3-8B-8bit", "deepseek-ai/dspark_qwen3_8b_block7", "DSpark", ["RedHatAI/Qwen3-8B-speculator.eagle3 (EAGLE-3)"]),
+    ],
+)
+def test_auto_takes_the_first_published_draft_of_a_target_and_names_its_kind_and_the_others(target, draft, kind, others):
+    downloaded = []
+
+    def download(repo, *, allow_patterns):
+        downloaded.append(repo)
+        return f"/cache/{repo}"
+
+    def fetch_config(repo):
+        raise AssertionError("a target known by name needs no config download")
+
+    reference, line = resolve_auto_draft(target, fetch_config=fetch_config, download=download)
+    assert reference == f"/cache/{draft}" and downloaded == [draft]
+    assert line.startswith(f"draft auto: {draft} ({kind}, ") and "\n" not in line
+    assert choose_draft(target).kind == kind
+    for other in others:
+        assert other in line
+    assert ("also published" in line) == bool(others)
+
+
+def test_the_printed_line_names_the_kind_through_the_cli(tmp_path, capsys):
+    target = tmp_path / "gemma-4-31B-it-4bit"  # named as mlx-community names it; no file read for a known name
+
+    def download(repo, *, allow_patterns):
+        return str(tmp_path / "assistant")
+
+    assert resolve_draft(str(target), "auto", no_draft=False, download=download) == str(tmp_path / "assistant")
+    err = capsys.readouterr().err
+    assert "draft auto: google/gemma-4-31B-it-assistant (Gemma 4 assistant, Gemma4AssistantForCausalLM)" in err
 
 
 @pytest.mark.parametrize(
@@ -79,7 +160,7 @@ def test_the_download_is_lazy_only_the_drafts_files_and_no_config_fetch_for_a_kn
     reference, line = resolve_auto_draft("mlx-community/Qwen3-4B-4bit", fetch_config=fetch_config, download=download)
     assert reference == "/cache/draft" and calls == [(QWEN3_4B, DRAFT_PATTERNS)]
     assert not any("tokenizer" in p or "*.json" == p for p in DRAFT_PATTERNS)
-    assert line.startswith(f"draft auto: {QWEN3_4B} (DeepSpec)")
+    assert line.startswith(f"draft auto: {QWEN3_4B} (DSpark, DeepSpec)")
 
 
 def test_an_unknown_hub_target_is_matched_on_its_config_json_alone(tmp_path):

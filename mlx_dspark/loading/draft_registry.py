@@ -6,6 +6,9 @@ quantization or conversion suffixes dropped (`mlx-community/Qwen3-4B-4bit`, `Qwe
 and `Qwen/Qwen3-4B` are all `qwen3-4b`), else by its config's `model_type`, `hidden_size` and
 `num_hidden_layers` where the table knows them (a renamed local copy). Nothing here touches the
 network itself: the config reader and the downloader are passed in (tests pass fakes).
+
+A target may have several published drafts (rows naming it): the first row is the one taken, the
+others are named in the printed line so a user can pass one with `--draft`.
 """
 
 from __future__ import annotations
@@ -34,12 +37,19 @@ _SUFFIX = re.compile(
 )
 
 
+# the heads a row may name (`kind`), as docs/DRAFT_HEADS.md names them
+KINDS = ("DSpark", "DFlash", "DFlash 2", "EAGLE-3", "Gemma 4 assistant")
+_FIELDS = ("targets", "model_type", "hidden_size", "num_hidden_layers", "draft", "file", "kind", "packaging", "source")
+
+
 @dataclass(frozen=True)
 class DraftChoice:
     draft: str  # Hugging Face repo of the draft
     file: Optional[str]  # one GGUF of it, or None: its safetensors checkpoint
     packaging: str
     reason: str  # why this pair was chosen, for the line we print
+    kind: str  # one of KINDS
+    others: tuple[str, ...] = ()  # the target's other published drafts, "repo (kind)", not taken
 
     @property
     def reference(self) -> str:
@@ -60,7 +70,35 @@ def normalize_name(name: str) -> str:
 
 def known_pairs() -> list[dict[str, Any]]:
     text = resources.files("mlx_dspark.loading").joinpath("known_drafts.json").read_text(encoding="utf-8")
-    return json.loads(text)["pairs"]
+    return check_pairs(json.loads(text)["pairs"], source="known_drafts.json")
+
+
+def check_pairs(pairs: list[dict[str, Any]], *, source: str) -> list[dict[str, Any]]:
+    """The rows as given; ValueError naming the row and field of one that is incomplete or malformed."""
+    for i, pair in enumerate(pairs):
+        where = f"{source}: pairs[{i}]"
+        missing = [f for f in _FIELDS if f not in pair]
+        if missing:
+            raise ValueError(f"{where} lacks {', '.join(missing)} (every row has {', '.join(_FIELDS)})")
+        if not pair["targets"] or not all(isinstance(t, str) and "/" in t for t in pair["targets"]):
+            raise ValueError(f"{where}.targets must list owner/name repos, got {pair['targets']!r}")
+        if not _REPO_ID.match(str(pair["draft"])):
+            raise ValueError(f"{where}.draft must be an owner/name repo, got {pair['draft']!r}")
+        if pair["kind"] not in KINDS:
+            raise ValueError(f"{where}.kind is {pair['kind']!r}; expected one of {', '.join(KINDS)}")
+        if pair["file"] is not None and not str(pair["file"]).endswith(".gguf"):
+            raise ValueError(f"{where}.file must be a .gguf file or null, got {pair['file']!r}")
+        for field in ("packaging", "source"):
+            if not isinstance(pair[field], str) or not pair[field].strip():
+                raise ValueError(f"{where}.{field} must be a non-empty string")
+    return pairs
+
+
+def _choice(matches: list[dict], reason: str) -> DraftChoice:
+    """The first matching row, the others named."""
+    first = matches[0]
+    others = tuple(f"{m['draft']} ({m['kind']})" for m in matches[1:])
+    return DraftChoice(first["draft"], first.get("file"), first["packaging"], reason, first["kind"], others)
 
 
 def text_config(config: dict) -> dict:
@@ -75,16 +113,16 @@ def choose_draft(target: str, config: Optional[dict] = None, *, pairs: Optional[
     """The known draft of `target` (a repo id, directory or file name), or None."""
     pairs = known_pairs() if pairs is None else pairs
     name = normalize_name(target)
-    for pair in pairs:
-        if name in {normalize_name(t) for t in pair["targets"]}:
-            return DraftChoice(pair["draft"], pair.get("file"), pair["packaging"], f"the published draft of {pair['targets'][0]}, by name")
+    by_name = [pair for pair in pairs if name in {normalize_name(t) for t in pair["targets"]}]
+    if by_name:
+        return _choice(by_name, f"the published draft of {by_name[0]['targets'][0]}, by name")
     if config is None:
         return None
     fields = text_config(config)
-    for pair in pairs:
-        if all(pair.get(k) is not None and pair[k] == fields.get(k) for k in _SIGNATURE):
-            what = ", ".join(f"{k} {fields[k]}" for k in _SIGNATURE)
-            return DraftChoice(pair["draft"], pair.get("file"), pair["packaging"], f"the published draft of {pair['targets'][0]}, by its config ({what})")
+    by_config = [pair for pair in pairs if all(pair.get(k) is not None and pair[k] == fields.get(k) for k in _SIGNATURE)]
+    if by_config:
+        what = ", ".join(f"{k} {fields[k]}" for k in _SIGNATURE)
+        return _choice(by_config, f"the published draft of {by_config[0]['targets'][0]}, by its config ({what})")
     return None
 
 
@@ -133,12 +171,20 @@ def resolve_auto_draft(
     if choice is None:
         return None, (
             f"no known draft for {describe(target, config)}; pass --draft DIR, REPO, FILE.gguf or REPO:FILE.gguf "
-            "(a DSpark / DFlash draft for this target), or --no-draft"
+            "(a DSpark, DFlash, DFlash 2, EAGLE-3 or Gemma 4 assistant draft for this target), or --no-draft"
         )
     reference = choice.reference
     if download is not None and choice.file is None:
         reference = str(download(choice.draft, allow_patterns=DRAFT_PATTERNS))
-    return reference, f"draft auto: {choice.reference} ({choice.packaging}), {choice.reason}"
+    return reference, auto_line(choice)
+
+
+def auto_line(choice: DraftChoice) -> str:
+    """The line `--draft auto` prints: the draft, its kind and packaging, why, and what else is published."""
+    line = f"draft auto: {choice.reference} ({choice.kind}, {choice.packaging}), {choice.reason}"
+    if choice.others:
+        line += f"; also published: {', '.join(choice.others)} (pass it with --draft)"
+    return line
 
 
 class HubUnreachable(FileNotFoundError):
