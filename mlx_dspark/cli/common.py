@@ -184,8 +184,8 @@ DraftVocabFile = Annotated[Optional[Path], typer.Option("--draft-vocab-file", he
 KvBits = Annotated[Optional[int], typer.Option("--kv-bits", help="Quantize the target's full-attention KV caches: 4 or 8 bits (changes the target's numerics).")]
 MODEL_HELP = "Target: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
 DRAFT_HELP = (
-    "DSpark draft: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf; "
-    "'auto': the published draft of a known --model (any quantization of it), else the target's own MTP layers when it "
+    "Draft (DSpark, DFlash, DFlash 2, EAGLE-3): local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf; "
+    "'auto': the published draft of a known --model (any quantization of it; DSpark, DFlash 2, EAGLE-3 or a Gemma 4 assistant), else the target's own MTP layers when it "
     "carries them; 'mtp': the target's own multi-token-prediction layers (Qwen3.5 / 3.6 / 3.8 checkpoints with mtp.*, DeepSeek-V3 / "
     "GLM-4.5+ checkpoints with their next-n layer, MiMo checkpoints with model.mtp_layers.*, Qwen3-Next checkpoints with mtp.*, Nemotron-H checkpoints with mtp.layers.*); "
     "a Gemma 4 assistant drafter (google/gemma-4-*-it-assistant) beside a Gemma 4 target; "
