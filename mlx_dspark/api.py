@@ -93,7 +93,8 @@ def stream_generate(
     `tree_nodes` > 0 verifies a best-first tree of that many draft nodes per round instead of a chain
     (engine/tree_steps.py), "auto" the chain or tree size that pays most on this machine's cost curve
     (engine/tree_budget.py): greedy or sampled (lossless), with `lookup="off"`, a DSpark draft, an
-    attention-only full-KV target and no logits processing (penalties, logit_bias, constraints, logprobs).
+    attention-only full-KV target and no logits processing; otherwise chain rounds run, with one
+    `tree_fallback.EngineNote` warning naming why (engine/tree_fallback.py).
     """
     built = GenerationOptions.from_keywords(**option_keywords)  # a TypeError naming a keyword that is no option
     if options is None:

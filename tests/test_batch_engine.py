@@ -175,6 +175,7 @@ def test_auto_rows_take_their_lengths_from_the_batch_plan(pair):
 
 def test_a_row_asking_for_tree_rounds_runs_chain_rounds_and_says_so(pair):
     options = GenerationOptions(max_tokens=16, speculation=SpeculationOptions(tree_nodes=6, lookup="off"))
-    with pytest.warns(UserWarning, match="tree_nodes 6: a batched row runs chain rounds"):
+    with pytest.warns(UserWarning, match=r"tree_nodes 6: chain rounds instead of tree rounds \(a batched row") as said:
         out, _ = run_batch(pair, [(PROMPTS[0], options)], joins=[0])
+    assert len([w for w in said if "chain rounds instead" in str(w.message)]) == 1
     assert out[0] == mlx_dspark.generate(pair, PROMPTS[0], max_tokens=16, speculative=False).tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -164,25 +165,94 @@ def test_a_dspark_draft_in_tree_rounds_through_make_steps_is_plain_decoding(qwen
         lambda: SpeculationOptions(tree_nodes=-1, lookup="off"),
         lambda: SpeculationOptions(tree_nodes=65, lookup="off"),
         lambda: SpeculationOptions(tree_nodes=True, lookup="off"),
-        lambda: SpeculationOptions(tree_nodes=8),  # lookup is on by default
-        lambda: SpeculationOptions(tree_nodes=8, lookup="off", p_min=0.1),
         lambda: SpeculationOptions(tree_nodes="often", lookup="off"),
-        lambda: SpeculationOptions(tree_nodes=8, lookup="off", draft_sampling="sample"),
-        lambda: GenerationOptions(sampling=SamplingOptions(temperature=0.7, logit_bias={3: 1.0}), speculation=SpeculationOptions(tree_nodes=8, lookup="off")),
-        lambda: GenerationOptions(logprobs=2, speculation=SpeculationOptions(tree_nodes=8, lookup="off")),
     ],
 )
-def test_tree_nodes_is_refused_with_an_option_error_naming_it(make):
+def test_a_bad_tree_nodes_value_is_refused_with_an_option_error_naming_it(make):
     with pytest.raises(OptionError) as raised:
         make()
     assert raised.value.field == "tree_nodes"
 
 
-def test_a_target_with_sliding_window_caches_is_refused_for_tree_rounds():
+@pytest.fixture(scope="module")
+def loaded_pair(tiny_qwen3_pair):
+    import mlx_dspark
+
+    return mlx_dspark.load(str(tiny_qwen3_pair[0]), draft=str(tiny_qwen3_pair[1]))
+
+
+def fallback_notes(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if "chain rounds instead of tree rounds" in str(w.message)]
+
+
+def chain_tokens(model, options: GenerationOptions, count: int) -> tuple[list[int], list[str]]:
+    """make_steps' first `count` tokens and the fallback notes it gave."""
+    tokens = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in make_steps(model, PROMPT, options, None, None, None):
+            tokens.extend(step.tokens)
+            if len(tokens) >= count:
+                break
+    return tokens[:count], fallback_notes(caught)
+
+
+def test_a_target_with_sliding_window_caches_is_refused_by_tree_steps():
     target = make_target("spark2_5", vocab_size=VOCAB, layers=2)
     proposer = RankedProposer([1] * 40, prompt_len=len(PROMPT), vocab_size=VOCAB)
     with pytest.raises(ValueError, match="attention-only full-KV targets first"):
         next(tree_steps(target, proposer, PROMPT, num_nodes=8, max_depth=4))
+
+
+def test_a_sliding_window_target_asked_for_trees_runs_chain_rounds_as_plain_decoding_and_says_so_once():
+    target = make_target("spark2_5", vocab_size=VOCAB, layers=2)
+    model = SimpleNamespace(target=target, draft=make_draft(target, layers=1), mtp=None, eagle3=None)
+    # a fixed chain length: the SimpleNamespace pair has no cost curve to measure
+    options = GenerationOptions(max_tokens=40, speculation=SpeculationOptions(tree_nodes=8, lookup="off", max_draft_tokens=4))
+    tokens, notes = chain_tokens(model, options, 40)
+    assert tokens == greedy_reference(target, PROMPT, 40)
+    assert len(notes) == 1 and "attention-only full-KV targets first" in notes[0], notes
+
+
+def test_a_dflash2_draft_asked_for_trees_runs_chain_rounds_as_plain_decoding_and_says_so_once(qwen3):
+    target, reference = qwen3
+    draft = make_draft(target, layers=1, dflash2=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=4))
+    model = SimpleNamespace(target=target, draft=draft, mtp=None, eagle3=None)
+    # a fixed chain length: the SimpleNamespace pair has no cost curve to measure
+    options = GenerationOptions(max_tokens=40, speculation=SpeculationOptions(tree_nodes=8, lookup="off", max_draft_tokens=4))
+    tokens, notes = chain_tokens(model, options, 40)
+    assert tokens == reference[:40]
+    assert len(notes) == 1 and "DFlash2" in notes[0], notes
+
+
+@pytest.mark.parametrize(
+    "keywords, named",
+    [
+        (dict(), "lookup 'on'"),  # lookup is on by default
+        (dict(lookup="off", p_min=0.1), "p_min"),
+        (dict(lookup="off", repetition_penalty=1.3), "penalties"),
+        (dict(lookup="off", logprobs=2), "logprobs"),
+        (dict(lookup="off", logit_bias={7: 2.0}, temperature=0.0), "logit_bias"),
+        (dict(lookup="off", regex="[a-e ]{1,30}"), "a constraint"),
+    ],
+)
+def test_a_request_trees_cannot_run_gets_chain_rounds_equal_to_plain_decoding_and_one_note(loaded_pair, keywords, named):
+    import mlx_dspark
+    from mlx_dspark.engine.constraints import Constraint
+
+    pair = loaded_pair
+    keywords = dict(keywords)
+    if "regex" in keywords:
+        keywords["constraint"] = Constraint.regex(keywords.pop("regex"))
+    prompt = list(range(5, 25))
+    plain = mlx_dspark.generate(pair, prompt, max_tokens=24, speculative=False, **keywords)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tree = mlx_dspark.generate(pair, prompt, max_tokens=24, tree_nodes=8, **keywords)
+    notes = fallback_notes(caught)
+    assert tree.tokens == plain.tokens
+    assert tree.logprobs == plain.logprobs
+    assert len(notes) == 1 and named in notes[0] and notes[0].startswith("tree_nodes 8: "), notes
 
 
 def test_generate_with_tree_nodes_and_a_prompt_cache_is_plain_decoding_over_two_turns(tiny_qwen3_pair):
@@ -199,15 +269,6 @@ def test_generate_with_tree_nodes_and_a_prompt_cache_is_plain_decoding_over_two_
     tree = mlx_dspark.generate(pair, second, max_tokens=30, tree_nodes=12, lookup="off", prompt_cache=cache)
     assert tree.tokens == plain.tokens
     assert tree.cached_tokens > 0
-
-
-def test_a_dflash2_draft_is_refused_for_tree_rounds(qwen3):
-    target, _ = qwen3
-    draft = make_draft(target, layers=1, dflash2=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=4))
-    model = SimpleNamespace(target=target, draft=draft, mtp=None, eagle3=None)
-    options = GenerationOptions(speculation=SpeculationOptions(tree_nodes=8, lookup="off"))
-    with pytest.raises(ValueError, match="tree rounds need a DSpark block draft"):
-        make_steps(model, PROMPT, options, None, None, None)
 
 
 def test_with_chain_appends_the_greedy_chain_a_wide_tree_lacks_and_keeps_the_best_first_rows():

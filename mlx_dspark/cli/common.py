@@ -128,8 +128,9 @@ TreeNodes = Annotated[
         "--tree-nodes",
         help="Verify a token tree per round instead of a chain: N draft nodes (1..64), or auto (per round the chain or "
         "the tree size of the most expected tokens per ms on this machine's cost curve, no draft where none pays); "
-        "needs --lookup off, a DSpark draft and an attention-only target; greedy or sampled, without penalties, "
-        "logit bias, constraints or logprobs [default: 0, chain rounds].",
+        "with --lookup off, a DSpark draft and an attention-only target, greedy or sampled; with penalties, logit "
+        "bias, a constraint, logprobs, lookup on or another draft or target the rounds are chains and a note says "
+        "why [default: 0, chain rounds].",
     ),
 ]
 NoFastForward = Annotated[

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Iterator, NoReturn
 
 import typer
+
+from mlx_dspark.engine.tree_fallback import EngineNote
 
 
 def fail(message: str) -> NoReturn:
@@ -39,3 +42,20 @@ def exit_on_interrupt() -> Iterator[None]:
     except KeyboardInterrupt:
         typer.echo("\n[mlx_dspark] interrupted", err=True)
         raise typer.Exit(code=130) from None
+
+
+@contextmanager
+def notes_as_lines() -> Iterator[None]:
+    """The engine's notes (tree_fallback.EngineNote: tree rounds falling back to chains) as one `[mlx_dspark] note:`
+    line each on stderr, each message once, after the block; other warnings are shown as Python would."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    said = set()
+    for warning in caught:
+        message = str(warning.message)
+        if not issubclass(warning.category, EngineNote):
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+        elif message not in said:
+            said.add(message)
+            typer.echo(f"[mlx_dspark] note: {message}", err=True)

@@ -17,6 +17,7 @@ import typer
 from mlx_dspark.cli import common as flags
 from mlx_dspark.cli.common import exit_on_interrupt, fail, flag_errors, needs_cost_curve, resolve_cost_curve
 from mlx_dspark.cli.demo import raw_text_prompts
+from mlx_dspark.cli.errors import notes_as_lines
 from mlx_dspark.cli.split import PIPELINE_HELP, launched_group, split_or_follow, target_splitter
 
 app = typer.Typer(add_completion=False, help="Generate text with a target and its DSpark draft.")
@@ -156,13 +157,12 @@ def generate(
         request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
 
     plain_options = options.replace(speculative=False)
-    if compare:  # warm both paths first (kernels, the cost curve): the first run in a process pays for them
-        with flag_errors():
+    collector = ResultCollector()
+    with flag_errors(), notes_as_lines():  # a prompt or a --max-draft-tokens the loaded pair cannot take
+        if compare:  # warm both paths first (kernels, the cost curve): the first run in a process pays for them
             for warm in (options, plain_options):
                 for _ in stream_generate(pair, request, options=dataclasses.replace(warm, max_tokens=8)):
                     pass
-    collector = ResultCollector()
-    with flag_errors():  # a prompt or a --max-draft-tokens the loaded pair cannot take
         for step in stream_generate(pair, request, options=options):
             if not as_json:
                 sys.stdout.write(step.text)

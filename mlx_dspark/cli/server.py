@@ -63,6 +63,7 @@ def serve(
     p_min: flags.PMin = flags.SPECULATION.p_min,
     max_draft_tokens: flags.MaxDraftTokens = flags.SPECULATION.max_draft_tokens,
     verify_schedule: flags.VerifySchedule = flags.SPECULATION.verify_schedule,
+    tree_nodes: flags.TreeNodes = None,
     cost_curve_file: flags.CostCurveFile = None,
     chat_template_args: flags.ChatTemplateArgs = None,
     quantize: flags.Quantize = None,
@@ -140,6 +141,7 @@ def serve(
             except ValueError as err:
                 raise ValueError(f"--tool-parser: {err}") from None
 
+    max_batch = _tree_batch(max_batch, defaults.speculation.tree_nodes)
     model_id = served_model_name or model or DEMO_MODEL_ID
     draft = flags.resolve_draft(model, draft, no_draft=no_draft, serve=True)
     dtype = None
@@ -181,6 +183,20 @@ def serve(
     loading = "" if split else f"; loading {model} ..."  # a split target is loaded (and split) before the bind
     typer.echo(f"[mlx_dspark] listening on {server.url}/v1 as model {model_id!r}{loading}", err=True)
     run_until_interrupted(server, defaults, between_forwards=split)
+
+
+def _tree_batch(max_batch: Optional[int], tree_nodes: int | str) -> Optional[int]:
+    """--tree-nodes: one request at a time unless --max-batch asks more (a batched row runs chain rounds)."""
+    if not tree_nodes:
+        return max_batch
+    if max_batch is None:
+        typer.echo(f"[mlx_dspark] --tree-nodes {tree_nodes}: one request at a time (tree rounds verify one request; "
+                   "give --max-batch N to batch requests in chain rounds instead)", err=True)
+        return 1
+    if max_batch > 1:
+        typer.echo(f"[mlx_dspark] --tree-nodes {tree_nodes} with --max-batch {max_batch}: batched requests run chain "
+                   "rounds (tree rounds verify one request at a time)", err=True)
+    return max_batch
 
 
 def _one_at_a_time(max_batch: Optional[int], *, ranks: int, rank: int) -> tuple[int, PromptCacheBudget]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -59,6 +58,7 @@ from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import DraftProposer, Proposal
 from mlx_dspark.engine.schedule import require_confidence_head
 from mlx_dspark.engine.steps import _chain_proposer, _chosen, make_processor
+from mlx_dspark.engine.tree_fallback import say_chain_rounds
 from mlx_dspark.models.cache import rollback_limit, trim_caches
 from mlx_dspark.models.finite import check_finite_logits
 from mlx_dspark.models.packed import packed_target_forward
@@ -95,8 +95,7 @@ class BatchRow:
         self.sampler = options.sampling
         self.speculation = options.speculation
         if self.speculation.tree_nodes:  # tree rounds are a single request's (tree_steps.py): this row runs chains
-            warnings.warn(f"tree_nodes {self.speculation.tree_nodes!r}: a batched row runs chain rounds (tree rounds "
-                          "verify one request at a time)", stacklevel=2)  # fmt: skip
+            say_chain_rounds(self.speculation.tree_nodes, ["a batched row: tree rounds verify one request at a time"])
             self.speculation = dataclasses.replace(self.speculation, tree_nodes=0)
         self.cancel = cancel
         self.processor = make_processor(model, self.prompt, options, grammar) or LogitsProcessor.passthrough()

@@ -142,8 +142,9 @@ class SpeculationOptions:
     fast_forward: bool = True
     # Tree rounds (tree_steps.py): verify a best-first tree of at most this many draft nodes per round, or
     # "auto" (tree_budget.py: per round the top chain or a tree of the size that pays most on this machine's
-    # cost curve, no draft where none does); lookup off, a DSpark draft, an attention-only full-KV target,
-    # no logits processing; 0: chain rounds
+    # cost curve, no draft where none does); 0: chain rounds. Where a tree cannot run (lookup on, logits
+    # processing, a chain-round cut, a draft or target trees do not fit) the request runs chain rounds and
+    # says why once (tree_fallback.py)
     tree_nodes: int | str = 0
 
     def __post_init__(self) -> None:
@@ -169,19 +170,6 @@ class SpeculationOptions:
             raise OptionError("cost_curve", self.cost_curve, "a schedule.CostCurve, or none for this machine's")
         if not (self.tree_nodes == AUTO or (_is_int(self.tree_nodes) and 0 <= self.tree_nodes <= MAX_TREE_NODES)):
             raise OptionError("tree_nodes", self.tree_nodes, f"an integer in [0, {MAX_TREE_NODES}] (0: chain rounds) or {AUTO!r}")
-        if self.tree_nodes:
-            chain_only = {
-                "lookup": self.lookup != "off", "verify_schedule": self.verify_schedule != "fixed",
-                "p_min": self.p_min > 0, "confidence_threshold": self.confidence_threshold > 0,
-                "draft_sampling 'sample'": self.draft_sampling != "greedy",
-            }  # fmt: skip
-            named = [name for name, chain in chain_only.items() if chain]
-            if named:
-                raise OptionError(
-                    "tree_nodes", self.tree_nodes, f"0 while {', '.join(named)} set (chain-round options; for tree rounds "
-                    "set lookup 'off' and leave verify_schedule, p_min, confidence_threshold, draft_sampling at their "
-                    "defaults: a tree's nodes are the draft's most probable, never sampled)",
-                )  # fmt: skip
 
     @property
     def auto_length(self) -> bool:
@@ -250,29 +238,10 @@ class GenerationOptions:
             raise OptionError("logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}], or none to turn them off")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise OptionError("constraint", self.constraint, "a constraints.Constraint (Constraint.json_schema(...), .regex(...), ...)")
-        self._check_tree_rounds()
         # Stored as tuples (empty stop strings dropped) and a copied dict, so the object cannot change later.
         object.__setattr__(self, "stop", tuple(s for s in stop if s))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         object.__setattr__(self, "chat_template_kwargs", None if kwargs is None else dict(kwargs))
-
-    def _check_tree_rounds(self) -> None:
-        """Tree rounds (greedy or sampled) run without logits processing: penalties, logit_bias, a constraint
-        and logprobs over a tree's branches (each branch its own history) are not implemented."""
-        tree_nodes = self.speculation.tree_nodes
-        if not tree_nodes:
-            return
-        sampling = self.sampling
-        refused = {
-            "logprobs": self.logprobs is not None, "a constraint": self.constraint is not None,
-            "penalties": sampling.has_penalties, "logit_bias": bool(sampling.logit_bias),
-        }  # fmt: skip
-        named = [name for name, on in refused.items() if on]
-        if named:
-            raise OptionError(
-                "tree_nodes", tree_nodes, f"0 with {', '.join(named)}: tree rounds run without logits processing "
-                "(greedy or sampled with temperature, top_k, top_p, min_p only); use chain rounds for these",
-            )  # fmt: skip
 
     @classmethod
     def from_keywords(cls, **keywords: Any) -> GenerationOptions:

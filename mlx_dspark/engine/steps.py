@@ -27,7 +27,9 @@ from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.propose import DraftProposer, Proposer
 from mlx_dspark.engine.schedule import require_confidence_head
 from mlx_dspark.engine.tree_budget import AutoTree, FixedTree
+from mlx_dspark.engine.tree_fallback import draft_reason, option_reasons, say_chain_rounds
 from mlx_dspark.engine.tree_steps import tree_steps
+from mlx_dspark.models.tree_verify import tree_problem
 
 
 def compile_request(model: Any, options: GenerationOptions) -> GrammarState | None:
@@ -74,7 +76,12 @@ def make_steps(
         return plain_steps(model.target, prompt_ids, sampler=sampling, prompt_cache=prompt_cache,
                            prefill_step_size=step_size, cancel=cancel, processor=processor)
     if speculation.tree_nodes:
-        return _tree_rounds(model, prompt_ids, options, proposer, prompt_cache, cancel)
+        trees = _tree_rounds(model, prompt_ids, options, proposer, prompt_cache, cancel)
+        if trees is not None:
+            return trees
+        # chain rounds with every feature intact (the reason said once, tree_fallback.py)
+        speculation = dataclasses.replace(speculation, tree_nodes=0)
+        options = dataclasses.replace(options, speculation=speculation)
     lookup = speculation.lookup
     if lookup != "off" and prompt_cache is None:
         # caches that roll back a whole lookup block (rejected tokens of a LOOKUP_MAX_TOKENS block)
@@ -142,18 +149,25 @@ def make_steps(
 def _tree_rounds(
     model: Any, prompt_ids: list[int], options: GenerationOptions, proposer: Proposer | None,
     prompt_cache: PromptCache | None, cancel: threading.Event | None,
-) -> Iterator[Round]:  # fmt: skip
+) -> Iterator[Round] | None:  # fmt: skip
     """Tree rounds (tree_steps.py) with the pair's DSpark draft, or a given proposer that grows trees; `tree_nodes`
-    "auto" sizes each round on this machine's cost curve (tree_budget.AutoTree), widths 1.. the curve's."""
+    "auto" sizes each round on this machine's cost curve (tree_budget.AutoTree), widths 1.. the curve's. None
+    (and the reason said once) where the request, the draft or the target's caches cannot run them."""
     speculation = options.speculation
-    if proposer is None and getattr(model.draft, "grows_trees", False):
+    reasons = option_reasons(options)
+    draft = draft_reason(model, proposer)
+    reasons += [] if draft is None else [draft]
+    caches = prompt_cache.target_cache if prompt_cache is not None else model.target.make_cache()
+    target = tree_problem(model.target, caches)
+    reasons += [] if target is None else [target]
+    if reasons:
+        say_chain_rounds(speculation.tree_nodes, reasons)
+        return None
+    if proposer is None:
         proposer = DraftProposer(
             model.draft, model.target, greedy=True, temperature=1.0,
             context=None if prompt_cache is None else prompt_cache.draft_context,
         )  # fmt: skip
-    if proposer is None or not hasattr(proposer, "tree_children"):
-        raise ValueError(f"tree_nodes {speculation.tree_nodes}: tree rounds need a DSpark block draft "
-                         "(this pair has none, a DFlash 2 draft, or only MTP / EAGLE-3 heads); use tree_nodes 0")  # fmt: skip
     if speculation.tree_nodes == AUTO:
         budget = AutoTree(speculation.cost_curve or cost_curve_for(model), MAX_TREE_NODES)
     else:

@@ -10,7 +10,7 @@ features -> the bonus is the next anchor.
 
 How many nodes a round verifies is a budget policy's (tree_budget.py: a fixed count, or auto from this
 machine's cost curve: the top chain or a tree, or no draft at all). Without logits processing or lookup:
-the options refuse them (options.py, `tree_nodes`). A proposer grows trees through
+a request with them runs chain rounds instead (steps.make_steps, tree_fallback.py). A proposer grows trees through
 `tree_children(anchor, position=, depth=)`.
 """
 

@@ -16,7 +16,7 @@ from typing import Any
 from mlx_dspark.chat_format.reasoning import REASONING_EFFORTS
 from mlx_dspark.chat_format.tools import ToolError
 from mlx_dspark.chat_format.turn import ToolSetup
-from mlx_dspark.engine.options import GenerationOptions, OptionError
+from mlx_dspark.engine.options import MAX_TREE_NODES, GenerationOptions, OptionError
 from mlx_dspark.serve.errors import APIError, bad_value
 
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
@@ -117,6 +117,17 @@ def draft_tokens(body: dict, options: GenerationOptions) -> GenerationOptions:
     if not (value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)):
         raise bad_value("max_draft_tokens", '"auto" or an integer >= 1', value)
     return options.replace(max_draft_tokens=value)
+
+
+def tree_nodes(body: dict, options: GenerationOptions) -> GenerationOptions:
+    """`tree_nodes` (an extension): draft nodes one tree round verifies, "auto", or 0 for chain rounds; where a
+    tree cannot run (lookup on, logits processing, a batched row) the request runs chain rounds (tree_fallback.py)."""
+    value = body.get("tree_nodes")
+    if value is None:
+        return options
+    if not (value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TREE_NODES)):
+        raise bad_value("tree_nodes", f'"auto" or an integer in [0, {MAX_TREE_NODES}] (0: chain rounds)', value)
+    return options.replace(tree_nodes=value)
 
 
 def with_logprobs(options: GenerationOptions, count: int | None, *, field: str) -> GenerationOptions:

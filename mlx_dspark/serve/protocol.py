@@ -321,6 +321,7 @@ def parse_request(
     prompt = _messages(body) if kind == "chat" else _completion_prompt(body)
     stream, include_usage = _stream_flags(body)
     options = fields.draft_tokens(body, fields.sampling_extras(body, request_options(body, defaults, template_kwargs)))
+    options = fields.tree_nodes(body, options)
     options = fields.with_logprobs(options, fields.openai_logprobs(body, kind), field="logprobs")
     constraint, constraint_field = fields.openai_constraint(body)
     if constraint is not None:
