@@ -179,6 +179,9 @@ class LeaderTarget:
     def __call__(self, inputs: mx.array, cache: Optional[list[Any]] = None, **kwargs: Any):
         if cache is None:
             raise SplitTargetError("a split target runs with caches (every forward of the engine has one)")
+        if inputs.ndim != 2 or inputs.shape[0] != 1:  # the followers run (1, width): another shape would desync the ranks
+            raise SplitTargetError(f"a split target runs one sequence per forward (inputs of shape (1, width), "
+                                   f"not {tuple(inputs.shape)}): batched rows are not split")
         position = _position(cache)
         key = self._split_keys.get(id(cache))
         if key is None or position == 0:  # a cache starting afresh is a new one for the followers too
