@@ -353,3 +353,21 @@ def test_a_lookup_round_longer_than_the_draft_block_gets_its_histogram_bin():
     assert summary["acceptance_histogram"] == [1, 0, 0, 1, 0, 0, 0, 1] + [0] * 14 + [1]
     assert len(summary["position_acceptance"]) == 7  # the draft's positions
     assert summary["mean_acceptance_length"] == 9.0
+
+
+def test_the_top2_margin_runs_on_a_split_targets_rank_0(tiny_qwen3_pair):
+    # a split target's rank 0 (LeaderTarget) announces every forward with its cache to the other ranks and
+    # refuses one without: the margin of a differing greedy prompt ran cache-less and ended the benchmark
+    import mlx.core as mx
+
+    from mlx_dspark.bench.lossless import top2_margin
+    from mlx_dspark.loading.load import load
+    from mlx_dspark.models.split_target import lead
+
+    target = load(str(tiny_qwen3_pair[0])).target
+    prompt, prefix = [5, 9, 2, 7], [3, 3]
+    logits, _ = target(mx.array([prompt + prefix], dtype=mx.int32))
+    top2 = mx.topk(logits[0, -1].astype(mx.float32), 2)
+    expected = float((top2[1] - top2[0]).item())
+    lead(target, mx.distributed.init())  # a group of one here: the announcements are identities
+    assert top2_margin(target, prompt, prefix) == pytest.approx(expected, rel=1e-5, abs=1e-5)

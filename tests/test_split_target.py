@@ -22,8 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
+from mlx_dspark.loading.load import load
+from mlx_dspark.models.split_target import SplitTargetError, lead
 from mlx_dspark.testing.mlx_lm_tiny import write_draft_for, write_tiny_mlx_lm_target
 
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
@@ -154,7 +157,11 @@ def _rank_pid(launcher_pid: int, rank: int) -> int | None:
     while pending:
         pid = pending.pop()
         for task in Path(f"/proc/{pid}/task").glob("*"):
-            for child in (task / "children").read_text().split():
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:  # a thread or process that ended while we looked (a loaded machine: mlx.launch's helpers)
+                continue
+            for child in children:
                 if int(child) not in seen:
                     seen.add(int(child))
                     pending.append(int(child))
@@ -319,3 +326,13 @@ def _recording_eval(real_eval, events):
         return real_eval(*args)
 
     return recorded
+
+
+def test_a_split_targets_rank_0_refuses_a_batched_forward_before_announcing_it(llama_pair):
+    # the followers run each announced forward as (1, width): rank 0's words all_sum of a (2, width) batch
+    # would be twice the size the followers sum, and the ranks' collectives would go out of step
+    target = lead(load(str(llama_pair[0])).target, mx.distributed.init())
+    cache = target.make_cache()
+    with pytest.raises(SplitTargetError, match=r"one sequence per forward .*not \(2, 3\)"):
+        target(mx.zeros((2, 3), dtype=mx.int32), cache=cache)
+    assert target._split_count == 0  # nothing was announced

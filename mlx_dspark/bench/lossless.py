@@ -24,9 +24,10 @@ def first_difference(baseline: Sequence[int], speculative: Sequence[int]) -> int
 
 
 def top2_margin(target: Any, prompt_ids: Sequence[int], prefix: Sequence[int]) -> float:
-    """The target's top-1 minus top-2 logit for the token after prompt + prefix (one full forward)."""
+    """The target's top-1 minus top-2 logit for the token after prompt + prefix (one full forward, over a
+    fresh cache: a target split over ranks runs its forwards with caches the other ranks can follow)."""
     tokens = mx.array(list(prompt_ids) + list(prefix), dtype=mx.int32)[None]
-    logits, _ = target(tokens, last_only=True)
+    logits, _ = target(tokens, cache=target.make_cache(), last_only=True)
     top2 = mx.topk(logits[0, -1].astype(mx.float32), 2)  # ascending
     return float((top2[1] - top2[0]).item())
 

@@ -155,13 +155,14 @@ def _position(cache: Any) -> int:
     return max(offsets)
 
 
-def _evaluated(arrays: list[Any], on_lost: Optional[Callable[[str], None]]) -> None:
-    """`mx.eval(*arrays)`, their collectives included; a link to another rank lost on the way goes to `on_lost`."""
+def _evaluated(arrays: list[Any], on_lost: Optional[Callable[[str], None]], *, doing: str) -> None:
+    """`mx.eval(*arrays)`, their collectives included; a link to another rank lost on the way goes to `on_lost`,
+    said with what this rank was `doing` (a forward, waiting for one, releasing the followers at the end)."""
     try:
         mx.eval(*arrays)
     except RuntimeError as err:
         if on_lost is not None and any(backend in str(err) for backend in LINK_ERRORS):
-            on_lost(f"the link to another rank was lost mid-generation ({err})")
+            on_lost(f"the link to another rank was lost {doing} ({err})")
         raise
 
 
@@ -169,15 +170,18 @@ class LeaderTarget:
     """Mixin put before rank 0's target class (`lead`): each forward is announced to the followers first
     and evaluated before it returns, so that a rank lost on the way is noticed here."""
 
-    def _announce(self, header: list[int], tokens: Optional[mx.array]) -> None:
+    def _announce(self, header: list[int], tokens: Optional[mx.array], *, doing: str) -> None:
         group = self._split_group
-        _evaluated([mx.distributed.all_sum(mx.array(header, dtype=mx.int32), group=group)], self._on_lost)
+        _evaluated([mx.distributed.all_sum(mx.array(header, dtype=mx.int32), group=group)], self._on_lost, doing=doing)
         if tokens is not None:
-            _evaluated([mx.distributed.all_sum(tokens.astype(mx.int32), group=group)], self._on_lost)
+            _evaluated([mx.distributed.all_sum(tokens.astype(mx.int32), group=group)], self._on_lost, doing=doing)
 
     def __call__(self, inputs: mx.array, cache: Optional[list[Any]] = None, **kwargs: Any):
         if cache is None:
             raise SplitTargetError("a split target runs with caches (every forward of the engine has one)")
+        if inputs.ndim != 2 or inputs.shape[0] != 1:  # the followers run (1, width): another shape would desync the ranks
+            raise SplitTargetError(f"a split target runs one sequence per forward (inputs of shape (1, width), "
+                                   f"not {tuple(inputs.shape)}): batched rows are not split")
         position = _position(cache)
         key = self._split_keys.get(id(cache))
         if key is None or position == 0:  # a cache starting afresh is a new one for the followers too
@@ -189,14 +193,15 @@ class LeaderTarget:
         tap_ids = [int(i) for i in kwargs.get("tap_ids", ())]  # a pipeline stage adds its own into their all_sum
         words = mx.concatenate([inputs.reshape(-1).astype(mx.int32), mx.array(tap_ids, dtype=mx.int32)])
         last_only = int(bool(kwargs.get("last_only", False)))  # a head split over the vocabulary gathers its rows
-        self._announce([key, position, int(inputs.shape[1]), len(tap_ids), last_only], words)
+        self._announce([key, position, int(inputs.shape[1]), len(tap_ids), last_only], words,
+                       doing="announcing a target forward to the other ranks")
         logits, features = super().__call__(inputs, cache=cache, **kwargs)
-        _evaluated([a for a in (logits, features) if a is not None], self._on_lost)
+        _evaluated([a for a in (logits, features) if a is not None], self._on_lost, doing="during a target forward")
         return logits, features
 
     def release_followers(self) -> None:
         """The last announcement: the followers return (call it once rank 0 is done, error or not)."""
-        self._announce([STOP, 0, 0, 0, 0], None)
+        self._announce([STOP, 0, 0, 0, 0], None, doing="releasing the other ranks at the end (this rank's work was done)")
 
     def lm_head_logits(self, h: mx.array) -> mx.array:
         whole = getattr(self, "_whole_head", None)  # the head split over the vocabulary: the draft reads it whole
@@ -225,12 +230,12 @@ def follow(target: Any, group: Any, *, max_rollback: int = 32, on_lost: Optional
     forwards = 0
     while True:
         header = mx.distributed.all_sum(mx.zeros((5,), dtype=mx.int32), group=group)
-        _evaluated([header], on_lost)
+        _evaluated([header], on_lost, doing="waiting for rank 0's next target forward (rank 0 ended or its link broke)")
         key, position, length, taps, last_only = (int(v) for v in header.tolist())
         if key == STOP:
             return forwards
         words = mx.distributed.all_sum(mx.zeros((length + taps,), dtype=mx.int32), group=group)
-        _evaluated([words], on_lost)
+        _evaluated([words], on_lost, doing="receiving rank 0's next target forward")
         tokens, tap_ids = words[:length], tuple(int(i) for i in words[length:].tolist())
         cache = caches.pop(key, None)
         if cache is None:
@@ -244,5 +249,5 @@ def follow(target: Any, group: Any, *, max_rollback: int = 32, on_lost: Optional
         if offset > position:
             trim_caches(cache, offset - position)
         logits, _ = target(tokens.reshape(1, length), cache=cache, tap_ids=tap_ids, last_only=bool(last_only))
-        _evaluated([logits], on_lost)  # a tensor-parallel follower's taps are never evaluated: nothing computes them
+        _evaluated([logits], on_lost, doing="during a target forward")  # a tensor-parallel follower's taps are never evaluated: nothing computes them
         forwards += 1
