@@ -138,21 +138,9 @@ def test_a_catch_up_and_the_rounds_the_policy_does_not_observe_are_not_timed_as_
 
 
 def test_probes_are_charged_what_they_really_took_not_what_the_curve_predicts(monkeypatch):
-    from mlx_dspark.engine import draft_length
-
-    clock = [0.0]
-    monkeypatch.setattr(draft_length.time, "perf_counter", lambda: clock[0])
     demo_here = CostCurve(draft_ms=6.4, verify_ms=[4.5, 5.7, 6.7, 7.4, 8.5, 9.0, 10.1, 10.9])
     policy = AutoLength(demo_here, 7, heal=True)
-    for _ in range(2000):  # plain steps of 4.5 ms; every probe 27 ms (6 steps: its catch-up 9 ms, untimed)
-        length = policy.next_length(position=0)
-        if length:
-            clock[0] += 0.018
-            policy.untimed(9.0)
-            clock[0] += 0.009
-        else:
-            clock[0] += 0.0045
-        policy.observe(proposed=length, accepted=0)
+    _timed_drive(policy, monkeypatch, 2000)  # plain steps of 4.5 ms; every probe 27 ms (6 steps: its catch-up 9 ms, untimed)
     charged = policy.summary()["probes"] - 1  # the first is the free look
     # each charged what it took beyond the one token it committed: 5 plain steps, not the curve's 3.1
     assert charged >= 1 and charged * 5.0 <= 0.02 * policy.parked_rounds + 1e-9, (charged, policy.parked_rounds)
@@ -169,11 +157,15 @@ def _cached(tmp_path, curve: CostCurve, **extra) -> CostCurve:
     return dataclasses.replace(CostCurve.from_file(path), cache_path=path)
 
 
+_CLOCK: dict = {}  # monkeypatch (one per test) -> its simulated clock
+
+
 def _timed_drive(policy: AutoLength, monkeypatch, rounds: int, *, accepted: int = 0) -> list[int]:
-    """Plain steps of 4.5 ms; a probe 27 ms (6 steps, its catch-up 9 ms of them)."""
+    """Plain steps of 4.5 ms; a probe 27 ms (6 steps, its catch-up 9 ms of them). The clock goes on from
+    where an earlier drive of the same test left it."""
     from mlx_dspark.engine import draft_length
 
-    clock = [0.0]
+    clock = _CLOCK.setdefault(monkeypatch, [0.0])
     monkeypatch.setattr(draft_length.time, "perf_counter", lambda: clock[0])
     lengths = []
     for _ in range(rounds):
