@@ -267,7 +267,7 @@ def test_generate_cli_with_draft_mtp(target_dir, tmp_path):
     assert json.loads(plain.stdout.strip().splitlines()[-1])["tokens"] == result["tokens"]
 
 
-def test_a_single_chained_head_is_not_healed_as_a_block_draft(loaded, monkeypatch):
+def test_a_single_chained_head_is_not_healed_as_a_block_draft(loaded, monkeypatch, tmp_path):
     """The healer's round model is a block draft's (one draft block + a verify): a chain's rounds cost
     draft_ms + k x draft_step_ms, so its cached curve must come back as measured, not with every draft
     step charged to its draft block."""
@@ -276,6 +276,7 @@ def test_a_single_chained_head_is_not_healed_as_a_block_draft(loaded, monkeypatc
     from mlx_dspark.engine import cost_heal, cost_probe
 
     monkeypatch.setattr(cost_heal, "ENABLED", True)
+    monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(tmp_path))  # a cost cache of its own (nothing reaches later tests)
     mlx_dspark.generate(loaded, PROMPT, max_tokens=40)  # auto length, the default, over the chain's curve
     cached = json.loads(cost_probe.cost_curve_path(loaded, head="mtp").read_text())
     assert "healing" not in cached and cached["draft_block_ms"] == 0.0  # the flat synthetic curve (tests)

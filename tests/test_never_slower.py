@@ -217,12 +217,14 @@ def test_a_pair_whose_draft_paid_last_time_drafts_from_the_first_round_and_a_bad
     assert AutoLength(good, 7).memory is None
 
 
-def test_a_generation_leaves_its_acceptance_beside_the_cached_curve(tiny_spark_pair, monkeypatch):
+def test_a_generation_leaves_its_acceptance_beside_the_cached_curve(tiny_spark_pair, monkeypatch, tmp_path):
     import json
 
     from mlx_dspark.engine import cost_heal, cost_probe
 
     monkeypatch.setattr(cost_heal, "ENABLED", True)  # the cached curve heals, and so remembers
+    # in a cost cache of its own: the healed curve must not reach later tests of this worker (their flat one)
+    monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(tmp_path))
     pair = mlx_dspark.load(*tiny_spark_pair)
     ids = pair.tokenizer.encode("def add(a, b):")
     plain = mlx_dspark.generate(pair, ids, max_tokens=24, speculative=False).tokens

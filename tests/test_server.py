@@ -347,7 +347,7 @@ def long_answer(server: DSparkHTTPServer) -> dict:
 
 
 def test_a_client_that_disconnects_mid_stream_stops_its_generation(server):
-    before = len(server.worker.recent)
+    before = {id(job) for job in server.worker.recent}
     conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
     body = {"messages": MESSAGES, "stream": True, **long_answer(server)}
     conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
@@ -356,8 +356,10 @@ def test_a_client_that_disconnects_mid_stream_stops_its_generation(server):
     assert response.readline().startswith(b"data: ")  # generation has started
     response.close()
     conn.close()
-    assert wait_for(lambda: len(server.worker.recent) > before), "the abandoned generation never stopped"
-    job = server.worker.recent[-1]
+    # this request's job (a job of an earlier test may end in the meantime)
+    mine = lambda: [job for job in list(server.worker.recent) if id(job) not in before and job.request.prompt == MESSAGES]  # noqa: E731
+    assert wait_for(lambda: mine()), "the abandoned generation never stopped"
+    job = mine()[-1]
     assert job.cancelled.is_set() and job.finish_reason is None
     assert job.generated_tokens < 400
     # The next request is served normally and gets exactly the engine's answer.
