@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from mlx_dspark.testing.tiny import save_hf_weights
-from mlx_dspark.testing.tiny_tokenizer import VOCAB_SIZE, _write_json, write_tokenizer
+from mlx_dspark.testing.tiny import save_hf_weights, write_target_dir
+from mlx_dspark.testing.tiny_tokenizer import VOCAB_SIZE, _write_json
 
 MLX_LM_FAMILIES = ("llama", "gemma4_text", "qwen3_moe")
 # Hybrids (recurrent / convolution state beside attention), written in mlx-lm's own layout (its
@@ -149,12 +149,7 @@ def tiny_mlx_lm_weights(config: dict[str, Any], *, seed: int) -> dict[str, np.nd
 
 def write_tiny_mlx_lm_target(path: str | Path, *, family: str, seed: int = 0, **overrides: Any) -> Path:
     """Write a random tiny `family` target (config, weights, tokenizer) into `path`; return it."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer(path, family="qwen3")
-    config = tiny_mlx_lm_config(family, ids, **overrides)
-    _write_json(path / "config.json", config)
-    _write_json(path / "generation_config.json", {"bos_token_id": ids["bos"], "eos_token_id": ids["gen_eos"], "pad_token_id": ids["pad"]})
+    path, config = write_target_dir(path, lambda ids: tiny_mlx_lm_config(family, ids, **overrides))
     save_hf_weights(path, tiny_mlx_lm_weights(config, seed=seed))
     return path
 

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from mlx_dspark.testing.mlx_lm_tiny import _random
-from mlx_dspark.testing.tiny import save_hf_weights
-from mlx_dspark.testing.tiny_tokenizer import VOCAB_SIZE, _write_json, write_tokenizer
+from mlx_dspark.testing.tiny import save_hf_weights, write_target_dir
+from mlx_dspark.testing.tiny_tokenizer import VOCAB_SIZE
 
 FAMILIES = ("deepseek_v3", "glm4_moe")
 
@@ -104,12 +104,7 @@ def write_tiny_nextn_target(
 ) -> Path:
     """Write the target (config, HF-layout weights with the next-n layers unless `nextn` is False,
     tokenizer) into `path`; `own_embedding` / `own_head`: whether the next-n layers carry those copies."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer(path, family="qwen3")
-    config = tiny_nextn_config(family, ids, **overrides)
-    _write_json(path / "config.json", config)
-    _write_json(path / "generation_config.json", {"bos_token_id": ids["bos"], "eos_token_id": ids["gen_eos"], "pad_token_id": ids["pad"]})
+    path, config = write_target_dir(path, lambda ids: tiny_nextn_config(family, ids, **overrides))
     rng = np.random.default_rng(seed)
     weights = _hf_weights(config, rng)
     weights.update(_nextn_parts(config, rng, own_embedding=own_embedding, own_head=own_head))

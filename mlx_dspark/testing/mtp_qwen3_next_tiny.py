@@ -17,8 +17,8 @@ from typing import Any, Optional
 import numpy as np
 
 from mlx_dspark.testing.mlx_lm_tiny import _random
-from mlx_dspark.testing.tiny import save_hf_weights
-from mlx_dspark.testing.tiny_tokenizer import VOCAB_SIZE, _write_json, write_tokenizer
+from mlx_dspark.testing.tiny import save_hf_weights, write_target_dir
+from mlx_dspark.testing.tiny_tokenizer import VOCAB_SIZE
 
 # what mlx-lm's qwen3_next sanitize adds 1 to (raw HF stores w - 1), and the MTP's own zero-centred norms
 _OFFSET_NORMS = (
@@ -77,12 +77,7 @@ def _hf_weights(config: dict[str, Any], rng: np.random.Generator) -> dict[str, n
 def write_tiny_qwen3_next_target(path: str | Path, *, seed: int = 0, mtp: bool = True, mtp_layers: Optional[int] = None,
                                  **overrides: Any) -> Path:
     """Write the target (config, HF-layout weights with `mtp.*` unless `mtp` is False, tokenizer) into `path`."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer(path, family="qwen3")
-    config = tiny_qwen3_next_config(ids, mtp_layers=mtp_layers, **overrides)
-    _write_json(path / "config.json", config)
-    _write_json(path / "generation_config.json", {"bos_token_id": ids["bos"], "eos_token_id": ids["gen_eos"], "pad_token_id": ids["pad"]})
+    path, config = write_target_dir(path, lambda ids: tiny_qwen3_next_config(ids, mtp_layers=mtp_layers, **overrides))
     weights = _hf_weights(config, np.random.default_rng(seed))
     if not mtp:
         weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}

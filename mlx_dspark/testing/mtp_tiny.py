@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 
 from mlx_dspark.testing.mlx_lm_tiny import _random, tiny_mlx_lm_config
-from mlx_dspark.testing.tiny import save_hf_weights
-from mlx_dspark.testing.tiny_tokenizer import _write_json, write_tokenizer
+from mlx_dspark.testing.tiny import save_hf_weights, write_target_dir
 
 # mlx-lm's qwen3_5 sanitize adds 1 to these (raw HF checkpoints store w - 1)
 _TARGET_OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
@@ -69,12 +68,7 @@ def _mtp_weights(config: dict[str, Any], rng: np.random.Generator) -> dict[str, 
 
 def write_tiny_qwen3_5_mtp_target(path: str | Path, *, seed: int = 0, mtp: bool = True, **text: Any) -> Path:
     """Write the target (config, HF-layout weights with `mtp.*` unless `mtp` is False, tokenizer) into `path`."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer(path, family="qwen3")
-    config = tiny_qwen3_5_mtp_config(ids, **text)
-    _write_json(path / "config.json", config)
-    _write_json(path / "generation_config.json", {"bos_token_id": ids["bos"], "eos_token_id": ids["gen_eos"], "pad_token_id": ids["pad"]})
+    path, config = write_target_dir(path, lambda ids: tiny_qwen3_5_mtp_config(ids, **text))
     rng = np.random.default_rng(seed)
     weights = _target_weights(config, rng)
     if mtp:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -170,6 +170,18 @@ def tiny_target_weights(config: dict[str, Any], *, seed: int) -> dict[str, np.nd
 # --------------------------------------------------------------------------------------------------
 # files
 
+
+
+def write_target_dir(path: str | Path, config_of: Callable[[dict[str, Any]], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    """A tiny target's directory: the qwen3 test tokenizer, `config.json` (`config_of(its token ids)`) and
+    `generation_config.json`; returns (path, config), the caller writes the weights (`save_hf_weights`)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(path, family="qwen3")
+    config = config_of(ids)
+    _write_json(path / "config.json", config)
+    _write_json(path / "generation_config.json", {"bos_token_id": ids["bos"], "eos_token_id": ids["gen_eos"], "pad_token_id": ids["pad"]})
+    return path, config
 
 
 def save_hf_weights(path: Path, weights: dict[str, np.ndarray], *, dtype: str = "float32", num_shards: int = 1) -> None:
