@@ -180,10 +180,16 @@ class AutoLength:
         # what the last probe really took, its draft context's catch-up included (measured here: a probe
         # after a long park took 4-5 plain steps with the step after it, where the curve said 2.8), once
         # plain steps were timed
-        if self._probe_ms is None or self._plain_ms is None:
-            # what a probe cost in an earlier generation of this pair, where remembered
-            return max(predicted, self.memory.probe_steps or 0.0) if self.memory is not None else predicted
-        return max(predicted, self._probe_ms / self._plain_ms)
+        seen = self._probe_steps_seen
+        return predicted if seen is None else max(predicted, seen)
+
+    @property
+    def _probe_steps_seen(self) -> float | None:
+        """What a probe after a park really cost, in plain steps: timed in this generation, else as an earlier
+        generation of this pair left it (acceptance_memory.py); None when neither."""
+        if self._probe_ms is not None and self._plain_ms is not None:
+            return self._probe_ms / self._plain_ms
+        return None if self.memory is None else self.memory.probe_steps
 
     def _optimistic_length(self) -> int:
         """The length of most expected tokens per ms if every position were accepted at OPTIMISTIC."""
@@ -286,11 +292,11 @@ class AutoLength:
             for k, c in enumerate(confidence[0, start:stop].tolist(), start=start):
                 if k < self.cap:
                     self._update(k, float(c), weight=0.5)
-        seen = [self.acceptance[k] for k in range(self.cap) if self.observed[k]]
+        seen = [k for k in range(self.cap) if self.observed[k]]
         if seen:  # never-reached positions follow the mean of those seen, not the prior (one rejection
             # at position k says little of k + 1 once k is accepted)
-            mean = sum(seen) / len(seen)
-            for k in range(max(k for k in range(self.cap) if self.observed[k]) + 1, self.cap):
+            mean = sum(self.acceptance[k] for k in seen) / len(seen)
+            for k in range(seen[-1] + 1, self.cap):
                 self.acceptance[k] = mean
 
     def _update(self, k: int, value: float, *, weight: float = 1.0) -> None:
@@ -328,10 +334,7 @@ class AutoLength:
         """The generation ended: keep what its drafted rounds showed for the next one (acceptance_memory.py)."""
         if not any(self.observed):
             return  # nothing drafted: the memory (or the prior) stands
-        probe_steps = None if self._probe_ms is None or self._plain_ms is None else self._probe_ms / self._plain_ms
-        if probe_steps is None and self.memory is not None:
-            probe_steps = self.memory.probe_steps
-        acceptance_memory.remember(self._memory_path, self.acceptance, probe_steps=probe_steps)
+        acceptance_memory.remember(self._memory_path, self.acceptance, probe_steps=self._probe_steps_seen)
 
     def summary(self) -> dict:
         return {"lengths": dict(sorted(self.lengths.items())), "parked_rounds": self.parked_rounds,
