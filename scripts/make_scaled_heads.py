@@ -1,0 +1,86 @@
+"""The draft heads the scaled pair lacks, at its shape: `python scripts/make_scaled_heads.py OUT`.
+
+Beside `scripts/make_scaled_spark_pair.py OUT` (OUT/target, OUT/draft; an EAGLE-3 draft comes from
+`scripts/bench_heads.py`), so every head kind can be measured at one shape (issue 35):
+
+- OUT/dflash2: the scaled DSpark draft's backbone as a DFlash 2 draft (z-lab layout, block size 7,
+  random convolutions and candidate selector; testing/dflash2_tiny.py). Needs OUT/draft.
+- OUT/mtp-target: a qwen3_5 target with one MTP layer (`--draft mtp`), the scaled pair's widths
+  (hidden 512, 8 x 64 query heads, 2 KV heads, intermediate 1024, vocab 32000, 36 layers: three
+  GatedDeltaNet then one full-attention, GatedDeltaNet 4 key / 8 value heads of 64), in the Hugging
+  Face layout (testing/mtp_tiny.py). Its own target: a Spark target carries no MTP layers.
+
+`--only dflash2` or `--only mtp` writes one of them. Random weights: use these for cost curves and
+the controlled-acceptance benchmark only, never for acceptance numbers.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+# run from a checkout without installing the package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mlx_dspark.testing.dflash2_tiny import write_dflash2_draft  # noqa: E402
+from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target  # noqa: E402
+
+NUM_LAYERS = 36  # as the scaled Spark target
+HEADS = ("dflash2", "mtp")
+
+app = typer.Typer(add_completion=False)
+
+
+def scaled_mtp_text_config(*, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, vocab: int) -> dict:
+    """text_config fields of a qwen3_5 target at the scaled pair's widths (partial rotary 0.25 as Qwen3.5)."""
+    rotary_pairs = head_dim // 8  # head_dim * 0.25 rotary dims, half of them pairs
+    return {
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate,
+        "vocab_size": vocab,
+        "num_hidden_layers": NUM_LAYERS,
+        "full_attention_interval": 4,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "max_position_embeddings": 65536,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [rotary_pairs // 2, rotary_pairs // 4, rotary_pairs // 4],
+                            "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},  # fmt: skip
+    }
+
+
+@app.command()
+def main(
+    out_dir: Path = typer.Argument(..., help="the scaled pair's directory (OUT/draft is read for the DFlash 2 draft)"),
+    only: str = typer.Option(None, "--only", help="dflash2 or mtp (default: both)"),
+    hidden: int = typer.Option(512, "--hidden"),
+    heads: int = typer.Option(8, "--heads"),
+    kv_heads: int = typer.Option(2, "--kv-heads"),
+    head_dim: int = typer.Option(64, "--head-dim"),
+    intermediate: int = typer.Option(1024, "--intermediate"),
+    vocab: int = typer.Option(32000, "--vocab"),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    if only is not None and only not in HEADS:
+        typer.echo(f"error: --only {only!r} is not one of {', '.join(HEADS)}", err=True)
+        raise typer.Exit(2)
+    if only in (None, "dflash2"):
+        if not (out_dir / "draft" / "config.json").is_file():
+            typer.echo(f"error: {out_dir / 'draft'} holds no draft: run scripts/make_scaled_spark_pair.py {out_dir} first", err=True)
+            raise typer.Exit(2)
+        path = write_dflash2_draft(out_dir / "draft", out_dir / "dflash2", seed=seed + 4, kernel_size=3)
+        typer.echo(f"wrote {path}")
+    if only in (None, "mtp"):
+        text = scaled_mtp_text_config(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate, vocab=vocab)
+        path = write_tiny_qwen3_5_mtp_target(out_dir / "mtp-target", seed=seed, **text)
+        typer.echo(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    app()
