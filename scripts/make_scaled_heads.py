@@ -9,8 +9,12 @@ Beside `scripts/make_scaled_spark_pair.py OUT` (OUT/target, OUT/draft; an EAGLE-
   (hidden 512, 8 x 64 query heads, 2 KV heads, intermediate 1024, vocab 32000, 36 layers: three
   GatedDeltaNet then one full-attention, GatedDeltaNet 4 key / 8 value heads of 64), in the Hugging
   Face layout (testing/mtp_tiny.py). Its own target: a Spark target carries no MTP layers.
+- OUT/gemma4-target and OUT/gemma4-assistant: a gemma4_text target at the same widths (36 layers, five
+  sliding (window 512) then one full, full layers with 128-wide heads and one KV head, as Gemma 4's) and a
+  Gemma 4 assistant drafter for it (two layers of width 256, every layer reading the target's K/V;
+  testing/gemma4_assistant_tiny.py).
 
-`--only dflash2` or `--only mtp` writes one of them. Random weights: use these for cost curves and
+`--only dflash2`, `--only mtp` or `--only gemma4` writes one of them. Random weights: use these for cost curves and
 the controlled-acceptance benchmark only, never for acceptance numbers.
 """
 
@@ -25,10 +29,13 @@ import typer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_dspark.testing.dflash2_tiny import write_dflash2_draft  # noqa: E402
+from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant  # noqa: E402
+from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target  # noqa: E402
 from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target  # noqa: E402
 
 NUM_LAYERS = 36  # as the scaled Spark target
-HEADS = ("dflash2", "mtp")
+HEADS = ("dflash2", "mtp", "gemma4")
+ASSISTANT_HIDDEN = 256
 
 app = typer.Typer(add_completion=False)
 
@@ -53,6 +60,16 @@ def scaled_mtp_text_config(*, hidden: int, heads: int, kv_heads: int, head_dim: 
         "rope_parameters": {"rope_type": "default", "mrope_section": [rotary_pairs // 2, rotary_pairs // 4, rotary_pairs // 4],
                             "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},  # fmt: skip
     }
+
+
+def scaled_gemma4_config(*, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, vocab: int) -> dict:
+    """gemma4_text fields (over the tiny family's) at the scaled pair's widths."""
+    layers = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(NUM_LAYERS)]
+    return {
+        "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "global_head_dim": 2 * head_dim, "num_global_key_value_heads": 1, "intermediate_size": intermediate,
+        "vocab_size": vocab, "num_hidden_layers": NUM_LAYERS, "layer_types": layers, "max_position_embeddings": 65536,
+    }  # fmt: skip
 
 
 @app.command()
@@ -80,6 +97,11 @@ def main(
         text = scaled_mtp_text_config(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate, vocab=vocab)
         path = write_tiny_qwen3_5_mtp_target(out_dir / "mtp-target", seed=seed, **text)
         typer.echo(f"wrote {path}")
+    if only in (None, "gemma4"):
+        fields = scaled_gemma4_config(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate, vocab=vocab)
+        target = write_tiny_mlx_lm_target(out_dir / "gemma4-target", family="gemma4_text", seed=seed, **fields)
+        path = write_assistant(out_dir / "gemma4-assistant", target_path=target, seed=seed + 1, hidden_size=ASSISTANT_HIDDEN)
+        typer.echo(f"wrote {target} and {path}")
 
 
 if __name__ == "__main__":
