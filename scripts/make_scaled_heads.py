@@ -14,12 +14,14 @@ Beside `scripts/make_scaled_spark_pair.py OUT` (OUT/target, OUT/draft; an EAGLE-
   Gemma 4 assistant drafter for it (two layers of width 256, every layer reading the target's K/V;
   testing/gemma4_assistant_tiny.py).
 
-`--only dflash2`, `--only mtp` or `--only gemma4` writes one of them. Random weights: use these for cost curves and
+The widths (hidden, heads, KV heads, head dim, intermediate, vocabulary) are read from OUT/target's
+config.json. `--only dflash2`, `--only mtp` or `--only gemma4` writes one of them. Random weights: use these for cost curves and
 the controlled-acceptance benchmark only, never for acceptance numbers.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -72,21 +74,30 @@ def scaled_gemma4_config(*, hidden: int, heads: int, kv_heads: int, head_dim: in
     }  # fmt: skip
 
 
+def scaled_widths(out_dir: Path) -> dict:
+    """The scaled pair's widths, read from OUT/target/config.json (the heads are built at its shape)."""
+    config_path = out_dir / "target" / "config.json"
+    if not config_path.is_file():
+        raise typer.BadParameter(f"{config_path} not found: run scripts/make_scaled_spark_pair.py {out_dir} first")
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    names = {"hidden": "hidden_size", "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+             "intermediate": "intermediate_size", "vocab": "vocab_size"}  # fmt: skip
+    missing = [key for key in names.values() if key not in config]
+    if missing:
+        raise typer.BadParameter(f"{config_path} has no {', '.join(missing)}")
+    return {name: int(config[key]) for name, key in names.items()}
+
+
 @app.command()
 def main(
-    out_dir: Path = typer.Argument(..., help="the scaled pair's directory (OUT/draft is read for the DFlash 2 draft)"),
-    only: str = typer.Option(None, "--only", help="dflash2 or mtp (default: both)"),
-    hidden: int = typer.Option(512, "--hidden"),
-    heads: int = typer.Option(8, "--heads"),
-    kv_heads: int = typer.Option(2, "--kv-heads"),
-    head_dim: int = typer.Option(64, "--head-dim"),
-    intermediate: int = typer.Option(1024, "--intermediate"),
-    vocab: int = typer.Option(32000, "--vocab"),
+    out_dir: Path = typer.Argument(..., help="the scaled pair's directory (OUT/target gives the widths, OUT/draft the DFlash 2 backbone)"),
+    only: str = typer.Option(None, "--only", help="dflash2, mtp or gemma4 (default: all three)"),
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     if only is not None and only not in HEADS:
         typer.echo(f"error: --only {only!r} is not one of {', '.join(HEADS)}", err=True)
         raise typer.Exit(2)
+    widths = scaled_widths(out_dir)
     if only in (None, "dflash2"):
         if not (out_dir / "draft" / "config.json").is_file():
             typer.echo(f"error: {out_dir / 'draft'} holds no draft: run scripts/make_scaled_spark_pair.py {out_dir} first", err=True)
@@ -94,12 +105,10 @@ def main(
         path = write_dflash2_draft(out_dir / "draft", out_dir / "dflash2", seed=seed + 4, kernel_size=3)
         typer.echo(f"wrote {path}")
     if only in (None, "mtp"):
-        text = scaled_mtp_text_config(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate, vocab=vocab)
-        path = write_tiny_qwen3_5_mtp_target(out_dir / "mtp-target", seed=seed, **text)
+        path = write_tiny_qwen3_5_mtp_target(out_dir / "mtp-target", seed=seed, **scaled_mtp_text_config(**widths))
         typer.echo(f"wrote {path}")
     if only in (None, "gemma4"):
-        fields = scaled_gemma4_config(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate, vocab=vocab)
-        target = write_tiny_mlx_lm_target(out_dir / "gemma4-target", family="gemma4_text", seed=seed, **fields)
+        target = write_tiny_mlx_lm_target(out_dir / "gemma4-target", family="gemma4_text", seed=seed, **scaled_gemma4_config(**widths))
         path = write_assistant(out_dir / "gemma4-assistant", target_path=target, seed=seed + 1, hidden_size=ASSISTANT_HIDDEN)
         typer.echo(f"wrote {target} and {path}")
 
