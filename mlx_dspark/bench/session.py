@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mlx_dspark.bench import card, controlled, controlled_chain, cost, plots, report, runner, schedule_ab
-from mlx_dspark.engine.cost_probe import head_block
 from mlx_dspark.bench.mlx_lm_baseline import make_mlx_lm_baseline
 from mlx_dspark.bench.prompts import select_prompts
 from mlx_dspark.bench.stats import loadavg
+from mlx_dspark.engine.cost_probe import head_block
 
 
 @dataclass
