@@ -6,6 +6,8 @@ tokens); the harness reports the chain's cost per step beside the efficiency."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,8 +18,10 @@ from mlx_dspark.api import generate
 from mlx_dspark.bench.controlled import AcceptanceSchedule, ControlledProposer, format_controlled, greedy_reference, run_controlled
 from mlx_dspark.bench.controlled_chain import chain_head, chain_proposer, chain_steps
 from mlx_dspark.bench.runner import RunSettings, prepare_model
+from mlx_dspark.engine import cost_probe
 from mlx_dspark.engine.decode import prefill
 from mlx_dspark.engine.options import GenerationOptions
+from mlx_dspark.engine.schedule import CostCurve
 from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
 from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
 from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target
@@ -96,3 +100,29 @@ def test_controlled_run_of_a_chain_reports_its_cost_per_step(chain_pairs):
     assert result["draft_step_ms"] >= 0 and result["draft_first_ms"] > 0
     assert [row["outputs_match_reference"] for row in result["rows"]] == [1.0, 1.0]
     assert "eagle3 chain of 4" in format_controlled(result) and "per chained step" in format_controlled(result)
+
+
+def test_the_benchmark_command_measures_a_chained_heads_curve_and_efficiency(chain_pairs, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from mlx_dspark.cli.benchmark import app
+
+    def chain_curve(target, drafter, *, head, context, repeats, seed, chain):  # no timing in tests: a flat curve
+        assert head == "mtp" and chain == 5
+        return dataclasses.replace(CostCurve.flat(max_width=8, draft_ms=1.0), draft_step_ms=0.5, context=context)
+
+    monkeypatch.setattr(cost_probe, "measure_chain_curve", chain_curve)
+
+    target_dir, _ = chain_pairs["mtp"]
+    out = tmp_path / "out"
+    args = ["--model", str(target_dir), "--draft", "mtp", "--skip-datasets", "--out", str(out), "--no-progress", "--no-mlx-lm-baseline",
+            "--controlled-acceptance", "6", "--controlled-context", "12", "--controlled-prompts", "1", "--controlled-tokens", "8",
+            "--repeats", "1", "--cost-repeats", "1"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    curve, controlled = results["cost_curve"], results["controlled"]
+    assert curve["head"] == "mtp" and curve["chain_steps"] == 5 and len(curve["verify_ms"]) == 8  # 4 raised so that 6 fits
+    assert (curve["draft_ms"], curve["draft_step_ms"], curve["draft_block_ms"]) == (1.0, 0.5, 3.5)
+    assert controlled["head"] == "mtp" and controlled["draft_tokens"] == 5 and controlled["rows"][0]["outputs_match_reference"] == 1.0
+    assert "mtp chain of 5" in result.output and "per chained step" in result.output

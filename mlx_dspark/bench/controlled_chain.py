@@ -19,7 +19,8 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.engine.cost_probe import CHAIN_HEADS, head_block, measure_chain_curve
+from mlx_dspark.engine import cost_probe
+from mlx_dspark.engine.cost_probe import CHAIN_HEADS, head_block
 from mlx_dspark.engine.decode import prefill
 from mlx_dspark.engine.eagle3_propose import Eagle3Proposer
 from mlx_dspark.engine.gemma4_assistant_propose import AssistantProposer
@@ -96,7 +97,7 @@ def step_ms(*, chain_ms: float, first_ms: float, steps: int) -> float:
 def measure_chain_cost(loaded: Any, head: str, *, steps: int, context: int, repeats: int, seed: int = 0) -> dict:
     """The chained head's cost curve as `auto` measures it (verify(1..8), `draft_ms`, `draft_step_ms`: the
     fastest of `repeats`), JSON-ready, with the round it prices for a chain of `steps`."""
-    curve = measure_chain_curve(loaded.target, getattr(loaded, head), head=head, context=context, repeats=repeats, seed=seed, chain=steps)
+    curve = cost_probe.measure_chain_curve(loaded.target, getattr(loaded, head), head=head, context=context, repeats=repeats, seed=seed, chain=steps)
     if steps + 1 > len(curve.verify_ms):
         raise ValueError(f"a chain of {steps} drafts needs verify widths up to {steps + 1}; the curve has {len(curve.verify_ms)}")
     return {
