@@ -1,5 +1,5 @@
 """The controlled-acceptance benchmark over chained heads (bench/controlled_chain.py; issue 35): an EAGLE-3
-draft and a target's own MTP layers run their real chain every round, the round commits exactly the
+draft, a target's own MTP layers and a Gemma 4 assistant run their real chain every round, the round commits exactly the
 controlled schedule's acceptance lengths, the output is the target's greedy continuation, and the chain's
 own cache stays an uncontrolled run's (each round's real chain equals a fresh chain's over the committed
 tokens); the harness reports the chain's cost per step beside the efficiency."""
@@ -23,6 +23,7 @@ from mlx_dspark.engine.decode import prefill
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.schedule import CostCurve
 from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
+from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant
 from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
 from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target
 
@@ -35,7 +36,9 @@ def chain_pairs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     llama = write_tiny_mlx_lm_target(root / "llama", family="llama", seed=0)
     eagle = write_eagle3_draft(root / "eagle3", target_path=llama, seed=5)  # a chain of 3 by default
     mtp = write_tiny_qwen3_5_mtp_target(root / "mtp", seed=0)  # a hybrid target, a chain of 4 by default
-    return {"eagle3": (llama, str(eagle)), "mtp": (mtp, "mtp")}
+    gemma = write_tiny_mlx_lm_target(root / "gemma4", family="gemma4_text", seed=0, sliding_window=16)  # wraps its window
+    assistant = write_assistant(root / "assistant", target_path=gemma, seed=1)  # a chain of 3 by default, no cache of its own
+    return {"eagle3": (llama, str(eagle)), "mtp": (mtp, "mtp"), "assistant": (gemma, str(assistant))}
 
 
 class _Recording:
@@ -43,16 +46,18 @@ class _Recording:
 
     def __init__(self, inner) -> None:
         self.inner, self.tap_ids, self.block_size = inner, inner.tap_ids, inner.block_size
+        self.takes_target_cache = getattr(inner, "takes_target_cache", False)
         self.proposals: list[tuple[int, list[int]]] = []
 
     def extend(self, features) -> None:
         self.inner.extend(features)
 
     def commit(self, tokens) -> None:
-        self.inner.commit(tokens)
+        getattr(self.inner, "commit", lambda tokens: None)(tokens)
 
-    def propose(self, anchor, *, position, num_tokens):
-        proposal = self.inner.propose(anchor, position=position, num_tokens=num_tokens)
+    def propose(self, anchor, *, position, num_tokens, target_cache=None):
+        extra = {} if target_cache is None else {"target_cache": target_cache}
+        proposal = self.inner.propose(anchor, position=position, num_tokens=num_tokens, **extra)
         self.proposals.append((position, proposal.tokens[0].tolist()))
         return proposal
 
@@ -66,13 +71,13 @@ def _fresh_chain(loaded, head: str, committed: list[int], *, steps: int, num_tok
     return fresh.propose(anchor, position=len(committed) - 1, num_tokens=num_tokens).tokens[0].tolist()
 
 
-@pytest.mark.parametrize("head, acceptance", [("eagle3", 4.5), ("mtp", 3.0)])
+@pytest.mark.parametrize("head, acceptance", [("eagle3", 4.5), ("mtp", 3.0), ("assistant", 4.5)])
 def test_controlled_chain_commits_the_schedule_and_keeps_the_chain_cache(chain_pairs, head, acceptance):
     target_dir, draft = chain_pairs[head]
     loaded = mlx_dspark.load(str(target_dir), draft=draft)
     assert chain_head(loaded) == head
     steps = chain_steps(loaded, head, [acceptance])
-    assert steps == 4  # eagle3: its 3 raised so that 4.5 fits; mtp: its default 4
+    assert steps == 4  # eagle3, the assistant: their 3 raised so that 4.5 fits; mtp: its default 4
     model = prepare_model(loaded, RunSettings(ignore_eos=True))
     max_tokens = 1 + int(acceptance * 10)  # the prefill's token, then about 10 rounds
     reference = greedy_reference(loaded.target, PROMPT, max_tokens + steps + 1)
@@ -87,6 +92,8 @@ def test_controlled_chain_commits_the_schedule_and_keeps_the_chain_cache(chain_p
     assert len(full_rounds) >= 8 and full_rounds == [expected.next() for _ in full_rounds]
     assert result.tokens == reference[:max_tokens]  # the corrupted drafts were rejected, nothing else
     assert len(recorder.proposals) == result.rounds  # the real chain ran every round
+    if head == "assistant":  # it keeps no cache of its own: it reads the target's (passed on, or it would raise)
+        return
     committed = PROMPT + result.tokens
     for position, drafts in recorder.proposals:
         assert drafts == _fresh_chain(loaded, head, committed[: position + 1], steps=steps, num_tokens=len(drafts)), position
