@@ -84,7 +84,7 @@ def test_controlled_chain_commits_the_schedule_and_keeps_the_chain_cache(chain_p
     recorder = _Recording(chain_proposer(loaded, head, PROMPT, steps=steps))
     proposer = ControlledProposer(recorder, reference, prompt_len=len(PROMPT), vocab_size=loaded.target.args.vocab_size,
                                   acceptance_length=acceptance)  # fmt: skip
-    options = GenerationOptions.from_keywords(max_tokens=max_tokens, max_draft_tokens=None)
+    options = GenerationOptions.from_keywords(max_tokens=max_tokens, max_draft_tokens=None, lookup="off")  # as run_controlled
     result = generate(model, PROMPT, options=options, proposer=proposer)
 
     expected = AcceptanceSchedule(acceptance, block_size=steps)

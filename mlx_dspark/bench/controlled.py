@@ -153,8 +153,9 @@ def run_controlled(
     plain_tps: list[float] = []
     by_tau: dict[float, dict[str, list]] = {tau: {"tps": [], "lengths": [], "match": []} for tau in acceptance_lengths}
     plain_options = GenerationOptions.from_keywords(max_tokens=max_tokens, speculative=False)
-    # full blocks: the efficiency's ideal is a round of block + 1 verified tokens (auto is bench/draft_length_ab.py's)
-    controlled_options = GenerationOptions.from_keywords(max_tokens=max_tokens, max_draft_tokens=None)
+    # full blocks: the efficiency's ideal is a round of block + 1 verified tokens (auto is bench/draft_length_ab.py's);
+    # lookup off: every round verifies the head's controlled block (a lookup block or tail would replace or extend it)
+    controlled_options = GenerationOptions.from_keywords(max_tokens=max_tokens, max_draft_tokens=None, lookup="off")
     load_before = loadavg()
     for repeat in range(repeats):
         for ids, reference in zip(prompts, references):
