@@ -133,7 +133,7 @@ def test_a_dspark_draft_and_the_targets_mtp_layers_load_together_and_stay_lossle
         assert mlx_dspark.generate(pair, PROMPT, max_tokens=200, **options).tokens == plain, options
     # each head's curve is cached apart (tests: synthetic flat curves, conftest.py)
     assert len(list((tmp_path / "cost" / "in-process").glob("*.json"))) == 2
-    with pytest.raises(ValueError, match="one draft model at a time"):
+    with pytest.raises(ValueError, match="are both a DSpark / DFlash block draft; give at most one draft of each kind"):
         mlx_dspark.load(str(target), draft=[str(draft), str(draft), "mtp"])
 
 
@@ -159,6 +159,34 @@ def test_an_eagle3_draft_and_the_targets_mtp_layers_are_two_heads_too(dspark_and
     plain = mlx_dspark.generate(pair, PROMPT, max_tokens=120, speculative=False).tokens
     spec = mlx_dspark.generate(pair, PROMPT, max_tokens=120, max_draft_tokens=3, lookup="off")
     assert spec.tokens == plain and spec.rounds < 120
+
+
+def test_a_block_draft_an_eagle3_draft_and_the_mtp_layers_are_three_heads(dspark_and_mtp, tmp_path, monkeypatch):
+    """Two draft files and the MTP layers: three heads, each with its own cached curve (the EAGLE-3 head's keyed
+    by its own file), greedy output plain decoding's; the block draft's options apply to the block draft."""
+    from mlx_dspark.engine.cost_probe import cache_key, head_names
+    from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
+
+    monkeypatch.setenv("MLX_DSPARK_COST_DIR", str(tmp_path / "cost"))
+    target, draft = dspark_and_mtp
+    eagle = write_eagle3_draft(tmp_path / "eagle3", target_path=target, seed=3, include_embedding=False)
+    pair = mlx_dspark.load(str(target), draft=f"{draft},{eagle},mtp", draft_tap_ids=[0, 2])
+    assert head_names(pair) == ["draft", "eagle3", "mtp"]
+    assert pair.draft_path == Path(draft) and pair.head_source("eagle3")[0] == Path(eagle)
+    assert pair.draft.args.target_layer_ids == (0, 2)
+    alone = mlx_dspark.load(str(target), draft=str(eagle))
+    assert cache_key(pair, head="eagle3") == cache_key(alone, head="eagle3") != cache_key(pair, head="draft")
+    pair = prepare_model(pair, RunSettings(ignore_eos=True))
+    plain = mlx_dspark.generate(pair, PROMPT, max_tokens=120, speculative=False).tokens
+    spec = mlx_dspark.generate(pair, PROMPT, max_tokens=120, max_draft_tokens=3, lookup="off")
+    assert spec.tokens == plain and spec.rounds < 120
+    assert len(list((tmp_path / "cost" / "in-process").glob("*.json"))) == 3
+    with pytest.raises(ValueError, match="both an EAGLE-3 draft"):
+        mlx_dspark.load(str(target), draft=f"{eagle},{eagle}")
+    with pytest.raises(ValueError, match="export one draft at a time"):
+        from mlx_dspark.export.source import _one_draft
+
+        _one_draft(f"{draft},{eagle}")
 
 
 def test_calibrate_shows_each_heads_own_curve(dspark_and_mtp, tmp_path, monkeypatch):
