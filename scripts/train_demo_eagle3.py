@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from train_demo_pair import corpus_files, read  # noqa: E402  (the demo pair's own corpus split)
 
 from mlx_dspark import load  # noqa: E402
-from mlx_dspark.loading.load import build_eagle3  # noqa: E402,F401  (imported to fail early on a broken install)
 from mlx_dspark.models.eagle3 import Eagle3Draft  # noqa: E402
 from mlx_dspark.models.eagle3_args import Eagle3Args  # noqa: E402
 from mlx_dspark.testing.eagle3_tiny import eagle3_config  # noqa: E402
