@@ -43,6 +43,15 @@ def loaded(target_dir):
     return mlx_dspark.load(str(target_dir), draft="mtp")
 
 
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def family_pair(request, tmp_path_factory, target_dir, loaded):
+    """The dense target above, or a Qwen3.5-MoE one whose MTP layer's MLP is a sparse MoE (experts fused, as HF stores them)."""
+    if request.param == "qwen3_5":
+        return target_dir, loaded
+    path = write_tiny_qwen3_5_mtp_target(tmp_path_factory.mktemp("mtp-moe") / "target", seed=3, family="qwen3_5_moe")
+    return path, mlx_dspark.load(str(path), draft="mtp")
+
+
 def final_hidden(target, tokens: list[int]) -> mx.array:
     _, features = target(mx.array([tokens]), tap_ids=(FINAL_TAP,))
     return features  # (1, n, C)
@@ -65,7 +74,8 @@ def test_the_final_tap_is_the_states_mlx_lms_head_reads(loaded):
     assert mx.allclose(logits[:, -1], full[:, -1], atol=1e-5).item()
 
 
-def test_one_mtp_step_gives_the_numpy_restatements_logits(target_dir, loaded):
+def test_one_mtp_step_gives_the_numpy_restatements_logits(family_pair):
+    target_dir, loaded = family_pair
     target, mtp = loaded.target, loaded.mtp
     hidden = final_hidden(target, PROMPT)
     nxt = PROMPT[1:] + [77]  # entry t pairs h_t with the token at t + 1
@@ -75,7 +85,8 @@ def test_one_mtp_step_gives_the_numpy_restatements_logits(target_dir, loaded):
     assert np.abs(ours - expected).max() < 1e-4 * max(1.0, np.abs(expected).max())
 
 
-def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_entries(target_dir, loaded):
+def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_entries(family_pair):
+    target_dir, loaded = family_pair
     target, mtp = loaded.target, loaded.mtp
     anchor = 77
     proposer = MTPProposer(mtp, target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
@@ -120,7 +131,8 @@ def mlx_lm_greedy(target: Path, prompt: list[int], max_tokens: int) -> list[int]
     return [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
 
 
-def test_greedy_mtp_speculation_is_mlx_lms_generate(target_dir, loaded):
+def test_greedy_mtp_speculation_is_mlx_lms_generate(family_pair):
+    target_dir, loaded = family_pair
     reference = mlx_lm_greedy(target_dir, PROMPT, 50)
     steps = speculative_steps(loaded.target, MTPProposer(loaded.mtp, loaded.target, prompt=PROMPT, greedy=True, temperature=1.0),
                               PROMPT, sampler=Sampler(), speculation=FIXED)  # fmt: skip
@@ -215,11 +227,12 @@ def test_sampled_mtp_drafts_are_drawn_from_the_distributions_they_report(tiny_vo
 # -- loading, conversion, refusals, the command line -----------------------------------------------------
 
 
-def test_convert_keeps_the_mtp_layers_and_the_conversion_loads_the_same_layers(target_dir, loaded, tmp_path):
+def test_convert_keeps_the_mtp_layers_and_the_conversion_loads_the_same_layers(family_pair, tmp_path):
     from mlx.utils import tree_flatten
 
     from mlx_dspark.loading.convert import convert
 
+    target_dir, loaded = family_pair
     out = convert(target_dir, tmp_path / "mlx", log=lambda _: None)
     converted = mlx_dspark.load(str(out), draft="mtp")
     assert not converted.mtp.raw_norms  # norms written in MLX form, with the conv kernels moved

@@ -1,7 +1,7 @@
 """A target's own MTP layers (`load(target, draft="mtp")`, `--draft mtp`): read from the target's checkpoint.
 
 One layout per model module (dispatch on model_type):
-- Qwen3.5 / 3.6 / 3.8 (`qwen3_5`): `mtp.*` tensors, `text_config.mtp_num_hidden_layers`
+- Qwen3.5 / 3.6 / 3.8, dense or MoE (`qwen3_5`, `qwen3_5_moe`): `mtp.*` tensors, `text_config.mtp_num_hidden_layers`
   (`models/mtp_qwen3_5.py`);
 - Qwen3-Next (`qwen3_next`): `mtp.*` tensors, `num_nextn_predict_layers` or 1 when absent (`models/mtp_qwen3_next.py`);
 - Nemotron-H (`nemotron_h`): `mtp.layers.<j>.*`, `num_nextn_predict_layers` and `mtp_layers_block_type`
