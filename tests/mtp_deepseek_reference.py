@@ -5,9 +5,9 @@ Written from the published math (DRAFTERS.md section 2; vLLM `deepseek_mtp.py` /
 `model.layers.<num_hidden_layers + i>` reads e = embed(token_{t+1}) (zero at position 0) and the target's
 final normed state h_t, x = eh_proj([enorm(e), hnorm(h_t)]), runs its decoder block (pre-norm residual
 attention + MoE), and its logits are shared_head.head(shared_head.norm(out)). The block is restated too:
-DeepSeek's MLA (low-rank q with its norm, the compressed KV latent with its norm, kv_b_proj expanding it
+DeepSeek's MLA (low-rank q with its norm, or one q_proj when q_lora_rank is null, the compressed KV latent with its norm, kv_b_proj expanding it
 per head, interleaved RoPE on the decoupled rope dims, scale (nope + rope)^-1/2) or GLM's GQA (biased
-q/k/v, neox RoPE on the first partial_rotary_factor of each head); the MoE router (sigmoid scores, the
+q/k/v, per-head q/k RMSNorms when use_qk_norm, neox RoPE on the first partial_rotary_factor of each head); the MoE router (sigmoid scores, the
 correction bias for the choice only, groups ranked by their top-2 sum, the best topk_group kept, top-k
 experts, weights normalised and scaled by routed_scaling_factor) over SwiGLU experts plus the shared
 expert. A chain feeds the block's pre-norm output back as the next hidden state; step k uses layer
@@ -74,7 +74,10 @@ class NextNReference:
     def mla(self, x: np.ndarray, positions: np.ndarray, p: str) -> np.ndarray:
         c, w, H = self.c, self.w, self.heads
         nope, rope, vd, r = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
-        q = (self.norm(x @ w[f"{p}.q_a_proj.weight"].T, f"{p}.q_a_layernorm.weight") @ w[f"{p}.q_b_proj.weight"].T).reshape(-1, H, nope + rope)
+        if c.get("q_lora_rank") is None:  # no low-rank query: one q_proj
+            q = (x @ w[f"{p}.q_proj.weight"].T).reshape(-1, H, nope + rope)
+        else:
+            q = (self.norm(x @ w[f"{p}.q_a_proj.weight"].T, f"{p}.q_a_layernorm.weight") @ w[f"{p}.q_b_proj.weight"].T).reshape(-1, H, nope + rope)
         ckv = x @ w[f"{p}.kv_a_proj_with_mqa.weight"].T  # (n, r + rope)
         kv = (self.norm(ckv[:, :r], f"{p}.kv_a_layernorm.weight") @ w[f"{p}.kv_b_proj.weight"].T).reshape(-1, H, nope + vd)
         k_pe = np.repeat(self.rope(ckv[:, None, r:], positions, rope, interleaved=True), H, axis=1)  # one rope key for all heads
@@ -86,6 +89,8 @@ class NextNReference:
         c, w, H = self.c, self.w, self.heads
         D, KV = c["head_dim"], c["num_key_value_heads"]
         q, k, v = ((x @ w[f"{p}.{n}_proj.weight"].T + w.get(f"{p}.{n}_proj.bias", 0.0)).reshape(len(x), -1, D) for n in "qkv")
+        if c.get("use_qk_norm"):  # per-head RMSNorms of q and k, before RoPE
+            q, k = self.norm(q, f"{p}.q_norm.weight"), self.norm(k, f"{p}.k_norm.weight")
         dims = int(D * c["partial_rotary_factor"])
         q, k = (self.rope(t, positions, dims, interleaved=False) for t in (q, k))
         k, v = np.repeat(k, H // KV, axis=1), np.repeat(v, H // KV, axis=1)
