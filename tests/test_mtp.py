@@ -43,13 +43,37 @@ def loaded(target_dir):
     return mlx_dspark.load(str(target_dir), draft="mtp")
 
 
+VARIANTS = {  # name -> the tiny writer's options (beside the dense target above)
+    # a Qwen3.5-MoE target: its MTP layer's MLP a sparse MoE, the experts fused as HF stores them
+    "qwen3_5_moe": dict(family="qwen3_5_moe"),
+    # the small Qwen3.5s' tied head (the MTP's logits through the embedding) and another partial rotary factor
+    "tied-half-rotary": dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                                        "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+}
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory, target_dir, loaded):
+    """name -> (target directory, loaded with draft 'mtp'), each built once, when first asked for."""
+    built = {"qwen3_5": (target_dir, loaded)}
+
+    def get(name: str):
+        if name not in built:
+            path = write_tiny_qwen3_5_mtp_target(tmp_path_factory.mktemp(f"mtp-{name}") / "target", seed=3, **VARIANTS[name])
+            built[name] = (path, mlx_dspark.load(str(path), draft="mtp"))
+        return built[name]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
-def family_pair(request, tmp_path_factory, target_dir, loaded):
-    """The dense target above, or a Qwen3.5-MoE one whose MTP layer's MLP is a sparse MoE (experts fused, as HF stores them)."""
-    if request.param == "qwen3_5":
-        return target_dir, loaded
-    path = write_tiny_qwen3_5_mtp_target(tmp_path_factory.mktemp("mtp-moe") / "target", seed=3, family="qwen3_5_moe")
-    return path, mlx_dspark.load(str(path), draft="mtp")
+def family_pair(request, variants):
+    return variants(request.param)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", *VARIANTS])
+def variant_pair(request, variants):
+    return variants(request.param)
 
 
 def final_hidden(target, tokens: list[int]) -> mx.array:
@@ -74,8 +98,8 @@ def test_the_final_tap_is_the_states_mlx_lms_head_reads(loaded):
     assert mx.allclose(logits[:, -1], full[:, -1], atol=1e-5).item()
 
 
-def test_one_mtp_step_gives_the_numpy_restatements_logits(family_pair):
-    target_dir, loaded = family_pair
+def test_one_mtp_step_gives_the_numpy_restatements_logits(variant_pair):
+    target_dir, loaded = variant_pair
     target, mtp = loaded.target, loaded.mtp
     hidden = final_hidden(target, PROMPT)
     nxt = PROMPT[1:] + [77]  # entry t pairs h_t with the token at t + 1
@@ -85,8 +109,8 @@ def test_one_mtp_step_gives_the_numpy_restatements_logits(family_pair):
     assert np.abs(ours - expected).max() < 1e-4 * max(1.0, np.abs(expected).max())
 
 
-def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_entries(family_pair):
-    target_dir, loaded = family_pair
+def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_entries(variant_pair):
+    target_dir, loaded = variant_pair
     target, mtp = loaded.target, loaded.mtp
     anchor = 77
     proposer = MTPProposer(mtp, target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
