@@ -132,6 +132,8 @@ class Eagle3Reference:
         return np.concatenate([states[i] for i in sorted(ids)], axis=-1)
 
     def fuse(self, aux: np.ndarray) -> np.ndarray:
+        if self.cfg.get("norm_before_fc"):  # speculators' input_norm over the concatenated taps (gpt-oss drafts)
+            aux = rms(aux, self.w["input_norm.weight"], self.eps)
         return aux @ self.w["fc.weight"].T
 
     def outputs(self, next_tokens: list[int], hidden: np.ndarray) -> np.ndarray:

@@ -82,6 +82,7 @@ VARIANTS = {  # name -> (target writer, draft options); the tiny targets' 4 laye
     "llama3-rope": ("llama", dict(rope=LLAMA3_ROPE)),  # every regime of llama3's frequency blend at original_max 64
     "narrower-draft": ("llama", dict(hidden_size=64, own_embedding=True)),  # C 64 over a C_t 128 target: its own table
     "full-vocab-no-d2t": ("llama", dict(draft_vocab_size=384, with_d2t=False)),
+    "norm-before-fc": ("llama", dict(norm_before_fc=True)),  # gpt-oss drafts' input_norm over the taps
     "qwen3-target": ("qwen3", dict(layer_type="qwen3", norm_before_residual=True)),
     "default-aux-ids": ("llama8", dict(aux_layer_ids=None)),  # vLLM's (2, N // 2, N - 3) of 8 layers: taps 1, 3, 4
 }

@@ -38,6 +38,7 @@ def eagle3_config(
     hidden_size: Optional[int] = None,
     rope: Optional[dict[str, Any]] = None,
     embed_requires_grad: bool = False,
+    norm_before_fc: bool = False,
 ) -> dict[str, Any]:
     """`hidden_size` the draft's width (None: the target's); `rope` replaces the layer's `rope_theta` /
     `rope_scaling`."""
@@ -58,7 +59,7 @@ def eagle3_config(
         "draft_vocab_size": draft_vocab_size,
         "target_hidden_size": text["hidden_size"],
         "norm_before_residual": norm_before_residual,
-        "norm_before_fc": False,
+        "norm_before_fc": norm_before_fc,
         "embed_requires_grad": embed_requires_grad,
         "speculators_config": {
             "algorithm": "eagle3",
@@ -96,6 +97,8 @@ def eagle3_weights(config: dict[str, Any], *, vocab_ids: np.ndarray, seed: int, 
         "norm.weight": norm(C),
         "lm_head.weight": linear(len(vocab_ids), C, 3.0),
     }  # fmt: skip
+    if config.get("norm_before_fc"):  # gpt-oss drafts: an RMSNorm over the concatenated taps before fc
+        weights["input_norm.weight"] = norm(3 * Ct)
     if layer["model_type"] == "qwen3":  # Qwen3Attention's per-head q/k RMSNorms
         weights.update({p + "self_attn.q_norm.weight": norm(D), p + "self_attn.k_norm.weight": norm(D)})
     ids = np.asarray(vocab_ids, dtype=np.int64)
@@ -122,6 +125,7 @@ def write_eagle3_draft(
     own_embedding: bool = False,
     rope: Optional[dict[str, Any]] = None,
     with_d2t: bool = True,
+    norm_before_fc: bool = False,
 ) -> Path:
     """Write a random EAGLE-3 draft for the tiny target at `target_path` into `path`; return it.
 
@@ -143,7 +147,7 @@ def write_eagle3_draft(
     vocab_ids = np.sort(np.concatenate([np.arange(low), rest]))
     config = eagle3_config(target_config, draft_vocab_size=size, aux_layer_ids=aux_layer_ids,
                            speculative_tokens=speculative_tokens, norm_before_residual=norm_before_residual,
-                           layer_type=layer_type, hidden_size=hidden_size, rope=rope)  # fmt: skip
+                           layer_type=layer_type, hidden_size=hidden_size, rope=rope, norm_before_fc=norm_before_fc)  # fmt: skip
     weights = eagle3_weights(config, vocab_ids=vocab_ids, seed=seed)
     if not with_d2t:
         weights = {k: v for k, v in weights.items() if k not in ("d2t", "t2d")}
