@@ -11,7 +11,8 @@ q/k/v, per-head q/k RMSNorms when use_qk_norm, neox RoPE on the first partial_ro
 correction bias for the choice only, groups ranked by their top-2 sum, the best topk_group kept, top-k
 experts, weights normalised and scaled by routed_scaling_factor) over SwiGLU experts plus the shared
 expert. A chain feeds the block's pre-norm output back as the next hidden state; step k uses layer
-k mod n. Nothing here imports mlx_dspark or mlx-lm modules.
+k mod n. An FP8 checkpoint's matrices are decoded here (e4m3 bytes times their 128 x 128 block's
+weight_scale_inv). Nothing here imports mlx_dspark or mlx-lm modules.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ import numpy as np
 from safetensors.numpy import load_file
 
 
+def e4m3(data: np.ndarray) -> np.ndarray:
+    """FP8 E4M3 (OCP 'fn': bias 7, no infinities, 0x7F / 0xFF NaN) bytes -> their values."""
+    b = data.astype(np.int64)
+    sign, exponent, mantissa = b >> 7, (b >> 3) & 0xF, b & 0x7
+    value = np.where(exponent == 0, mantissa / 8.0 * 2.0**-6, (1.0 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
+    value = np.where((exponent == 15) & (mantissa == 7), np.nan, value)
+    return np.where(sign == 1, -value, value)
+
+
 def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
@@ -30,9 +40,15 @@ def _silu(x: np.ndarray) -> np.ndarray:
 class NextNReference:
     def __init__(self, path: str | Path):
         path = Path(path)
-        self.w = {}
+        raw = {}
         for file in sorted(path.glob("*.safetensors")):
-            self.w.update({k: v.astype(np.float64) for k, v in load_file(str(file)).items()})
+            raw.update(load_file(str(file)))
+        for name in [k for k in raw if k.endswith(".weight_scale_inv")]:  # an FP8 matrix: e4m3 bytes x its block scale
+            weight = name.removesuffix("_scale_inv")
+            scale = np.repeat(np.repeat(raw.pop(name).astype(np.float64), 128, axis=0), 128, axis=1)
+            rows, cols = raw[weight].shape
+            raw[weight] = e4m3(raw[weight]) * scale[:rows, :cols]
+        self.w = {k: v.astype(np.float64) for k, v in raw.items()}
         self.c = c = json.loads((path / "config.json").read_text())
         self.kind, self.eps, self.heads = c["model_type"], c["rms_norm_eps"], c["num_attention_heads"]
         self.first, self.n = c["num_hidden_layers"], c["num_nextn_predict_layers"]
