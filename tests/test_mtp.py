@@ -270,6 +270,14 @@ def test_a_target_without_mtp_tensors_says_how_to_get_them(tmp_path):
         mlx_dspark.load(str(bare), draft="mtp")
 
 
+def test_more_than_one_qwen3_5_mtp_layer_is_refused_in_one_line_naming_the_field(tmp_path):
+    """vLLM's step k runs layer k mod n, mlx-vlm's every layer in order: no published checkpoint says which."""
+    two = write_tiny_qwen3_5_mtp_target(tmp_path / "two", mtp_layers=2)
+    with pytest.raises(ValueError, match=r"two/config\.json: draft 'mtp': text_config\.mtp_num_hidden_layers is 2; only 1 is supported") as refused:
+        mlx_dspark.load(str(two), draft="mtp")
+    assert "\n" not in str(refused.value)
+
+
 def test_a_target_that_declares_no_mtp_layers_is_one_clear_error(tmp_path):
     from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
 

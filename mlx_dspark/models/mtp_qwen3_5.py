@@ -105,8 +105,8 @@ class MTP(MTPLayers):
     def __call__(self, embeddings: mx.array, hidden: mx.array, cache: Optional[list[KVCache]] = None, *, step: int = 0) -> mx.array:
         """embeddings (B, L, C) of tokens t+1, hidden (B, L, C) normed states at t -> normed MTP states (B, L, C).
 
-        With several MTP layers all run in order on every step, whatever the `step` (mtp_num_hidden_layers
-        is 1 in every published Qwen3.5 checkpoint)."""
+        With several MTP layers all run in order on every step, whatever the `step`, as mlx-vlm does (vLLM's
+        step k runs layer k mod n); loading/mtp.py refuses more than one (every published checkpoint has 1)."""
         x = mx.concatenate([self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden.astype(embeddings.dtype))], axis=-1)
         x = self.fc(x)
         cache = cache or [None] * len(self.layers)
