@@ -276,6 +276,9 @@ def test_more_than_one_qwen3_5_mtp_layer_is_refused_in_one_line_naming_the_field
     with pytest.raises(ValueError, match=r"two/config\.json: draft 'mtp': text_config\.mtp_num_hidden_layers is 2; only 1 is supported") as refused:
         mlx_dspark.load(str(two), draft="mtp")
     assert "\n" not in str(refused.value)
+    from mlx_dspark.loading.draft_registry import resolve_auto_draft
+
+    assert resolve_auto_draft(str(two))[0] is None  # --draft auto does not take layers load() refuses
 
 
 def test_a_target_that_declares_no_mtp_layers_is_one_clear_error(tmp_path):

@@ -60,6 +60,12 @@ def supports_mtp(config: dict) -> bool:
     return mtp_layer_count(config) > 0
 
 
+def runs_mtp(config: dict) -> bool:
+    """Whether `draft="mtp"` runs the layers the config declares (more than one of a family whose published
+    checkpoints carry one is refused: `build_mtp`)."""
+    return supports_mtp(config) and not (_module(config) in _ONE_LAYER and mtp_layer_count(config) > 1)
+
+
 def declares_mtp(config: dict) -> bool:
     """Whether the config itself names the layers: a Qwen3-Next config without `num_nextn_predict_layers` (the
     published ones) is not taken at its word (only its files can say)."""
