@@ -85,6 +85,7 @@ VARIANTS = {  # name -> (target writer, draft options); the tiny targets' 4 laye
     "norm-before-fc": ("llama", dict(norm_before_fc=True)),  # gpt-oss drafts' input_norm over the taps
     "qwen3-target": ("qwen3", dict(layer_type="qwen3", norm_before_residual=True)),
     "default-aux-ids": ("llama8", dict(aux_layer_ids=None)),  # vLLM's (2, N // 2, N - 3) of 8 layers: taps 1, 3, 4
+    "unsorted-aux-ids": ("llama", dict(aux_layer_ids=(3, 0, 2))),  # collected in layer order (vLLM's loop); 0: the embedding
 }
 
 
