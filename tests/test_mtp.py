@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -270,15 +271,35 @@ def test_a_target_without_mtp_tensors_says_how_to_get_them(tmp_path):
         mlx_dspark.load(str(bare), draft="mtp")
 
 
-def test_more_than_one_qwen3_5_mtp_layer_is_refused_in_one_line_naming_the_field(tmp_path):
-    """vLLM's step k runs layer k mod n, mlx-vlm's every layer in order: no published checkpoint says which."""
-    two = write_tiny_qwen3_5_mtp_target(tmp_path / "two", mtp_layers=2)
-    with pytest.raises(ValueError, match=r"two/config\.json: draft 'mtp': text_config\.mtp_num_hidden_layers is 2; only 1 is supported") as refused:
-        mlx_dspark.load(str(two), draft="mtp")
-    assert "\n" not in str(refused.value)
+def _two_layer_targets() -> dict:
+    from mlx_dspark.testing.mtp_deepseek_tiny import write_tiny_nextn_target
+    from mlx_dspark.testing.mtp_mimo_tiny import write_tiny_mimo_target
+    from mlx_dspark.testing.mtp_nemotron_h_tiny import write_tiny_nemotron_h_target
+    from mlx_dspark.testing.mtp_qwen3_next_tiny import write_tiny_qwen3_next_target
+
+    field = "num_nextn_predict_layers"
+    return {  # family -> (writer of a target declaring 2 MTP layers, the field the line must name)
+        "qwen3_5": (lambda p: write_tiny_qwen3_5_mtp_target(p, mtp_layers=2), "text_config.mtp_num_hidden_layers"),
+        "mimo": (lambda p: write_tiny_mimo_target(p, mtp_layers=2), field),
+        "deepseek_v3": (lambda p: write_tiny_nextn_target(p, family="deepseek_v3", nextn_layers=2), field),
+        "glm4_moe": (lambda p: write_tiny_nextn_target(p, family="glm4_moe", nextn_layers=2), field),
+        "qwen3_next": (lambda p: write_tiny_qwen3_next_target(p, mtp=False, mtp_layers=2), field),
+        "nemotron_h": (lambda p: write_tiny_nemotron_h_target(p, mtp=False, mtp_layers=2), field),
+    }
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mimo", "deepseek_v3", "glm4_moe", "qwen3_next", "nemotron_h"])
+def test_more_than_one_mtp_layer_is_refused_in_one_line_naming_the_file_and_field(family, tmp_path):
+    """Every published checkpoint of these families has one (Qwen3.5's readings differ too: vLLM's step k runs
+    layer k mod n, mlx-vlm's every layer in order); --draft auto does not take layers load() refuses."""
     from mlx_dspark.loading.draft_registry import resolve_auto_draft
 
-    assert resolve_auto_draft(str(two))[0] is None  # --draft auto does not take layers load() refuses
+    write, field = _two_layer_targets()[family]
+    two = write(tmp_path / "two")
+    with pytest.raises(ValueError, match=rf"two/config\.json: draft 'mtp': {re.escape(field)} is 2; only 1 is supported") as refused:
+        mlx_dspark.load(str(two), draft="mtp")
+    assert "\n" not in str(refused.value)
+    assert resolve_auto_draft(str(two))[0] is None
 
 
 def test_a_target_that_declares_no_mtp_layers_is_one_clear_error(tmp_path):
