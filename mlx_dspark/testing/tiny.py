@@ -186,7 +186,8 @@ def write_target_dir(path: str | Path, config_of: Callable[[dict[str, Any]], dic
 
 def save_hf_weights(path: Path, weights: dict[str, np.ndarray], *, dtype: str = "float32", num_shards: int = 1) -> None:
     """Write weights as Hugging Face safetensors (`model.safetensors`, or `num_shards` shards plus
-    `model.safetensors.index.json`), cast to `dtype` (bf16 goes through MLX: numpy has no bf16)."""
+    `model.safetensors.index.json`), floating ones cast to `dtype` (bf16 goes through MLX: numpy has no bf16),
+    integer ones (fp8 bytes, token tables) as they are."""
     import mlx.core as mx
 
     if dtype not in _DTYPES:
@@ -194,7 +195,7 @@ def save_hf_weights(path: Path, weights: dict[str, np.ndarray], *, dtype: str = 
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     mx_dtype = getattr(mx, dtype)
-    arrays = {k: mx.array(v).astype(mx_dtype) for k, v in weights.items()}
+    arrays = {k: mx.array(v).astype(mx_dtype) if np.issubdtype(v.dtype, np.floating) else mx.array(v) for k, v in weights.items()}
     names = list(arrays)
     if num_shards == 1:
         mx.save_safetensors(str(path / "model.safetensors"), arrays, metadata={"format": "pt"})
