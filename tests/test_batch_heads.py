@@ -165,9 +165,9 @@ def test_mtp_greedy_rows_equal_their_solo_runs(mtp_pair, monkeypatch):
     _greedy_rows_equal_their_solo_runs(mtp_pair, monkeypatch=monkeypatch)
 
 
-@pytest.fixture(scope="module", params=["glm4_moe", "mimo"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "mimo"])
 def nextn_pair(request, tmp_path_factory):
-    """The next-n (GLM; DeepSeek-V3's target is refused by the packing probe: its attention's mask) and MiMo MTP layers."""
+    """The next-n (DeepSeek-V3: its MLA attention runs per sequence in the packed verify; GLM) and MiMo MTP layers."""
     path = tmp_path_factory.mktemp(f"batch-{request.param}") / "target"
     target = write_tiny_mimo_target(path, seed=0) if request.param == "mimo" else write_tiny_nextn_target(path, family=request.param, seed=0)
     return mlx_dspark.load(str(target), draft="mtp")
