@@ -190,6 +190,10 @@ class BatchRow:
         if self._seeds is not None:
             mx.random.seed(int(self._seeds.integers(2**32)))
 
+    def draw_key(self) -> mx.array:
+        """A key from this row's own stream, for draws built in one graph with other rows' (batch_chain.py)."""
+        return mx.random.key(int(self._seeds.integers(2**32)))
+
     def room(self) -> int:
         """The most tokens this round's block may hold: what max_tokens leaves and the caches roll back."""
         left = self.options.max_tokens - self.emitted - 1

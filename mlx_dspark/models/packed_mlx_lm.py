@@ -167,7 +167,7 @@ def install_dispatch(target: MLXLMTarget) -> list[str]:
     return patched
 
 
-def _per_sequence(module: Any, args: tuple, kwargs: dict, view: PackedView, what: str) -> mx.array:
+def per_sequence(module: Any, args: tuple, kwargs: dict, view: PackedView, what: str) -> mx.array:
     """`module(*args, **kwargs)` once per sequence on its rows, masks and caches (`_one`), each call
     through the sequence's `RollbackCaches` (recorded for replay) -> its outputs packed again (T, 1, ...)."""
     total, outs = sum(view.lengths), []
@@ -202,7 +202,7 @@ class _PerSequenceChild:
         if view is None:
             return self._module(*args, **kwargs)
         self._used.append(True)
-        return _per_sequence(self._module, args, kwargs, view, type(self._module).__name__)
+        return per_sequence(self._module, args, kwargs, view, type(self._module).__name__)
 
 
 class _PerSequence:
@@ -237,7 +237,7 @@ class _PerSequence:
             if not used:
                 raise ValueError(f"layer {self._index}: no sub-module of it took its cache")
             return out
-        hidden = _per_sequence(self._layer, args, kwargs, view, f"layer {self._index}")
+        hidden = per_sequence(self._layer, args, kwargs, view, f"layer {self._index}")
         capture = self._capture  # the per-sequence calls recorded per-sequence taps: the packed ones instead
         if self._index == 0 and -1 in capture.tap_ids:
             capture.taps[-1] = args[0]
