@@ -21,6 +21,7 @@ from mlx_dspark.engine.batch_chain import chains_packable, propose_chains
 from mlx_dspark.engine.batch_length import row_budget_cap
 from mlx_dspark.engine.chain_propose import ChainProposer
 from mlx_dspark.engine.cost_probe import default_head
+from mlx_dspark.engine.gemma4_assistant_propose import AssistantProposer
 from mlx_dspark.engine.options import GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.engine.propose import Proposal
 from mlx_dspark.engine.steps import _chain_proposer
@@ -29,6 +30,7 @@ from mlx_dspark.models.eagle3 import Eagle3Draft
 from mlx_dspark.models.packed import packed_block_hidden, packing_problem
 from mlx_dspark.testing.dflash2_tiny import write_dflash2_draft
 from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
+from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant
 from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
 from mlx_dspark.testing.mtp_deepseek_tiny import write_tiny_nextn_target
 from mlx_dspark.testing.mtp_mimo_tiny import write_tiny_mimo_target
@@ -53,7 +55,7 @@ def _batched(pair, requests, *, joins, cap=row_budget_cap(12)):
     return out, widths, rows
 
 
-def _greedy_rows_equal_their_solo_runs(pair, *, joins=(0, 1, 0, 2, 1), monkeypatch=None):
+def _greedy_rows_equal_their_solo_runs(pair, *, joins=(0, 1, 0, 2, 1), monkeypatch=None, packed=True):
     """`monkeypatch`: a chained head's rows verify their own reference continuation with one wrong token in
     most rounds (`_inject`); the random tiny MTP / EAGLE-3 heads alone are never accepted."""
     requests = [
@@ -73,7 +75,10 @@ def _greedy_rows_equal_their_solo_runs(pair, *, joins=(0, 1, 0, 2, 1), monkeypat
     assert rows[0].proposed and any(row.accepted for row in rows.values()), "the rows draft, some drafts are accepted"
     if monkeypatch is not None:  # partial acceptances: each row rolled back its own caches by its own count
         assert any(0 < r.accepted < r.proposed for r in rows.values()) and len(drafted) > 10
-        assert max(together) >= 3, f"the chained rows drafted together (one packed drafter forward per step): {together}"
+        if packed:
+            assert max(together) >= 3, f"the chained rows drafted together (one packed drafter forward per step): {together}"
+        else:
+            assert not together, "a Gemma 4 assistant's rows draft each over their own target caches"
         for committed, tokens in drafted:  # ... and its chain drafted what a fresh proposer drafts there
             assert tokens == _fresh_chain(pair, committed, len(tokens)), committed
     for i in range(len(requests)):
@@ -99,6 +104,15 @@ def _inject(monkeypatch, sequences: list[list[int]], vocab: int, drafted: list) 
         return Proposal(tokens=mx.array([tokens], dtype=mx.int32), hooked=proposal.hooked)
 
     monkeypatch.setattr(ChainProposer, "revise", revise, raising=False)
+    monkeypatch.setattr(AssistantProposer, "revise", revise, raising=False)
+    real_init = AssistantProposer.__init__
+
+    def init(self, *args, prompt=(), **kwargs):  # the assistant reads no token history: kept here for `revise`
+        real_init(self, *args, prompt=prompt, **kwargs)
+        self.tokens = list(prompt)
+
+    monkeypatch.setattr(AssistantProposer, "__init__", init)
+    monkeypatch.setattr(AssistantProposer, "commit", lambda self, tokens: self.tokens.extend(tokens), raising=False)
 
 
 def _count_packed_chains(monkeypatch) -> list[int]:
@@ -115,18 +129,22 @@ def _count_packed_chains(monkeypatch) -> list[int]:
 
 
 def _fresh_proposer(pair, committed: list[int], options=GenerationOptions()):
-    """A fresh proposer of the pair's chained head after `committed` (prefilled alone)."""
+    """A fresh proposer of the pair's chained head after `committed` (prefilled alone) and what its
+    `propose` takes besides (a Gemma 4 assistant: the prefill's target caches)."""
     proposer = _chain_proposer(pair, default_head(pair), committed[:-1], options)
-    _, features = pair.target(mx.array([committed[:-1]]), cache=pair.target.make_cache(), tap_ids=proposer.tap_ids)
+    cache = pair.target.make_cache()
+    _, features = pair.target(mx.array([committed[:-1]]), cache=cache, tap_ids=proposer.tap_ids)
     proposer.extend(features)
-    proposer.commit([committed[-1]])
-    return proposer
+    if hasattr(proposer, "commit"):
+        proposer.commit([committed[-1]])
+    return proposer, ({"target_cache": cache} if getattr(proposer, "takes_target_cache", False) else {})
 
 
 def _fresh_chain(pair, committed: list[int], num_tokens: int) -> list[int]:
     """The greedy chain a fresh proposer of the pair's chained head drafts after `committed`."""
-    proposer = _fresh_proposer(pair, committed)
-    return proposer.propose(mx.array([committed[-1]]), position=len(committed) - 1, num_tokens=num_tokens).tokens[0].tolist()
+    proposer, extra = _fresh_proposer(pair, committed)
+    anchor = mx.array([committed[-1]])
+    return proposer.propose(anchor, position=len(committed) - 1, num_tokens=num_tokens, **extra).tokens[0].tolist()
 
 
 def _seeded_sampled_row_does_not_depend_on_its_neighbours(pair, monkeypatch=None):
@@ -277,11 +295,11 @@ def _packed_chain_drafts_are_bitwise_each_rows_own(pair):
     committed = [PROMPTS[1] + [5, 6], PROMPTS[0], PROMPTS[2] + PROMPTS[0]]
     lengths = [3, 1, 4]
     hooks = [None, None, lambda row, tokens: None if len(tokens) == 2 else row]
-    rows = [SimpleNamespace(proposer=_fresh_proposer(pair, c), position=len(c) - 1) for c in committed]
+    rows = [SimpleNamespace(proposer=_fresh_proposer(pair, c)[0], position=len(c) - 1) for c in committed]
     assert chains_packable(rows)
     together = propose_chains(rows, lengths, hooks)
     for i, c in enumerate(committed):
-        alone = _fresh_proposer(pair, c).propose(mx.array([c[-1]]), position=len(c) - 1, num_tokens=lengths[i], logits_hook=hooks[i])
+        alone = _fresh_proposer(pair, c)[0].propose(mx.array([c[-1]]), position=len(c) - 1, num_tokens=lengths[i], logits_hook=hooks[i])
         assert together[i].tokens.shape == (1, 2 if i == 2 else lengths[i])
         assert mx.array_equal(together[i].tokens, alone.tokens).item(), i
         assert mx.array_equal(together[i].token_probs, alone.token_probs).item(), i
@@ -302,7 +320,7 @@ def test_a_drafter_whose_packed_step_fails_its_probe_drafts_per_row(tmp_path, mo
     llama = write_tiny_mlx_lm_target(root / "llama", family="llama", seed=0)
     pair = mlx_dspark.load(str(llama), draft=str(write_eagle3_draft(root / "draft", target_path=llama, seed=2)))
     pair.eagle3.__class__ = _IntOffsetEagle3
-    rows = [SimpleNamespace(proposer=_fresh_proposer(pair, c), position=len(c) - 1) for c in PROMPTS]
+    rows = [SimpleNamespace(proposer=_fresh_proposer(pair, c)[0], position=len(c) - 1) for c in PROMPTS]
     assert not chains_packable(rows)
     assert pair.eagle3._dspark_chain_problem.startswith("the _IntOffsetEagle3 drafter: a packed chain step fails (ValueError: ")
     together = _count_packed_chains(monkeypatch)
@@ -311,3 +329,22 @@ def test_a_drafter_whose_packed_step_fails_its_probe_drafts_per_row(tmp_path, mo
     assert widths[0] == 3 and not together, "each row drafted alone"
     for i, (prompt, options) in enumerate(requests):
         assert out[i] == mlx_dspark.generate(pair, prompt, options=options).tokens, i
+
+
+@pytest.fixture(scope="module")
+def assistant_pair(tmp_path_factory):
+    """A tiny gemma4_text target whose sliding window (6) wraps, and a Gemma 4 assistant over its caches."""
+    root = tmp_path_factory.mktemp("batch-assistant")
+    gemma = write_tiny_mlx_lm_target(root / "gemma4", family="gemma4_text", seed=0, sliding_window=6)
+    return mlx_dspark.load(str(gemma), draft=str(write_assistant(root / "assistant", target_path=gemma, seed=1, table_scale=4.0)))
+
+
+def test_assistant_greedy_rows_equal_their_solo_runs(assistant_pair, monkeypatch):
+    """Each row's assistant reads its own target caches, packed-verified with the other rows and rolled back
+    on their own (wrapped sliding windows included): its chains are those a fresh prefill gives."""
+    assert assistant_pair.assistant is not None and packing_problem(assistant_pair) is None
+    _greedy_rows_equal_their_solo_runs(assistant_pair, monkeypatch=monkeypatch, packed=False)
+
+
+def test_assistant_seeded_sampled_row_does_not_depend_on_its_neighbours(assistant_pair):
+    _seeded_sampled_row_does_not_depend_on_its_neighbours(assistant_pair)

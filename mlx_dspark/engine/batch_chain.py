@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from mlx_dspark.engine.chain_propose import chain_proposal, draw_token
+from mlx_dspark.engine.chain_propose import ChainProposer, chain_proposal, draw_token
 from mlx_dspark.engine.propose import Proposal
 from mlx_dspark.models.packed_chain import chain_packing_problem, packed_chain_step
 
@@ -25,7 +25,7 @@ from mlx_dspark.models.packed_chain import chain_packing_problem, packed_chain_s
 def chains_packable(rows: list[Any]) -> bool:
     """Whether these chained rows draft together: two or more, and the drafter's packed step passes its
     load-time probe (a drafter that fails it drafts per row, as before)."""
-    if len(rows) < 2:
+    if len(rows) < 2 or not isinstance(rows[0].proposer, ChainProposer):  # a Gemma 4 assistant: per row
         return False
     lead = rows[0].proposer
     lead.flush()

@@ -57,13 +57,16 @@ def propose_rows(model: Any, rows: list[Any], lengths: list[int]) -> list[Propos
 
 
 def _chained(row: Any, length: int, hook: Callable | None) -> Proposal:
-    """A chained head's row (MTP layers, an EAGLE-3 draft) drafts its `length` steps over its own drafter
-    cache, as a single request does (chain_propose.py: only committed entries stay in that cache, so each
-    row's rollback is its own); a sampled row from its own generator."""
+    """A chained head's row (MTP layers, an EAGLE-3 draft, a Gemma 4 assistant) drafts its `length` steps
+    by itself, as a single request does (chain_propose.py: only committed entries stay in its drafter cache,
+    so each row's rollback is its own; the assistant writes no cache); a sampled row from its own generator."""
     if not row.proposer.greedy:
         row.reseed()
     anchor = mx.array([row.anchor], dtype=mx.int32)
-    return row.proposer.propose(anchor, position=row.position, num_tokens=length, **({} if hook is None else {"logits_hook": hook}))
+    extra = {} if hook is None else {"logits_hook": hook}
+    if getattr(row.proposer, "takes_target_cache", False):  # a Gemma 4 assistant: the row's own target caches,
+        extra["target_cache"] = row.prompt_cache.target_cache  # at its committed positions (rolled back last round)
+    return row.proposer.propose(anchor, position=row.position, num_tokens=length, **extra)
 
 
 def _blocks(model: Any, rows: list[Any], lengths: list[int], hooks: list[Callable | None]) -> list[Proposal]:
