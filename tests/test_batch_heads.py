@@ -34,6 +34,8 @@ from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant
 from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
 from mlx_dspark.testing.mtp_deepseek_tiny import write_tiny_nextn_target
 from mlx_dspark.testing.mtp_mimo_tiny import write_tiny_mimo_target
+from mlx_dspark.testing.mtp_nemotron_h_tiny import write_tiny_nemotron_h_target
+from mlx_dspark.testing.mtp_qwen3_next_tiny import write_tiny_qwen3_next_target
 from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target
 from mlx_dspark.testing.tiny import write_tiny_draft
 from tests.batch_helpers import drive_batch
@@ -213,11 +215,20 @@ def test_mtp_greedy_rows_equal_their_solo_runs(mtp_pair, monkeypatch):
     _greedy_rows_equal_their_solo_runs(mtp_pair, monkeypatch=monkeypatch)
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "mimo"])
+NEXT_N_TARGETS = {
+    "mimo": write_tiny_mimo_target,
+    "qwen3_next": write_tiny_qwen3_next_target,
+    "nemotron_h": write_tiny_nemotron_h_target,  # its MTP block: attention + MoE layers
+}
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", *NEXT_N_TARGETS])
 def nextn_pair(request, tmp_path_factory):
-    """The next-n (DeepSeek-V3: its MLA attention runs per sequence in the packed verify; GLM) and MiMo MTP layers."""
+    """The next-n (DeepSeek-V3: its MLA attention runs per sequence in the packed verify; GLM), MiMo,
+    Qwen3-Next and Nemotron-H MTP layers."""
     path = tmp_path_factory.mktemp(f"batch-{request.param}") / "target"
-    target = write_tiny_mimo_target(path, seed=0) if request.param == "mimo" else write_tiny_nextn_target(path, family=request.param, seed=0)
+    write = NEXT_N_TARGETS.get(request.param)
+    target = write(path, seed=0) if write else write_tiny_nextn_target(path, family=request.param, seed=0)
     return mlx_dspark.load(str(target), draft="mtp")
 
 
@@ -285,7 +296,7 @@ def test_packed_chain_drafts_are_bitwise_each_rows_own(head, request):
 
 
 def test_next_n_and_mimo_packed_chain_drafts_are_bitwise_each_rows_own(nextn_pair):
-    """DeepSeek-V3's next-n layer: its MLA attention runs per row inside the packed step."""
+    """Every MTP family (DeepSeek-V3's next-n layer: its MLA attention runs per row inside the packed step)."""
     _packed_chain_drafts_are_bitwise_each_rows_own(nextn_pair)
 
 
