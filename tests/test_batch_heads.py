@@ -219,13 +219,14 @@ NEXT_N_TARGETS = {
     "mimo": write_tiny_mimo_target,
     "qwen3_next": write_tiny_qwen3_next_target,
     "nemotron_h": write_tiny_nemotron_h_target,  # its MTP block: attention + MoE layers
+    "qwen3_5_moe": lambda path, seed: write_tiny_qwen3_5_mtp_target(path, seed=seed, family="qwen3_5_moe"),  # sparse MoE MLP
 }
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", *NEXT_N_TARGETS])
 def nextn_pair(request, tmp_path_factory):
     """The next-n (DeepSeek-V3: its MLA attention runs per sequence in the packed verify; GLM), MiMo,
-    Qwen3-Next and Nemotron-H MTP layers."""
+    Qwen3-Next, Nemotron-H and Qwen3.5-MoE MTP layers."""
     path = tmp_path_factory.mktemp(f"batch-{request.param}") / "target"
     write = NEXT_N_TARGETS.get(request.param)
     target = write(path, seed=0) if write else write_tiny_nextn_target(path, family=request.param, seed=0)
