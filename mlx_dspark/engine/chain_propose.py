@@ -44,9 +44,10 @@ class ChainProposer:
         """Committed entries: tokens (1, n) at t + 1, the target's features (1, n, F) at t -> outputs (1, n, C)."""
         raise NotImplementedError
 
-    def _step(self, token_ids: mx.array, hidden: mx.array, step: int = 0) -> mx.array:
+    def _step(self, token_ids: mx.array, hidden: mx.array, step: int = 0, cache: list | None = None) -> mx.array:
         """One chained (speculative) entry, the proposal's `step`-th: the draft just proposed (1, 1), the
-        previous output (1, 1, C)."""
+        previous output (1, 1, C). `cache`: another cache list than `self.cache` (a batch's packed step,
+        engine/batch_chain.py: rows (b, 1) over the rows' own caches)."""
         raise NotImplementedError
 
     def _logits(self, hidden: mx.array, step: int = 0) -> mx.array:
@@ -109,14 +110,26 @@ def draw_chain(first: mx.array, *, step: Callable, logits: Callable, num_tokens:
             row = logits_hook(row, tokens)
             if row is None:  # the hook ends the proposal here
                 break
-        if greedy:
-            token = mx.argmax(row, axis=-1)
-        else:
-            scaled = row * (1.0 / temperature)
-            token = mx.random.categorical(scaled)
-            draft_probs.append(mx.softmax(scaled, axis=-1))
-        token_probs.append(mx.exp(mx.max(row, axis=-1) - mx.logsumexp(row, axis=-1)))
-        tokens.append(token.astype(mx.int32))
+        draw_token(row, tokens, token_probs, draft_probs, greedy=greedy, temperature=temperature)
+    return chain_proposal(tokens, token_probs, draft_probs, greedy=greedy)
+
+
+def draw_token(row: mx.array, tokens: list, token_probs: list, draft_probs: list, *, greedy: bool, temperature: float,
+               key: mx.array | None = None) -> None:
+    """One chain step's draft from its (processed) logits row (1, V), appended to the lists: argmax, or a
+    draw from softmax(row / T) (from `key` when given) whose distribution goes to `draft_probs`."""
+    if greedy:
+        token = mx.argmax(row, axis=-1)
+    else:
+        scaled = row * (1.0 / temperature)
+        token = mx.random.categorical(scaled, key=key)
+        draft_probs.append(mx.softmax(scaled, axis=-1))
+    token_probs.append(mx.exp(mx.max(row, axis=-1) - mx.logsumexp(row, axis=-1)))
+    tokens.append(token.astype(mx.int32))
+
+
+def chain_proposal(tokens: list, token_probs: list, draft_probs: list, *, greedy: bool) -> Proposal:
+    """The Proposal of a chain's drafts (1,) each, in order (none: an empty proposal)."""
     if not tokens:
         empty = mx.zeros((1, 0), mx.int32)
         return Proposal(tokens=empty, token_probs=empty.astype(mx.float32))

@@ -30,14 +30,15 @@ class Eagle3Proposer(ChainProposer):
         size = default_block_size(draft) if block_size is None else block_size
         super().__init__(prompt=prompt, greedy=greedy, temperature=temperature, block_size=size, what="EAGLE-3")
         self.draft, self.target = draft, target
+        self.module = draft  # the drafter a batch's packed chain step runs (models/packed_chain.py)
         self.tap_ids = draft.args.tap_ids(target.args.num_hidden_layers)
         self.cache = draft.make_cache()
 
     def _entries(self, next_ids: mx.array, features: mx.array) -> mx.array:
         return self.draft(self.draft.embed(next_ids, self.target), self.draft.fuse(features), self.cache)
 
-    def _step(self, token_ids: mx.array, hidden: mx.array, step: int = 0) -> mx.array:
-        return self.draft(self.draft.embed(token_ids, self.target), hidden, self.cache)
+    def _step(self, token_ids: mx.array, hidden: mx.array, step: int = 0, cache: list | None = None) -> mx.array:
+        return self.draft(self.draft.embed(token_ids, self.target), hidden, self.cache if cache is None else cache)
 
     def _logits(self, hidden: mx.array, step: int = 0) -> mx.array:
         return self.draft.logits(hidden)
