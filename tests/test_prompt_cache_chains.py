@@ -26,6 +26,7 @@ from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant
 from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
 from mlx_dspark.testing.mtp_mimo_tiny import write_tiny_mimo_target
 from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target
+from mlx_dspark.testing.tiny import write_tiny_draft
 
 OUT = 16  # tokens generated per turn
 PROMPT = 40  # first prompt's length (snapshots at 23 and 39)
@@ -34,17 +35,22 @@ PROPOSERS = {"mtp": MTPProposer, "eagle3": Eagle3Proposer, "assistant": Assistan
 
 
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
+def checkpoints(tmp_path_factory):
+    """(target, draft) per pair: a path, or "mtp" for the target's own layers."""
     root = tmp_path_factory.mktemp("chain_cache")
     llama = write_tiny_mlx_lm_target(root / "llama", family="llama", seed=0)
     gemma = write_tiny_mlx_lm_target(root / "gemma4", family="gemma4_text", seed=0, sliding_window=8)
-    loaded = {
+    return {
         "mtp-qwen3_5": (write_tiny_qwen3_5_mtp_target(root / "qwen3_5", seed=0), "mtp"),
         "mtp-mimo": (write_tiny_mimo_target(root / "mimo", seed=0), "mtp"),
         "eagle3": (llama, str(write_eagle3_draft(root / "eagle3", target_path=llama, seed=5))),
         "assistant": (gemma, str(write_assistant(root / "assistant", target_path=gemma, seed=1, table_scale=4.0))),
     }
-    return {name: mlx_dspark.load(str(target), draft=draft) for name, (target, draft) in loaded.items()}
+
+
+@pytest.fixture(scope="module")
+def pairs(checkpoints):
+    return {name: mlx_dspark.load(str(target), draft=draft) for name, (target, draft) in checkpoints.items()}
 
 
 def head_of(model) -> str:
@@ -119,6 +125,9 @@ def second_prompt(kind: str, model, cache, prompt: list[int], out: list[int]) ->
     new = [5, 9, 11, 4]
     if kind == "extend":  # the history as it was, then a new turn
         return prompt + out + new
+    if kind == "after_stop":  # a stop after 10 tokens: the cache forgets what the round committed past it
+        cache.forget_past(prompt + out[:10])
+        return prompt + out[:10] + new
     if kind == "next_changed":  # the held tokens, then another token than the one the drafter paired with
         held = list(cache.tokens)
         return held + [(max(next_token(model, cache), 3) + 1) % vocab] + new
@@ -140,10 +149,12 @@ EXPECTED = {
     ("eagle3", "in_reply"): PROMPT + 7,
     ("assistant", "in_prompt"): PROMPT - 1 - 16,
     ("assistant", "in_reply"): PROMPT - 1,
+    ("mtp-qwen3_5", "after_stop"): PROMPT - 1,
+    ("assistant", "after_stop"): PROMPT - 1,
 }
 
 
-@pytest.mark.parametrize("kind", ["extend", "next_changed", "in_prompt", "in_reply"])
+@pytest.mark.parametrize("kind", ["extend", "next_changed", "in_prompt", "in_reply", "after_stop"])
 @pytest.mark.parametrize("pair", PAIRS)
 def test_a_second_turn_resumes_the_heads_state_and_drafts_as_a_cold_run(pairs, pair, kind):
     model = pairs[pair]
@@ -159,6 +170,8 @@ def test_a_second_turn_resumes_the_heads_state_and_drafts_as_a_cold_run(pairs, p
     assert cache.cached_tokens == expected
     if kind in ("extend", "next_changed"):
         assert cache.cached_tokens == held  # the whole held sequence; the boundary entry written again
+    elif kind == "after_stop":  # the entry at the stop pairs with a forgotten token: one position before it
+        assert cache.cached_tokens == EXPECTED.get((pair, kind), PROMPT + 9)
     else:
         assert cache.cached_tokens == EXPECTED[pair, kind]
     plain = mlx_dspark.generate(model, second, max_tokens=OUT, speculative=False).tokens
@@ -223,3 +236,43 @@ def test_a_chain_over_a_state_of_its_own_or_after_a_plain_turn_starts_cold(pairs
     fourth = third + [7]
     assert run(model, fourth, cache=cache) == run(model, fourth)
     assert cache.cached_tokens == 0  # the chain did not follow the plain turn
+
+
+@pytest.mark.parametrize("heads", ["dspark+mtp", "eagle3+mtp"])
+def test_several_heads_resume_together_and_decode_as_a_cold_run(checkpoints, heads, tmp_path):
+    target = checkpoints["mtp-qwen3_5"][0]
+    if heads == "dspark+mtp":
+        draft = write_tiny_draft(tmp_path / "draft", target_path=target, seed=1, layer_family="qwen3", include_shared=False)
+    else:
+        draft = write_eagle3_draft(tmp_path / "eagle3", target_path=target, seed=3, include_embedding=False)
+    model = mlx_dspark.load(str(target), draft=f"{draft},mtp")
+    cache = mlx_dspark.make_prompt_cache(model)
+    options = {"max_tokens": 12, "max_draft_tokens": 3, "lookup": "off"}
+    first_prompt = list(range(20, 60))
+    first = mlx_dspark.generate(model, first_prompt, prompt_cache=cache, **options)
+    second_prompt = first_prompt + first.tokens + [7, 8, 9]
+    warm = mlx_dspark.generate(model, second_prompt, prompt_cache=cache, **options)
+    cold = mlx_dspark.generate(model, second_prompt, **options)
+    assert warm.cached_tokens >= len(first_prompt) and cold.cached_tokens == 0
+    assert warm.tokens == cold.tokens == mlx_dspark.generate(model, second_prompt, max_tokens=12, speculative=False).tokens
+    assert warm.acceptance_lengths == cold.acceptance_lengths  # each head's proposals as cold, round by round
+
+
+def test_the_servers_second_turn_with_mtp_reports_cached_tokens_and_the_cold_servers_reply(checkpoints):
+    from mlx_dspark.serve.cache_pool import PromptCacheBudget
+    from tests.test_server import running_server
+    from tests.test_server_prompt_cache import DEFAULTS, two_turns
+
+    target = checkpoints["mtp-mimo"][0]
+    loader = lambda: mlx_dspark.load(str(target), draft="mtp")  # noqa: E731
+    with running_server(loader, defaults=DEFAULTS) as warm:
+        first, second = two_turns(warm)
+    with running_server(loader, defaults=DEFAULTS, prompt_cache=PromptCacheBudget(0)) as cold:
+        cold_first, cold_second = two_turns(cold)
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
+    assert cold_second["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    for reply, cold_reply in ((first, cold_first), (second, cold_second)):
+        assert reply["choices"][0]["message"] == cold_reply["choices"][0]["message"]
+        for key in ("speculative", "rounds", "accepted_tokens", "proposed_tokens"):
+            assert reply["dspark"][key] == cold_reply["dspark"][key], key

@@ -35,8 +35,20 @@ caches that are no longer its own.
 
 Draft context. The draft proposer must read and extend this cache's `draft_context`
 (`DraftProposer(..., context=prompt_cache.draft_context)`); a plain generation does not extend it,
-so switching between plain and speculative generations on one cache restarts it cold. A speculative
-generation with a proposer whose state this cache does not hold (no `draft_context`) is always cold.
+so switching between plain and speculative generations on one cache restarts it cold.
+
+Chained heads (issue 35.5). An MTP / EAGLE-3 proposer drafts over this cache's `chain_context(name,
+make_cache)` (`context=`; engine/chain_context.py): the drafter's KV cache (full attention: trimmed to any
+position, so snapshots copy nothing of it), its entries, the tokens they pair with, the waiting features and
+the newest entry's features. Entry t pairs the target's features at t with the token at t + 1, so a resume
+also stops where a chain can no longer serve exactly (`ChainContext.reach`): the entry before the resumed
+position is kept when its next token is the prompt's, written again from kept features otherwise (the newest
+entry's: a next turn that extends the held tokens with another token than the last anchor), else the resume
+starts one position earlier (the target then gives that position's features again). A Gemma 4 assistant keeps
+nothing of its own (`resumable`, `start_at`): it reads the target's caches and the newest features, which the
+prefill always gives. Several heads (`HeadChoice`) resume together over their states. A chain that did not
+follow the latest generation, or a proposer whose state this cache does not hold (a chain of its own, or no
+`draft_context` and not `resumable`), starts cold.
 """
 
 from __future__ import annotations
