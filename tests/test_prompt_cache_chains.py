@@ -276,3 +276,34 @@ def test_the_servers_second_turn_with_mtp_reports_cached_tokens_and_the_cold_ser
         assert reply["choices"][0]["message"] == cold_reply["choices"][0]["message"]
         for key in ("speculative", "rounds", "accepted_tokens", "proposed_tokens"):
             assert reply["dspark"][key] == cold_reply["dspark"][key], key
+
+
+@pytest.mark.parametrize("pair", ["mtp-mimo", "eagle3"])
+def test_batched_rows_resume_their_chains_and_draft_as_cold_rows(pairs, pair, monkeypatch):
+    """As the server's batch worker runs them (`--max-batch`): each row over its own prompt cache."""
+    from mlx_dspark.engine.chain_propose import ChainProposer
+    from mlx_dspark.engine.options import GenerationOptions
+    from tests.batch_helpers import drive_batch
+
+    model = pairs[pair]
+    drafted: list[list] = []
+
+    def revise(self, proposal, *, position, num_tokens):  # records what each row's chain drafted, after what
+        drafted[-1].append((tuple(self.tokens), tuple(proposal.tokens[0].tolist())))
+        return proposal
+
+    monkeypatch.setattr(ChainProposer, "revise", revise, raising=False)
+    options = GenerationOptions(max_tokens=12, speculation=SpeculationOptions(max_draft_tokens=3, lookup="off"))
+    prompts = [list(range(20, 60)), [9, 8, 7, 6, 5, 4, 3, 2, 1] * 4]
+    caches = [mlx_dspark.make_prompt_cache(model) for _ in prompts]
+    drafted.append([])
+    first, *_ = drive_batch(model, [(p, options) for p in prompts], joins=[0, 1], caches=caches)
+    second = [p + first[i] + [7, 8, 9] for i, p in enumerate(prompts)]
+    drafted.append([])
+    warm, *_ = drive_batch(model, [(p, options) for p in second], joins=[0, 1], caches=caches)
+    assert all(c.cached_tokens >= len(p) for c, p in zip(caches, prompts))
+    drafted.append([])
+    cold, *_ = drive_batch(model, [(p, options) for p in second], joins=[0, 1])
+    assert warm == cold
+    assert all(warm[i] == mlx_dspark.generate(model, p, max_tokens=12, speculative=False).tokens for i, p in enumerate(second))
+    assert drafted[1] and sorted(drafted[1]) == sorted(drafted[2])  # each row's chain drafted as a cold row's

@@ -118,7 +118,7 @@ class BatchRow:
                 greedy=self.speculation.draft_sampling == "greedy" or self.sampler.greedy,
                 temperature=max(self.sampler.temperature, 1e-6),
                 context=self.prompt_cache.draft_context,
-            ) if head == "draft" else _chain_proposer(model, head, self.prompt, options)  # fmt: skip
+            ) if head == "draft" else _chain_proposer(model, head, self.prompt, options, self.prompt_cache)  # fmt: skip
         self.chained = isinstance(self.proposer, ChainProposer)  # drafts k chained steps of its own (batch_propose.py)
         # this machine's single-request curve (measured once and cached), read once for the row's length
         # policy, its Chooser and its confidence schedule
