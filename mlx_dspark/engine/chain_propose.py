@@ -98,8 +98,9 @@ class ChainProposer:
         nxt = mx.array(chain.tokens[chain.entries + 1 : chain.entries + 1 + ready], dtype=mx.int32)[None]
         out = self._entries(nxt, features[:, :ready])  # (1, ready, C)
         chain.entries += ready
-        chain.last, chain.last_features = out[:, -1:], features[:, ready - 1 : ready]
-        mx.async_eval(chain.last, *(a for c in chain.cache for a in (c.keys, c.values) if a is not None))
+        # the newest entry's features, in a buffer of their own (a slice would keep the whole chunk alive)
+        chain.last, chain.last_features = out[:, -1:], mx.contiguous(features[:, ready - 1 : ready])
+        mx.async_eval(chain.last, chain.last_features, *(a for c in chain.cache for a in (c.keys, c.values) if a is not None))
 
     def propose(self, anchor: mx.array, *, position: int, num_tokens: int, logits_hook: Callable | None = None) -> Proposal:
         """Up to `num_tokens` chained drafts for positions position+1 ..; anchor (1,) sits at `position`."""
