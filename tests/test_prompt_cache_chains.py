@@ -10,6 +10,7 @@ lossless whatever the drafter holds). Tiny float32 checkpoints written once per 
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import mlx.core as mx
 import pytest
@@ -27,6 +28,7 @@ from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
 from mlx_dspark.testing.mtp_mimo_tiny import write_tiny_mimo_target
 from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target
 from mlx_dspark.testing.tiny import write_tiny_draft
+from tests.engine_helpers import sampled_prefix
 
 OUT = 16  # tokens generated per turn
 PROMPT = 40  # first prompt's length (snapshots at 23 and 39)
@@ -84,15 +86,11 @@ def run(model, prompt, *, cache=None, temperature=0.0, blocks=None, n=OUT, chain
     proposer = Recording(inner, [] if blocks is None else blocks)
     (chains if chains is not None else []).extend(getattr(inner, "chains", ()))
     steps = speculative_steps(model.target, proposer, prompt, sampler=sampler, speculation=FIXED, prompt_cache=cache)
-    out: list[int] = []
-    for step in steps:
-        out.extend(step.tokens)
-        if len(out) >= n:
-            break
+    out = list(sampled_prefix(steps, n, Counter()))
     steps.close()
     if flush:
         getattr(inner, "flush", lambda: None)()
-    return out[:n]
+    return out
 
 
 def assert_same_drafter_state(warm: list, cold: list) -> None:
