@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark
+from mlx_dspark.engine.cost_probe import head_names
 from mlx_dspark.engine.decode import speculative_steps
 from mlx_dspark.engine.eagle3_propose import Eagle3Proposer
 from mlx_dspark.engine.gemma4_assistant_propose import AssistantProposer
@@ -236,14 +237,17 @@ def test_a_chain_over_a_state_of_its_own_or_after_a_plain_turn_starts_cold(pairs
     assert cache.cached_tokens == 0  # the chain did not follow the plain turn
 
 
-@pytest.mark.parametrize("heads", ["dspark+mtp", "eagle3+mtp"])
+@pytest.mark.parametrize("heads", ["dspark+mtp", "eagle3+mtp", "dspark+eagle3+mtp"])
 def test_several_heads_resume_together_and_decode_as_a_cold_run(checkpoints, heads, tmp_path):
     target = checkpoints["mtp-qwen3_5"][0]
-    if heads == "dspark+mtp":
-        draft = write_tiny_draft(tmp_path / "draft", target_path=target, seed=1, layer_family="qwen3", include_shared=False)
-    else:
-        draft = write_eagle3_draft(tmp_path / "eagle3", target_path=target, seed=3, include_embedding=False)
-    model = mlx_dspark.load(str(target), draft=f"{draft},mtp")
+    files = []
+    if "dspark" in heads:
+        files.append(write_tiny_draft(tmp_path / "draft", target_path=target, seed=1, layer_family="qwen3", include_shared=False))
+    if "eagle3" in heads:
+        files.append(write_eagle3_draft(tmp_path / "eagle3", target_path=target, seed=3, include_embedding=False))
+    taps = {"draft_tap_ids": [0, 2]} if len(files) == 2 else {}  # the block draft's own layers beside EAGLE-3's
+    model = mlx_dspark.load(str(target), draft=",".join([*map(str, files), "mtp"]), **taps)
+    assert len(head_names(model)) == len(files) + 1
     cache = mlx_dspark.make_prompt_cache(model)
     options = {"max_tokens": 12, "max_draft_tokens": 3, "lookup": "off"}
     first_prompt = list(range(20, 60))
@@ -252,6 +256,7 @@ def test_several_heads_resume_together_and_decode_as_a_cold_run(checkpoints, hea
     warm = mlx_dspark.generate(model, second_prompt, prompt_cache=cache, **options)
     cold = mlx_dspark.generate(model, second_prompt, **options)
     assert warm.cached_tokens >= len(first_prompt) and cold.cached_tokens == 0
+    assert sorted(cache.chains) == [name for name in sorted(head_names(model)) if name != "draft"]  # each chain's own
     assert warm.tokens == cold.tokens == mlx_dspark.generate(model, second_prompt, max_tokens=12, speculative=False).tokens
     assert warm.acceptance_lengths == cold.acceptance_lengths  # each head's proposals as cold, round by round
 
