@@ -221,7 +221,7 @@ def test_api_turns_with_a_prompt_cache_report_cached_tokens_and_decode_as_cold_a
     assert warm.acceptance_lengths == cold.acceptance_lengths  # the same proposals, round by round
 
 
-def test_a_chain_over_a_state_of_its_own_or_after_a_plain_turn_starts_cold(pairs):
+def test_a_chain_over_a_state_of_its_own_or_after_a_plain_turn_starts_cold_and_another_caches_is_refused(pairs):
     model = pairs["mtp-mimo"]
     cache, prompt, out = first_turn(model)
     second = prompt + out + [4, 5]
@@ -235,6 +235,11 @@ def test_a_chain_over_a_state_of_its_own_or_after_a_plain_turn_starts_cold(pairs
     fourth = third + [7]
     assert run(model, fourth, cache=cache) == run(model, fourth)
     assert cache.cached_tokens == 0  # the chain did not follow the plain turn
+    other = mlx_dspark.make_prompt_cache(model)
+    foreign = MTPProposer(model.mtp, model.target, prompt=fourth, greedy=True, temperature=1.0,
+                          context=cache.chain_context("mtp", model.mtp.make_cache))  # fmt: skip
+    with pytest.raises(ValueError, match=r"context=prompt_cache.chain_context\(name, drafter.make_cache\)"):
+        next(speculative_steps(model.target, foreign, fourth, sampler=Sampler(), prompt_cache=other))
 
 
 @pytest.mark.parametrize("heads", ["dspark+mtp", "eagle3+mtp", "dspark+eagle3+mtp"])

@@ -170,6 +170,12 @@ class PromptCache:
                 "the proposer does not use this prompt cache's draft context: "
                 "build it as DraftProposer(..., context=prompt_cache.draft_context)"
             )
+        for chain in getattr(proposer, "chains", ()):
+            if chain not in self.chains.values() and (chain.entries or chain.waiting):
+                raise ValueError(
+                    "the proposer drafts over a chained head's state that is not this prompt cache's: build it "
+                    "with context=prompt_cache.chain_context(name, drafter.make_cache), or with a fresh state"
+                )
         chains = self._held(proposer) if speculative else ()
         start, snapshot = self._plan(prompt, speculative=speculative, chains=chains)
         self._lease += 1
