@@ -22,6 +22,7 @@ from mlx_dspark.engine.eagle3_propose import Eagle3Proposer
 from mlx_dspark.engine.gemma4_assistant_propose import AssistantProposer
 from mlx_dspark.engine.mtp_propose import MTPProposer
 from mlx_dspark.engine.options import SpeculationOptions
+from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.sample import Sampler
 from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
 from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant
@@ -264,6 +265,11 @@ def test_several_heads_resume_together_and_decode_as_a_cold_run(checkpoints, hea
     assert sorted(cache.chains) == [name for name in sorted(head_names(model)) if name != "draft"]  # each chain's own
     assert warm.tokens == cold.tokens == mlx_dspark.generate(model, second_prompt, max_tokens=12, speculative=False).tokens
     assert warm.acceptance_lengths == cold.acceptance_lengths  # each head's proposals as cold, round by round
+    if "dspark" in heads:  # a cache made without the block draft holds no context for it: every turn is cold
+        bare = PromptCache(model.target)
+        mlx_dspark.generate(model, first_prompt, prompt_cache=bare, **options)
+        again = mlx_dspark.generate(model, second_prompt, prompt_cache=bare, **options)
+        assert again.cached_tokens == 0 and again.tokens == cold.tokens
 
 
 def test_the_servers_second_turn_with_mtp_reports_cached_tokens_and_the_cold_servers_reply(checkpoints):

@@ -170,7 +170,8 @@ class PromptCache:
                 "the proposer does not use this prompt cache's draft context: "
                 "build it as DraftProposer(..., context=prompt_cache.draft_context)"
             )
-        for chain in getattr(proposer, "chains", ()):
+        used = tuple(getattr(proposer, "chains", ()))
+        for chain in used:
             if chain not in self.chains.values() and (chain.entries or chain.waiting):
                 raise ValueError(
                     "the proposer drafts over a chained head's state that is not this prompt cache's: build it "
@@ -185,7 +186,7 @@ class PromptCache:
         else:
             self._rewind(start, snapshot, speculative=speculative, chains=chains or (), prompt=prompt)
         for chain in self.chains.values():
-            if chain not in (chains or ()):
+            if chain not in used:
                 chain.reset()  # it does not follow this generation: stale from here on (memory freed)
             elif start == 0:
                 chain.reset(prompt)  # a cold prefill of the whole prompt follows
@@ -261,6 +262,8 @@ class PromptCache:
         chains = tuple(getattr(proposer, "chains", ()))
         if self.draft_context is None and not getattr(proposer, "resumable", False):
             return None
+        if getattr(proposer, "context", None) is not self.draft_context:
+            return None  # a block draft's context of its own (a cache made without the draft)
         if any(all(chain is not held for held in self.chains.values()) for chain in chains):
             return None
         return chains
