@@ -116,7 +116,7 @@ class BatchRow:
                 greedy=self.speculation.draft_sampling == "greedy" or self.sampler.greedy,
                 temperature=max(self.sampler.temperature, 1e-6),
                 context=self.prompt_cache.draft_context,
-            ) if head == "draft" else _chain_proposer(model, head, self.prompt, options)  # fmt: skip
+            ) if head == "draft" else _chain_proposer(model, head, self.prompt, options, self.prompt_cache)  # fmt: skip
         # drafts k chained steps of its own (batch_propose.py); a Gemma 4 assistant over the row's target caches
         self.chained = isinstance(self.proposer, ChainProposer) or getattr(self.proposer, "takes_target_cache", False)
         # this machine's single-request curve (measured once and cached), read once for the row's length

@@ -29,11 +29,11 @@ def chains_packable(rows: list[Any]) -> bool:
         return False
     lead = rows[0].proposer
     lead.flush()
-    if lead._last is None:
+    if lead.chain.last is None:
         return False
     return chain_packing_problem(
         lead.module, lambda ids, hidden, caches: lead._step(ids, hidden, step=1, cache=caches),
-        width=lead._last.shape[-1], vocab=lead.target.args.vocab_size, make_cache=lead.module.make_cache,
+        width=lead.chain.last.shape[-1], vocab=lead.target.args.vocab_size, make_cache=lead.module.make_cache,
     ) is None  # fmt: skip
 
 
@@ -42,12 +42,12 @@ def propose_chains(rows: list[Any], lengths: list[int], hooks: list[Callable | N
     proposers = [row.proposer for row in rows]
     for row, proposer in zip(rows, proposers):
         proposer.flush()
-        assert proposer.entries == row.position and proposer._last is not None, (proposer.entries, row.position)
+        assert proposer.entries == row.position and proposer.chain.last is not None, (proposer.entries, row.position)
     lead = proposers[0]
     keys = [None if p.greedy else mx.random.split(row.draw_key(), max(n, 1)) for row, p, n in zip(rows, proposers, lengths)]
     drafts: list[tuple[list, list, list]] = [([], [], []) for _ in rows]  # tokens, token_probs, draft_probs
     active = [i for i, n in enumerate(lengths) if n > 0]
-    hidden = mx.concatenate([proposers[i]._last for i in active], axis=0) if active else None  # (a, 1, C)
+    hidden = mx.concatenate([proposers[i].chain.last for i in active], axis=0) if active else None  # (a, 1, C)
     for k in range(max(lengths, default=0)):
         if k:
             tokens = mx.concatenate([drafts[i][0][-1] for i in active])[:, None]  # (a, 1)

@@ -127,6 +127,8 @@ class Chooser:
         self.tap_ids = tuple(self.draft.tap_ids) if self.draft is not None else ()
         self.block_size = int(self.draft.block_size) if self.draft is not None else self.max_lookup
         self.context = getattr(self.draft, "context", None)  # the prompt cache checks the draft context
+        self.chains = tuple(getattr(self.draft, "chains", ()))  # and holds a chained draft's state
+        self.resumable = getattr(self.draft, "resumable", False)
         self.takes_target_cache = getattr(self.draft, "takes_target_cache", False)  # handed on to the draft
         self.draft_rate = Acceptance()
         self.lookup_rates: dict[int, Acceptance] = {}
@@ -155,6 +157,9 @@ class Chooser:
     def flush(self) -> None:
         if self.draft is not None:
             getattr(self.draft, "flush", lambda: None)()
+
+    def start_at(self, position: int) -> None:
+        getattr(self.draft, "start_at", lambda position: None)(position)
 
     def take_catch_up_ms(self) -> float:
         """The draft's catch-up time since the last call (propose.DraftProposer.take_catch_up_ms)."""

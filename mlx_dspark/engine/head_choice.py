@@ -44,6 +44,9 @@ class HeadChoice:
         self.block_size = max(int(head.block_size) for head in heads.values())
         self.takes_target_cache = any(getattr(h, "takes_target_cache", False) for h in heads.values())  # handed on
         self.context = next((getattr(h, "context", None) for h in heads.values() if getattr(h, "context", None) is not None), None)
+        # a prompt cache resumes the heads together: a block draft over its draft context, chains over its chains
+        self.chains = tuple(chain for head in heads.values() for chain in getattr(head, "chains", ()))
+        self.resumable = all(getattr(h, "resumable", False) or getattr(h, "context", None) is not None for h in heads.values())
         self.acceptance = {name: [PRIOR] * int(head.block_size) for name, head in heads.items()}
         self.chosen: Counter[str] = Counter()  # rounds each head proposed, for benchmarks
         self._current: str | None = None  # the head of the round in flight; None: parked
@@ -148,6 +151,10 @@ class HeadChoice:
     def flush(self) -> None:
         for head in self.heads.values():
             getattr(head, "flush", lambda: None)()
+
+    def start_at(self, position: int) -> None:
+        for head in self.heads.values():
+            getattr(head, "start_at", lambda position: None)(position)
 
     def take_catch_up_ms(self) -> float:
         return sum(getattr(head, "take_catch_up_ms", lambda: 0.0)() for head in self.heads.values())
