@@ -147,7 +147,7 @@ def build_draft(
         )
     # Read once: DeepSpec tensor names from any packaging, the layer family from them, then the args.
     weights, origin = canonical_names(checkpoint.weights, checkpoint.origin, source=source)
-    config = with_tensor_fields(config, {k: tuple(v.shape) for k, v in weights.items()})
+    config = with_tensor_fields(config, {k: tuple(v.shape) for k, v in weights.items()}, source=config_source)
     family = layer_family(list(weights), source=source)
     args = DraftArgs.from_dict(config, family=family, source=config_source, tap_ids=None if tap_ids is None else list(tap_ids))
     taps_field = "target_layer_ids" if tap_ids is None else "draft_tap_ids"
@@ -325,6 +325,11 @@ def load(
             nn.quantize(draft_model, q_group_size, quantize, class_predicate=quant_predicate(draft_model, group_size=q_group_size))
         draft_model.eval()
         if draft_vocab is not None:
+            if draft_model.args.dflash2 is not None:  # its selector takes candidates from the whole head
+                raise ValueError(
+                    f"{draft_path}: a DFlash2 draft's candidate selector reads the target's whole LM head; draft_vocab / "
+                    "--draft-vocab applies to DSpark and DFlash drafts"
+                )
             if draft_model.args.packaging.draft_vocab_size is not None:
                 raise ValueError(
                     f"{draft_path}: this draft already drafts over a reduced vocabulary of its own (d2t, "

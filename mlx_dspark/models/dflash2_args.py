@@ -47,3 +47,27 @@ def dflash2_fields(config: dict, *, hidden_size: int, vocab_size: int, source: s
         output_multiplier=1.0 if scale is None else float(scale),
         final_logit_softcapping=float(cap) if cap else None,
     )
+
+
+def check_dflash2_heads(
+    *, sample_from_anchor: bool, draft_vocab_size: Optional[int], markov_rank: int, confidence: bool, source: str
+) -> None:
+    """Refuse what a DFlash 2 draft's selector would silently ignore: it drafts from block rows 1.. (row 0
+    is the anchor: `sample_from_anchor` must be false, speculators #1006), over the target's whole LM
+    head (no `draft_vocab_size` / `d2t` rows), with no Markov or confidence head of DSpark's."""
+    if sample_from_anchor:
+        raise ValueError(
+            f"{source}: field 'sample_from_anchor' is true but a DFlash2 draft drafts from block row 1 (row 0 is the anchor); "
+            "leave it out or set it false"
+        )
+    if draft_vocab_size is not None:
+        raise ValueError(
+            f"{source}: field 'draft_vocab_size' is {draft_vocab_size} but a DFlash2 draft's selector reads the target's whole "
+            "LM head; a reduced (d2t) vocabulary is not supported for DFlash2 drafts"
+        )
+    if markov_rank or confidence:
+        what = "markov_rank > 0" if markov_rank else "enable_confidence_head true"
+        raise ValueError(
+            f"{source}: {what} on a DFlash2 draft: its candidate selector drafts, a DSpark Markov / confidence head "
+            "would be ignored; not supported"
+        )

@@ -44,6 +44,13 @@ SPECULATORS_TYPES = ("dflash", "dspark")
 _OTHER_GRAPHS = {
     "hyper_connection_count": "a DeepSeek-V4 DSpark draft (hyper-connections)",
 }
+# Flags (as mlx-vlm's DFlash configs read them) that, when true, change the block forward we run: refused.
+_BLOCK_FLAGS = {
+    "is_causal": "the draft's block would attend causally; ours attends to the whole block (DFlash / DSpark)",
+    "causal": "the draft's block would attend causally; ours attends to the whole block (DFlash / DSpark)",
+    "dflash_query_causal": "the draft's block would attend causally; ours attends to the whole block (DFlash / DSpark)",
+    "attention_sink_bias": "the draft's attention has learned sink logits, which ours does not",
+}
 
 
 def check_graph(config: dict, *, source: str) -> None:
@@ -54,6 +61,9 @@ def check_graph(config: dict, *, source: str) -> None:
             kind = _OTHER_GRAPHS.get(key)
             if kind is not None:
                 raise ValueError(f"{source}: field '{where}{key}' is set: this is {kind}, which we do not run; use a DSpark or DFlash draft")
+            what = _BLOCK_FLAGS.get(key)
+            if what is not None and fields[key] not in (None, False):
+                raise ValueError(f"{source}: field '{where}{key}' is {fields[key]!r}: {what}; not supported")
     kind = config.get("speculators_model_type")
     if kind == "eagle3":  # not a DSpark graph: load(target, draft=...) builds it as models/eagle3.py
         raise ValueError(f"{source}: speculators_model_type is 'eagle3': an EAGLE-3 draft, not a DSpark / DFlash one; "
