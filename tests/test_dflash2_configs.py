@@ -37,6 +37,8 @@ CONFIGS = {
     "eps_and_theta": ({}, dict(rms_norm_eps=0.5, rope_theta=1e6, rope_parameters={"rope_theta": 1e6, "rope_type": "default"}), None, None, {}),
     "taps_reversed": ({}, {}, None, [2, 0], {}),
     "three_taps_with_the_embedding": ({}, {}, None, [-1, 2, 1], {}),
+    # z-lab's Qwen3RotaryEmbedding (and mlx-vlm) turn the whole head whatever rope_parameters' factor says
+    "partial_rotary_factor_in_rope_parameters": ({}, dict(rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.25}), None, None, {}),
     "all_scales": (dict(output_multiplier=0.6, softcap=15.0), {}, None, None, {"input_embedding_scale": 3.0}),
 }
 
@@ -103,6 +105,9 @@ def plain_dflash2(tiny_qwen3_target, tmp_path_factory):
         ("top", dict(draft_vocab_size=100), "field 'draft_vocab_size' is 100 but a DFlash2 draft's selector reads the target's whole LM head"),
         ("top", dict(markov_rank=4, markov_head_type="vanilla"), "markov_rank > 0 on a DFlash2 draft"),
         ("top", dict(enable_confidence_head=True, confidence_head_with_markov=False), "enable_confidence_head true on a DFlash2 draft"),
+        ("dflash_config", dict(output_multiplier=0), "field 'dflash_config.output_multiplier' must be a finite number > 0, got 0"),
+        ("top", dict(selector_top_k=2), "selector_top_k is 2 but dflash_config.selector_top_k is 4; they must agree"),
+        ("top", dict(partial_rotary_factor=0.5), "field 'partial_rotary_factor' is 0.5 on a z-lab DFlash draft"),
         ("top", dict(is_causal=True), "field 'is_causal' is True: the draft's block would attend causally"),
         ("dflash_config", dict(causal=True), "field 'dflash_config.causal' is True: the draft's block would attend causally"),
         ("dflash_config", dict(attention_sink_bias=True), "field 'dflash_config.attention_sink_bias' is True: the draft's attention has learned sink logits"),

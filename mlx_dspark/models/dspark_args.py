@@ -32,7 +32,9 @@ from mlx_dspark.models.dspark_packaging import (
     PACKAGING_FIELDS,
     Packaging,
     check_graph,
+    check_zlab_rope,
     speculators_layers,
+    whole_head_rope,
 )
 
 DSPARK_FIELDS = (
@@ -58,6 +60,8 @@ def flat_config(config: dict, *, source: str = "config.json") -> dict:
     check_graph(config, source=source)
     arch = (config.get("architectures") or [None])[0]
     if arch in BONUS_ANCHOR_ARCHITECTURES:
+        check_zlab_rope(config, source=source)
+        config = whole_head_rope(config)
         given = dspark_fields(config, source=source)
         if "sample_from_anchor" not in given:
             config = {**config, "sample_from_anchor": False}

@@ -84,9 +84,7 @@ def speculators_layers(config: dict, layer: dict, *, source: str) -> dict:
     if isinstance(rope, dict) and "sliding_attention" in rope:
         layer["rope_parameters"] = rope = rope["sliding_attention"]
         layer.pop("rope_theta", None)
-    if isinstance(rope, dict) and "partial_rotary_factor" in rope:
-        # Qwen3RotaryEmbedding (the DFlash backbone's) turns the whole head whatever the verifier's factor
-        layer["rope_parameters"] = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+    layer = whole_head_rope(layer)
     types, count = layer.get("layer_types"), layer.get("num_hidden_layers")
     if isinstance(types, list) and isinstance(count, int):
         # the verifier's text config with the draft's depth: draft layer i reads layer_types[i] and only
@@ -101,6 +99,28 @@ def speculators_layers(config: dict, layer: dict, *, source: str) -> dict:
     if hidden is not None and hidden != layer.get("hidden_size"):
         raise ValueError(f"{source}: target_hidden_size {hidden} differs from the draft's hidden_size {layer.get('hidden_size')}; not supported")
     return layer
+
+
+def whole_head_rope(layer: dict) -> dict:
+    """The layer fields with `rope_parameters.partial_rotary_factor` dropped: the DFlash backbone's
+    Qwen3RotaryEmbedding (z-lab `dflash/model.py`, speculators) turns the whole head whatever it says, as
+    mlx-vlm's DFlash / DFlash2 drafts do (RoPE over `head_dim`)."""
+    rope = layer.get("rope_parameters")
+    if not (isinstance(rope, dict) and "partial_rotary_factor" in rope):
+        return layer
+    return {**layer, "rope_parameters": {k: v for k, v in rope.items() if k != "partial_rotary_factor"}}
+
+
+def check_zlab_rope(config: dict, *, source: str) -> None:
+    """A top-level `partial_rotary_factor` other than 1 on a z-lab DFlash / DFlash2 config: z-lab's pinned
+    transformers (4.57.1) turns only that share of the head, transformers 5 and mlx-vlm the whole head;
+    what the draft was trained with is unknown, so it is refused."""
+    factor = config.get("partial_rotary_factor")
+    if factor is not None and factor != 1:
+        raise ValueError(
+            f"{source}: field 'partial_rotary_factor' is {factor!r} on a z-lab DFlash draft: transformers 4.57 turns that "
+            "share of each head, transformers 5 and mlx-vlm the whole head; which one it was trained with is unknown; not supported"
+        )
 
 
 def _scale(fields: dict, name: str, *, source: str) -> Optional[float]:
