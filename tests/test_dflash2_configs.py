@@ -139,3 +139,16 @@ def test_false_flags_and_an_explicit_false_sample_from_anchor_load(plain_dflash2
 def test_a_reduced_draft_vocabulary_is_refused_for_a_dflash2_draft(plain_dflash2, tiny_qwen3_target):
     with pytest.raises(ValueError, match="a DFlash2 draft's candidate selector reads the target's whole LM head"):
         mlx_dspark.load(str(tiny_qwen3_target), draft=str(plain_dflash2), dtype="float32", draft_vocab=64)
+
+
+@pytest.mark.parametrize("to", ["gguf", "zlab"])
+@pytest.mark.parametrize("name", ["kernel5_over_a_block_of_4", "three_layers_two_sliding", "three_taps_with_the_embedding", "all_scales"])
+def test_exports_of_the_configurations_propose_as_the_reference(name, to, tiny_qwen3_target, tmp_path):
+    """llama.cpp's GGUF and z-lab's layout, written by `export` and read back, on configurations beyond the
+    fixtures': the same proposals as the restatement of the source files."""
+    from mlx_dspark.export.write import export_draft
+
+    draft_dir = _write(tmp_path, tiny_qwen3_target, name)
+    out = tmp_path / ("d.gguf" if to == "gguf" else "zlab")
+    export_draft(str(draft_dir), out, to=to, target=str(tiny_qwen3_target))
+    _check_proposals(mlx_dspark.load(str(tiny_qwen3_target), draft=str(out), dtype="float32"), _reference(draft_dir))
