@@ -3,7 +3,8 @@ configurations the other tests do not name (issue 35): head_dim != hidden / head
 layers with two sliding, one layer, a block of 3, taps in any order with the embedding, rms_norm_eps and
 rope_theta, and (z-lab, speculators) a `rope_parameters.partial_rotary_factor` their Qwen3RotaryEmbedding
 ignores. Greedy proposals are the NumPy restatement's (tests/dspark_reference.py): DFlash's argmax of the
-block rows from row 1, DSpark's Markov path from row 0."""
+block rows from row 1, DSpark's Markov path (and confidence) from row 0; DeepSpec's Markov heads at a rank
+of 1 and blocks of 3 and 2."""
 
 from __future__ import annotations
 
@@ -29,21 +30,35 @@ CONFIGS = {  # name: (config overrides, layer types, taps)
         dict(rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.25}), None, None,
     ),
 }
-LAYOUTS = ("zlab_dflash", "speculators_dflash", "speculators_dspark", "lfm2_backbone")
+LAYOUTS = ("deepspec", "zlab_dflash", "speculators_dflash", "speculators_dspark", "lfm2_backbone")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_proposals_are_the_references_on_config(name, layout, tiny_qwen3_target, tmp_path):
     overrides, layer_types, taps = CONFIGS[name]
-    if name.startswith("partial") and layout == "lfm2_backbone":
-        pytest.skip("LiquidAI's layout is DeepSpec's config: a partial factor there is read as written")
+    if name.startswith("partial") and layout in ("deepspec", "lfm2_backbone"):
+        pytest.skip("DeepSpec's config (LiquidAI's too): a partial factor there is read as written (test_draft_packagings)")
     deepspec = write_tiny_draft(tmp_path / "deepspec", target_path=tiny_qwen3_target, seed=3, config_overrides=overrides,
                                 layer_types=layer_types, target_layer_ids=taps)  # fmt: skip
-    pair = mlx_dspark.load(str(tiny_qwen3_target), draft=str(repackage(deepspec, tmp_path / layout, layout)), dtype="float32")
+    files = deepspec if layout == "deepspec" else repackage(deepspec, tmp_path / layout, layout)
     config = json.loads((deepspec / "config.json").read_text())
     if name.startswith("partial"):  # the published DFlash backbones turn the whole head
         config["rope_parameters"] = {"rope_theta": 10000.0}
+    _check_greedy(mlx_dspark.load(str(tiny_qwen3_target), draft=str(files), dtype="float32"), deepspec, config)
+
+
+@pytest.mark.parametrize(
+    "head_type,rank,block_size", [("vanilla", 1, 7), ("gated", 16, 3), ("rnn", 16, 2)], ids=["rank1", "gated_block3", "rnn_block2"]
+)
+def test_deepspec_markov_heads_at_their_edges_are_the_references(head_type, rank, block_size, tiny_qwen3_target, tmp_path):
+    deepspec = write_tiny_draft(tmp_path / "deepspec", target_path=tiny_qwen3_target, seed=3, markov_head_type=head_type,
+                                markov_rank=rank, config_overrides=dict(block_size=block_size))  # fmt: skip
+    config = json.loads((deepspec / "config.json").read_text())
+    _check_greedy(mlx_dspark.load(str(tiny_qwen3_target), draft=str(deepspec), dtype="float32"), deepspec, config)
+
+
+def _check_greedy(pair, deepspec, config):
     reference = ReferenceDraft(config, {k: np.array(v) for k, v in mx.load(str(deepspec / "model.safetensors")).items()})
     draft = pair.draft
     embedding, lm_head = np.array(pair.target.embedding.weight), np.array(target_head(pair.target).weight)
@@ -55,7 +70,10 @@ def test_greedy_proposals_are_the_references_on_config(name, layout, tiny_qwen3_
         out = draft.propose(mx.array([anchor]), ctx, target=pair.target)
         if draft.args.markov_rank:  # DSpark: the Markov path from row 0
             assert first == 0
-            want = reference.draft(features[0], anchor, embedding=embedding, lm_head=lm_head)["tokens"].tolist()
+            drafted = reference.draft(features[0], anchor, embedding=embedding, lm_head=lm_head)
+            want = drafted["tokens"].tolist()
+            if drafted["confidence"] is not None:
+                np.testing.assert_allclose(np.array(out.confidence[0]), drafted["confidence"], atol=1e-4)
         else:  # DFlash: each row's argmax, from row 1
             want = np.argmax(reference.block_outputs(features[0], anchor, embedding)[first:] @ lm_head.T, axis=-1).tolist()
         assert out.tokens[0].tolist() == want[: draft.num_drafts]
