@@ -1,7 +1,7 @@
 """DFlash 2 drafts on configurations the other tests do not name (issue 35): conv kernel and group sizes,
 selector rank and top-K at their edges, block sizes, head_dim != hidden / heads, GQA ratios, one and three
 layers with sliding ones among them, taps in any order or with the embedding, rms_norm_eps and rope_theta,
-embedding / output scales, bf16 files. Each loads through `mlx_dspark.load` and proposes what the
+attention biases, embedding / output scales, bf16 files. Each loads through `mlx_dspark.load` and proposes what the
 independent NumPy restatement (tests/dflash2_reference.py) of the published math proposes; what we cannot
 honour is refused in one line naming the field."""
 
@@ -39,6 +39,7 @@ CONFIGS = {
     "three_taps_with_the_embedding": ({}, {}, None, [-1, 2, 1], {}),
     # z-lab's Qwen3RotaryEmbedding (and mlx-vlm) turn the whole head whatever rope_parameters' factor says
     "partial_rotary_factor_in_rope_parameters": ({}, dict(rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.25}), None, None, {}),
+    "attention_bias": ({}, dict(attention_bias=True), None, None, {}),
     "all_scales": (dict(output_multiplier=0.6, softcap=15.0), {}, None, None, {"input_embedding_scale": 3.0}),
 }
 
@@ -48,11 +49,21 @@ def _write(root, target, name, *, dtype="float32"):
     deepspec = write_tiny_draft(root / "deepspec", target_path=target, seed=3, config_overrides=overrides, layer_types=layer_types,
                                 target_layer_ids=taps)  # fmt: skip
     draft_dir = write_dflash2_draft(deepspec, root / "dflash2", seed=4, dtype=dtype, **dflash)
+    if overrides.get("attention_bias"):  # z-lab's attention reads config.attention_bias: q/k/v/o biases
+        _add_attention_biases(draft_dir)
     if extras:
         config = json.loads((draft_dir / "config.json").read_text())
         config["dflash_config"].update(extras)
         (draft_dir / "config.json").write_text(json.dumps(config))
     return draft_dir
+
+
+def _add_attention_biases(draft_dir) -> None:
+    weights = dict(mx.load(str(draft_dir / "model.safetensors")))
+    rng = np.random.default_rng(7)
+    for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))]:
+        weights[name.replace(".weight", ".bias")] = mx.array(0.5 * rng.standard_normal(weights[name].shape[0]).astype(np.float32))
+    mx.save_safetensors(str(draft_dir / "model.safetensors"), weights, metadata={"format": "pt"})
 
 
 def _reference(draft_dir) -> DFlash2Reference:
@@ -107,6 +118,8 @@ def plain_dflash2(tiny_qwen3_target, tmp_path_factory):
         ("top", dict(enable_confidence_head=True, confidence_head_with_markov=False), "enable_confidence_head true on a DFlash2 draft"),
         ("dflash_config", dict(output_multiplier=0), "field 'dflash_config.output_multiplier' must be a finite number > 0, got 0"),
         ("top", dict(selector_top_k=2), "selector_top_k is 2 but dflash_config.selector_top_k is 4; they must agree"),
+        ("top", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_parameters has rope_type 'yarn'"),
+        ("top", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling has rope_type 'llama3'"),
         ("top", dict(partial_rotary_factor=0.5), "field 'partial_rotary_factor' is 0.5 on a z-lab DFlash draft"),
         ("top", dict(is_causal=True), "field 'is_causal' is True: the draft's block would attend causally"),
         ("dflash_config", dict(causal=True), "field 'dflash_config.causal' is True: the draft's block would attend causally"),
