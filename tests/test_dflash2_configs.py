@@ -165,3 +165,20 @@ def test_exports_of_the_configurations_propose_as_the_reference(name, to, tiny_q
     out = tmp_path / ("d.gguf" if to == "gguf" else "zlab")
     export_draft(str(draft_dir), out, to=to, target=str(tiny_qwen3_target))
     _check_proposals(mlx_dspark.load(str(tiny_qwen3_target), draft=str(out), dtype="float32"), _reference(draft_dir))
+
+
+def test_default_taps_read_num_target_layers_under_dflash_config_too(plain_dflash2, tiny_qwen3_target, tmp_path):
+    """z-lab's default taps (no target_layer_ids) from a `num_target_layers` given under dflash_config, as
+    mlx-vlm reads it: one per draft layer, the middle target layer for a one-layer draft."""
+    import shutil
+
+    draft_dir = shutil.copytree(plain_dflash2, tmp_path / "draft")
+    config = json.loads((draft_dir / "config.json").read_text())
+    config["dflash_config"]["num_target_layers"] = config.pop("num_target_layers")
+    del config["dflash_config"]["target_layer_ids"]
+    weights = dict(mx.load(str(draft_dir / "model.safetensors")))
+    weights["fc.weight"] = weights["fc.weight"][:, :128]  # one tap: the one-layer draft's
+    mx.save_safetensors(str(draft_dir / "model.safetensors"), weights, metadata={"format": "pt"})
+    (draft_dir / "config.json").write_text(json.dumps(config))
+    pair = mlx_dspark.load(str(tiny_qwen3_target), draft=str(draft_dir), dtype="float32")
+    assert pair.draft.args.target_layer_ids == (2,)

@@ -66,7 +66,7 @@ def flat_config(config: dict, *, source: str = "config.json") -> dict:
         if "sample_from_anchor" not in given:
             config = {**config, "sample_from_anchor": False}
         if "target_layer_ids" not in given:
-            config = {**config, "target_layer_ids": zlab_tap_ids(config, source=source)}
+            config = {**config, "target_layer_ids": zlab_tap_ids({**config, **given}, source=source)}  # num_target_layers nested too
     if not any(k in config for k in EAGLE3_MARKERS):
         return config
     flat = dict(config)
