@@ -77,3 +77,31 @@ def _check_greedy(pair, deepspec, config):
         else:  # DFlash: each row's argmax, from row 1
             want = np.argmax(reference.block_outputs(features[0], anchor, embedding)[first:] @ lm_head.T, axis=-1).tolist()
         assert out.tokens[0].tolist() == want[: draft.num_drafts]
+
+
+@pytest.mark.parametrize(
+    "layer_types,nested,error",
+    [
+        (["sliding_attention", "full_attention"], {"swa_window_size": 5}, None),
+        (["full_attention"], {"swa_window_size": 0, "use_swa": False}, None),
+        (["sliding_attention", "full_attention"], {"swa_window_size": 8}, "field 'dflash_config.swa_window_size' is 8 but the draft's layers"),
+        (["sliding_attention"], {"sliding_window": -1}, "field 'dflash_config.sliding_window' is -1 but the draft's layers"),
+        (["full_attention"], {"swa_window_size": 5}, "field 'dflash_config.swa_window_size' is 5 but the draft's layers"),
+        (["full_attention"], {"use_swa": True}, "field 'dflash_config.use_swa' is true but the draft's layers"),
+    ],
+)  # fmt: skip
+def test_a_window_under_dflash_config_must_be_the_layer_configs(layer_types, nested, error, tiny_qwen3_target, tmp_path):
+    """mlx-vlm takes `dflash_config.swa_window_size` in place of `sliding_window`, LMDeploy refuses a mismatch and
+    TensorRT-LLM windows only with `use_swa`: a window there that the layer config does not run is refused by name."""
+    draft = write_tiny_draft(tmp_path / "draft", target_path=tiny_qwen3_target, seed=3, layer_types=layer_types,
+                             sliding_window=5 if "sliding_attention" in layer_types else None, packaging="dflash_config")  # fmt: skip
+    config = json.loads((draft / "config.json").read_text())
+    config["dflash_config"].update(nested)
+    (draft / "config.json").write_text(json.dumps(config))
+    if error is None:
+        assert mlx_dspark.load(str(tiny_qwen3_target), draft=str(draft), dtype="float32").draft.args.layer_window(0) == (
+            5 if layer_types[0] == "sliding_attention" else None
+        )
+    else:
+        with pytest.raises(ValueError, match=r"config.json: " + error.replace("(", r"\(")):
+            mlx_dspark.load(str(tiny_qwen3_target), draft=str(draft), dtype="float32")

@@ -32,6 +32,7 @@ from mlx_dspark.models.dspark_packaging import (
     PACKAGING_FIELDS,
     Packaging,
     check_graph,
+    check_window_fields,
     check_zlab_rope,
     speculators_layers,
     whole_head_rope,
@@ -253,6 +254,7 @@ class DraftArgs:
         if missing:
             raise ValueError(f"{source}: missing DSpark field(s) {missing} (top level or under {NESTED_FIELDS!r})")
         layers = family_module(family).ModelArgs.from_dict(config, source=source)
+        check_window_fields(config, [layers.layer_window(t) for t in layers.layer_types], source=source)
         ids = fields["target_layer_ids"]
         if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= -1 for i in ids):
             raise ValueError(f"{source}: field 'target_layer_ids' must be a non-empty list of layer ids >= -1, got {ids!r}")

@@ -123,6 +123,30 @@ def check_zlab_rope(config: dict, *, source: str) -> None:
         )
 
 
+def check_window_fields(config: dict, windows: list[Optional[int]], *, source: str) -> None:
+    """`dflash_config.swa_window_size` / `.sliding_window` / `.use_swa` (read by mlx-vlm, LMDeploy and
+    TensorRT-LLM, some in place of the layer config's window) must say what the layer config does:
+    `windows` are the draft layers' windows as we run them (None: full attention)."""
+    nested = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
+    used = sorted({w for w in windows if w is not None})
+    for key in ("swa_window_size", "sliding_window"):
+        value = nested.get(key)
+        if key not in nested or (value is None and not used):
+            continue
+        given = None if value in (0, -1) else value  # LMDeploy's no-window values
+        if [given] != (used or [None]):
+            raise ValueError(
+                f"{source}: field 'dflash_config.{key}' is {value!r} but the draft's layers (layer_types, sliding_window, "
+                f"use_sliding_window) slide {'with window ' + str(used[0]) if len(used) == 1 else used or 'no layer'}; "
+                "they must agree"
+            )
+    if nested.get("use_swa") and not used:
+        raise ValueError(
+            f"{source}: field 'dflash_config.use_swa' is true but the draft's layers (layer_types, sliding_window, "
+            "use_sliding_window) slide no layer; they must agree"
+        )
+
+
 def _scale(fields: dict, name: str, *, source: str) -> Optional[float]:
     value = fields.get(name)
     if value is None:
