@@ -105,3 +105,19 @@ def test_a_window_under_dflash_config_must_be_the_layer_configs(layer_types, nes
     else:
         with pytest.raises(ValueError, match=r"config.json: " + error.replace("(", r"\(")):
             mlx_dspark.load(str(tiny_qwen3_target), draft=str(draft), dtype="float32")
+
+
+@pytest.mark.parametrize("layout", ["zlab_dflash", "deepspec"])
+def test_a_zlab_draft_beside_a_target_that_scales_its_embedding_is_refused(layout, tmp_path):
+    """z-lab's runtime (and mlx-vlm's) embeds the block through a Gemma target's scaled embedding; ours gives a
+    qwen3-layer draft the raw table: refused for z-lab's architectures; a DeepSpec draft loads as before."""
+    from mlx_dspark.testing.mlx_lm_tiny import write_draft_for, write_tiny_mlx_lm_target
+
+    target = write_tiny_mlx_lm_target(tmp_path / "target", family="gemma4_text")
+    deepspec = write_draft_for(tmp_path / "deepspec", target_path=target, seed=3)
+    files = deepspec if layout == "deepspec" else repackage(deepspec, tmp_path / layout, layout)
+    if layout == "deepspec":
+        assert mlx_dspark.load(str(target), draft=str(files)).draft is not None
+        return
+    with pytest.raises(ValueError, match=r"config.json: a z-lab DFlash / DFlash 2 draft with qwen3-style layers beside a gemma4_text target"):
+        mlx_dspark.load(str(target), draft=str(files))

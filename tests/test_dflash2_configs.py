@@ -182,3 +182,21 @@ def test_default_taps_read_num_target_layers_under_dflash_config_too(plain_dflas
     (draft_dir / "config.json").write_text(json.dumps(config))
     pair = mlx_dspark.load(str(tiny_qwen3_target), draft=str(draft_dir), dtype="float32")
     assert pair.draft.args.target_layer_ids == (2,)
+
+
+def test_a_target_with_tied_embeddings_gives_the_selector_its_embedding_as_the_head(tmp_path):
+    """The selector's unary logits come from the target's LM head; a tied target's is its embedding (the
+    restatement is given the embedding matrix itself as the head)."""
+    from mlx_dspark.testing.tiny import write_tiny_target
+
+    target = write_tiny_target(tmp_path / "target", family="qwen3", seed=0, tie_word_embeddings=True)
+    deepspec = write_tiny_draft(tmp_path / "deepspec", target_path=target, seed=3)
+    draft_dir = write_dflash2_draft(deepspec, tmp_path / "dflash2", seed=4)
+    pair = mlx_dspark.load(str(target), draft=str(draft_dir), dtype="float32")
+    embedding = np.array(pair.target.embedding.weight)
+    reference, draft = _reference(draft_dir), pair.draft
+    features = np.random.default_rng(0).standard_normal((1, 9, len(draft.args.target_layer_ids) * 128)).astype(np.float32)
+    ctx = draft.make_cache()
+    draft.append_context(mx.array(features), ctx)
+    out = draft.propose(mx.array([17]), ctx, target=pair.target)
+    assert out.tokens[0].tolist() == reference.select(features[0], 17, embedding=embedding, lm_head=embedding, n=draft.num_drafts)["tokens"]

@@ -26,10 +26,11 @@ from mlx_dspark.models.mlx_lm_target import check_quantized_caches, from_config 
 from mlx_dspark.models.dflash2 import draft_class
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
+from mlx_dspark.models.dspark_packaging import BONUS_ANCHOR_ARCHITECTURES
 from mlx_dspark.loading.eagle3 import build_eagle3, check_options as check_eagle3_options, quantize_eagle3
 from mlx_dspark.loading.gemma4_assistant import build_assistant, check_options as check_assistant_options, quantize_assistant
 from mlx_dspark.loading.mtp import MTP_DRAFT, build_mtp, quantize_mtp, target_weights
-from mlx_dspark.loading.pair import check_shared_tensors, validate_pair
+from mlx_dspark.loading.pair import check_shared_tensors, check_zlab_block_embedding, validate_pair
 from mlx_dspark.loading.precision import (
     DRAFT_SOURCE_PRECISION,
     check_draft_quantize,
@@ -153,6 +154,8 @@ def build_draft(
     taps_field = "target_layer_ids" if tap_ids is None else "draft_tap_ids"
     if target is not None:
         validate_pair(target.args, args, target_source=target_source, draft_source=config_source, taps_field=taps_field)
+        zlab = (config.get("architectures") or [None])[0] in BONUS_ANCHOR_ARCHITECTURES
+        check_zlab_block_embedding(target, args, zlab=zlab, target_source=target_source, draft_source=config_source)
     fc = weights.get("fc.weight")
     if fc is not None and "fc.scales" not in weights and fc.shape[-1] != len(args.target_layer_ids) * args.hidden_size:
         raise ValueError(
