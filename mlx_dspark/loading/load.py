@@ -26,10 +26,11 @@ from mlx_dspark.models.mlx_lm_target import check_quantized_caches, from_config 
 from mlx_dspark.models.dflash2 import draft_class
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
+from mlx_dspark.models.dspark_packaging import BONUS_ANCHOR_ARCHITECTURES
 from mlx_dspark.loading.eagle3 import build_eagle3, check_options as check_eagle3_options, quantize_eagle3
 from mlx_dspark.loading.gemma4_assistant import build_assistant, check_options as check_assistant_options, quantize_assistant
 from mlx_dspark.loading.mtp import MTP_DRAFT, build_mtp, quantize_mtp, target_weights
-from mlx_dspark.loading.pair import check_shared_tensors, validate_pair
+from mlx_dspark.loading.pair import check_shared_tensors, check_zlab_block_embedding, validate_pair
 from mlx_dspark.loading.precision import (
     DRAFT_SOURCE_PRECISION,
     check_draft_quantize,
@@ -147,12 +148,14 @@ def build_draft(
         )
     # Read once: DeepSpec tensor names from any packaging, the layer family from them, then the args.
     weights, origin = canonical_names(checkpoint.weights, checkpoint.origin, source=source)
-    config = with_tensor_fields(config, {k: tuple(v.shape) for k, v in weights.items()})
+    config = with_tensor_fields(config, {k: tuple(v.shape) for k, v in weights.items()}, source=config_source)
     family = layer_family(list(weights), source=source)
     args = DraftArgs.from_dict(config, family=family, source=config_source, tap_ids=None if tap_ids is None else list(tap_ids))
     taps_field = "target_layer_ids" if tap_ids is None else "draft_tap_ids"
     if target is not None:
         validate_pair(target.args, args, target_source=target_source, draft_source=config_source, taps_field=taps_field)
+        zlab = (config.get("architectures") or [None])[0] in BONUS_ANCHOR_ARCHITECTURES
+        check_zlab_block_embedding(target, args, zlab=zlab, target_source=target_source, draft_source=config_source)
     fc = weights.get("fc.weight")
     if fc is not None and "fc.scales" not in weights and fc.shape[-1] != len(args.target_layer_ids) * args.hidden_size:
         raise ValueError(
@@ -325,6 +328,11 @@ def load(
             nn.quantize(draft_model, q_group_size, quantize, class_predicate=quant_predicate(draft_model, group_size=q_group_size))
         draft_model.eval()
         if draft_vocab is not None:
+            if draft_model.args.dflash2 is not None:  # its selector takes candidates from the whole head
+                raise ValueError(
+                    f"{draft_path}: a DFlash2 draft's candidate selector reads the target's whole LM head; draft_vocab / "
+                    "--draft-vocab applies to DSpark and DFlash drafts"
+                )
             if draft_model.args.packaging.draft_vocab_size is not None:
                 raise ValueError(
                     f"{draft_path}: this draft already drafts over a reduced vocabulary of its own (d2t, "

@@ -387,6 +387,7 @@ def write_tiny_draft(
     dtype: str | None = None,
     num_shards: int = 1,
     packaging: str = "deepspec",
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random tiny DSpark draft for the target at `target_path` into `path`; return it.
 
@@ -396,7 +397,9 @@ def write_tiny_draft(
     window (16 when it has none), taps [0, L/2], mask token = the tokenizer's `<|mask|>`, the shared
     embedding / lm_head copied from the target (`include_shared=False` leaves them out, as our converter
     does). `packaging` writes the same draft as DeepSpec does, with its DSpark fields nested under
-    `dflash_config`, or with a `model.` prefix on every tensor.
+    `dflash_config`, or with a `model.` prefix on every tensor. `config_overrides` replace config fields
+    before the weights are drawn (e.g. `head_dim`, `num_key_value_heads`, `block_size`: the weights take
+    their shapes).
     """
     target_path = Path(target_path)
     target_config = json.loads((target_path / "config.json").read_text(encoding="utf-8"))
@@ -429,6 +432,7 @@ def write_tiny_draft(
         sliding_window=sliding_window,
         target_layer_ids=target_layer_ids,
     )
+    config = dict(sorted({**config, **(config_overrides or {})}.items()))
     target_weights = _read_hf_weights(target_path) if include_shared else None
     weights = tiny_draft_weights(config, layer_family=layer_family, target_weights=target_weights, seed=seed)
     config, weights = package_draft(config, weights, packaging)
