@@ -118,7 +118,7 @@ def main(
             times.setdefault(f"rows {n}", []).append(timed(lambda: rows(n)))
     med = {k: statistics.median(v) for k, v in times.items()}
     if family == "qwen3_5":
-        print(f"recurrent layers per sequence: {target._dspark_recurrent_mode}")
+        print(f"recurrent layers per sequence: {target._dspark_split_mode}")
     print(f"{family} hidden {hidden}, {layers} layers, vocab {vocab}, float32; context {context}, block {block}, {repeats} repeats (medians)")
     print("cost curve (one sequence, n rows): " + ", ".join(f"{n}: {med[f'rows {n}']:.1f} ms" for n in curve_rows))
     for w in counts:

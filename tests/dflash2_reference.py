@@ -27,6 +27,7 @@ class DFlash2Reference(ReferenceDraft):
         d = config["dflash_config"]
         self.kernel, self.group = d["conv_kernel_size"], d["conv_group_size"]
         self.top_k, self.scale, self.cap = d["selector_top_k"], d.get("output_multiplier", 1.0), d.get("final_logit_softcapping")
+        self.embedding_scale = d.get("input_embedding_scale", config.get("input_embedding_scale", 1.0))  # every block row
 
     def _sublayer(self, x: np.ndarray, name: str, run) -> np.ndarray:
         w = self.w
@@ -38,7 +39,7 @@ class DFlash2Reference(ReferenceDraft):
         w = self.w
         p = features.shape[0]
         ctx = rms_norm(np.asarray(features, np.float64) @ w["fc.weight"].T, w["hidden_norm.weight"], self.eps)
-        h = np.asarray(embedding, np.float64)[[anchor] + [self.c["mask_token_id"]] * (self.c["block_size"] - 1)]
+        h = np.asarray(embedding, np.float64)[[anchor] + [self.c["mask_token_id"]] * (self.c["block_size"] - 1)] * self.embedding_scale
         for i in range(self.c["num_hidden_layers"]):
             pre = f"layers.{i}."
             normed = rms_norm(h, w[pre + "input_layernorm.weight"], self.eps)

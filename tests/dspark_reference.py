@@ -70,11 +70,15 @@ class ReferenceDraft:
         c_pos = np.arange(p, dtype=np.float64)
         theta, dims = self._rope_params(layer)
         if self.family == "qwen3":
-            q = rms_norm((x @ w[pre + "q_proj.weight"].T).reshape(L, self.heads, D), w[pre + "q_norm.weight"], self.eps)
+
+            def proj(rows, name):  # with its bias where the config has attention_bias
+                return rows @ w[pre + name + ".weight"].T + w.get(pre + name + ".bias", 0.0)
+
+            q = rms_norm(proj(x, "q_proj").reshape(L, self.heads, D), w[pre + "q_norm.weight"], self.eps)
 
             def kv(rows):
-                k = (rows @ w[pre + "k_proj.weight"].T).reshape(len(rows), self.kv_heads, D)
-                v = (rows @ w[pre + "v_proj.weight"].T).reshape(len(rows), self.kv_heads, D)
+                k = proj(rows, "k_proj").reshape(len(rows), self.kv_heads, D)
+                v = proj(rows, "v_proj").reshape(len(rows), self.kv_heads, D)
                 return rms_norm(k, w[pre + "k_norm.weight"], self.eps), v
 
             gate = np.ones((L, self.heads))
@@ -112,7 +116,7 @@ class ReferenceDraft:
             probs /= probs.sum(axis=-1, keepdims=True)
             out[:, h] = (probs @ values[:, h // group]) * gate[:, h : h + 1]
         out_name = "o_proj.weight" if self.family == "qwen3" else "out_proj.weight"
-        return out.reshape(L, -1) @ w[pre + out_name].T
+        return out.reshape(L, -1) @ w[pre + out_name].T + w.get(pre + "o_proj.bias", 0.0)
 
     def _mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
         w, pre = self.w, f"layers.{layer}.mlp."

@@ -30,23 +30,41 @@ def rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:  # x (n, heads, D), rotate-half
+def scaled_frequencies(inv: np.ndarray, scaling: dict | None) -> np.ndarray:
+    """transformers' rope_type 'linear' (every frequency / factor) and 'llama3' (wavelengths above
+    original_max / low_freq_factor divided by factor, below original_max / high_freq_factor kept, a
+    linear blend in between on original_max / wavelength)."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv
+    factor = scaling["factor"]
+    if kind == "linear":
+        return inv / factor
+    assert kind == "llama3", kind
+    old, low, high = scaling["original_max_position_embeddings"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelength = 2 * np.pi / inv
+    blend = np.clip((old / wavelength - low) / (high - low), 0.0, 1.0)
+    return (1 - blend) * inv / factor + blend * inv
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, scaling: dict | None = None) -> np.ndarray:  # x (n, heads, D), rotate-half
     D = x.shape[-1]
-    inv = theta ** (-np.arange(0, D, 2) / D)
+    inv = scaled_frequencies(theta ** (-np.arange(0, D, 2) / D), scaling)
     ang = positions[:, None] * inv[None]
     cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
     a, b = x[..., : D // 2], x[..., D // 2 :]
     return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
 
-def attention(x: np.ndarray, w: dict, p: str, *, heads: int, kv_heads: int, head_dim: int, theta: float, eps: float) -> np.ndarray:
+def attention(x: np.ndarray, w: dict, p: str, *, heads: int, kv_heads: int, head_dim: int, theta: float, eps: float,
+              scaling: dict | None = None) -> np.ndarray:
     n, H, KV, D = x.shape[0], heads, kv_heads, head_dim
     positions = np.arange(n, dtype=np.float64)
     q = (x @ w[f"{p}.q_proj.weight"].T).reshape(n, H, D)
     k = (x @ w[f"{p}.k_proj.weight"].T).reshape(n, KV, D)
     if f"{p}.q_norm.weight" in w:  # a qwen3 layer: per-head RMSNorm of q and k before RoPE
         q, k = rms(q, w[f"{p}.q_norm.weight"], eps), rms(k, w[f"{p}.k_norm.weight"], eps)
-    q, k = rope(q, positions, theta), rope(k, positions, theta)
+    q, k = rope(q, positions, theta, scaling), rope(k, positions, theta, scaling)
     v = (x @ w[f"{p}.v_proj.weight"].T).reshape(n, KV, D)
     out = np.zeros((n, H, D))
     causal = np.tril(np.ones((n, n), bool))
@@ -91,12 +109,21 @@ class Eagle3Reference:
     def __init__(self, path: str | Path, embed_table: np.ndarray):
         self.cfg, raw = read(Path(path))
         self.w = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in raw.items()}
-        self.ids = np.arange(self.w["d2t"].size) + self.w["d2t"].astype(np.int64)  # target id of each draft row
-        self.w = {k: v.astype(np.float64) for k, v in self.w.items() if k not in ("d2t", "t2d")}
         layer = self.cfg["transformer_layer_config"]
+        if "d2t" in self.w:
+            self.ids = np.arange(self.w["d2t"].size) + self.w["d2t"].astype(np.int64)  # target id of each draft row
+        else:  # no table: the draft's rows are the target's vocabulary
+            self.ids = np.arange(layer["vocab_size"])
+        self.w = {k: v.astype(np.float64) for k, v in self.w.items() if k not in ("d2t", "t2d")}
         self.eps, self.vocab = layer["rms_norm_eps"], layer["vocab_size"]
         self.shape = dict(heads=layer["num_attention_heads"], kv_heads=layer["num_key_value_heads"],
-                          head_dim=layer["head_dim"], theta=layer.get("rope_theta", 10000.0), eps=layer["rms_norm_eps"])  # fmt: skip
+                          head_dim=layer["head_dim"], theta=layer.get("rope_theta", 10000.0), eps=layer["rms_norm_eps"],
+                          scaling=layer.get("rope_scaling"))  # fmt: skip
+        own = self.w.get("embed_tokens.weight")
+        # the draft's own table when it trained one, or when its width is not the target's (vLLM shares the target's
+        # table only when the shapes match)
+        if own is not None and (self.cfg.get("embed_requires_grad") or own.shape != embed_table.shape):
+            embed_table = own
         self.embed_table = embed_table
         self.before_residual = self.cfg.get("norm_before_residual", False)
 
@@ -105,6 +132,8 @@ class Eagle3Reference:
         return np.concatenate([states[i] for i in sorted(ids)], axis=-1)
 
     def fuse(self, aux: np.ndarray) -> np.ndarray:
+        if self.cfg.get("norm_before_fc"):  # speculators' input_norm over the concatenated taps (gpt-oss drafts)
+            aux = rms(aux, self.w["input_norm.weight"], self.eps)
         return aux @ self.w["fc.weight"].T
 
     def outputs(self, next_tokens: list[int], hidden: np.ndarray) -> np.ndarray:

@@ -40,12 +40,18 @@ def rope(x: np.ndarray, positions: np.ndarray, freq: np.ndarray) -> np.ndarray:
 
 
 class GemmaTargetKV:
-    """The keys / values a tiny gemma4_text target's layer writes, from that layer's input states."""
+    """The keys / values a tiny gemma4_text target's layer writes, from that layer's input states; `source(kind)`
+    the layer whose K/V a layer of that type shares: the last of that type before the KV-shared layers
+    (`num_kv_shared_layers`, the last ones)."""
 
     def __init__(self, path: Path):
         self.cfg = json.loads((path / "config.json").read_text())
         self.w = {k: v.astype(np.float64) for k, v in load_file(str(path / "model.safetensors")).items()}
         self.embed_table = self.w["model.embed_tokens.weight"]
+
+    def source(self, kind: str) -> int:
+        own = self.cfg["layer_types"][: self.cfg["num_hidden_layers"] - (self.cfg.get("num_kv_shared_layers") or 0)]
+        return max(i for i, t in enumerate(own) if t == kind)
 
     def kv(self, layer: int, inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """inputs (L, C) of `layer` -> keys, values (KV, L, D) at positions 0 .. L-1."""
@@ -53,8 +59,11 @@ class GemmaTargetKV:
         kind = cfg["layer_types"][layer]
         D = cfg["global_head_dim"] if kind == "full_attention" else cfg["head_dim"]
         a = rms(inputs, self.w[p + "input_layernorm.weight"])
-        keys = rms((a @ self.w[p + "self_attn.k_proj.weight"].T).reshape(len(a), -1, D), self.w[p + "self_attn.k_norm.weight"])
-        values = rms((a @ self.w[p + "self_attn.v_proj.weight"].T).reshape(len(a), -1, D), None)
+        raw_keys = (a @ self.w[p + "self_attn.k_proj.weight"].T).reshape(len(a), -1, D)
+        # attention_k_eq_v (a full layer without v_proj): the values are the raw keys
+        v_proj = self.w.get(p + "self_attn.v_proj.weight")
+        values = rms(raw_keys if v_proj is None else (a @ v_proj.T).reshape(len(a), -1, D), None)
+        keys = rms(raw_keys, self.w[p + "self_attn.k_norm.weight"])
         keys = rope(keys.transpose(1, 0, 2), np.arange(len(a), dtype=np.float64), inv_freq(cfg["rope_parameters"][kind], D))
         return keys, values.transpose(1, 0, 2)
 

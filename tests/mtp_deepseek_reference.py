@@ -5,13 +5,14 @@ Written from the published math (DRAFTERS.md section 2; vLLM `deepseek_mtp.py` /
 `model.layers.<num_hidden_layers + i>` reads e = embed(token_{t+1}) (zero at position 0) and the target's
 final normed state h_t, x = eh_proj([enorm(e), hnorm(h_t)]), runs its decoder block (pre-norm residual
 attention + MoE), and its logits are shared_head.head(shared_head.norm(out)). The block is restated too:
-DeepSeek's MLA (low-rank q with its norm, the compressed KV latent with its norm, kv_b_proj expanding it
+DeepSeek's MLA (low-rank q with its norm, or one q_proj when q_lora_rank is null, the compressed KV latent with its norm, kv_b_proj expanding it
 per head, interleaved RoPE on the decoupled rope dims, scale (nope + rope)^-1/2) or GLM's GQA (biased
-q/k/v, neox RoPE on the first partial_rotary_factor of each head); the MoE router (sigmoid scores, the
+q/k/v, per-head q/k RMSNorms when use_qk_norm, neox RoPE on the first partial_rotary_factor of each head); the MoE router (sigmoid scores, the
 correction bias for the choice only, groups ranked by their top-2 sum, the best topk_group kept, top-k
 experts, weights normalised and scaled by routed_scaling_factor) over SwiGLU experts plus the shared
 expert. A chain feeds the block's pre-norm output back as the next hidden state; step k uses layer
-k mod n. Nothing here imports mlx_dspark or mlx-lm modules.
+k mod n. An FP8 checkpoint's matrices are decoded here (e4m3 bytes times their 128 x 128 block's
+weight_scale_inv). Nothing here imports mlx_dspark or mlx-lm modules.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ import numpy as np
 from safetensors.numpy import load_file
 
 
+def e4m3(data: np.ndarray) -> np.ndarray:
+    """FP8 E4M3 (OCP 'fn': bias 7, no infinities, 0x7F / 0xFF NaN) bytes -> their values."""
+    b = data.astype(np.int64)
+    sign, exponent, mantissa = b >> 7, (b >> 3) & 0xF, b & 0x7
+    value = np.where(exponent == 0, mantissa / 8.0 * 2.0**-6, (1.0 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
+    value = np.where((exponent == 15) & (mantissa == 7), np.nan, value)
+    return np.where(sign == 1, -value, value)
+
+
 def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
@@ -30,9 +40,15 @@ def _silu(x: np.ndarray) -> np.ndarray:
 class NextNReference:
     def __init__(self, path: str | Path):
         path = Path(path)
-        self.w = {}
+        raw = {}
         for file in sorted(path.glob("*.safetensors")):
-            self.w.update({k: v.astype(np.float64) for k, v in load_file(str(file)).items()})
+            raw.update(load_file(str(file)))
+        for name in [k for k in raw if k.endswith(".weight_scale_inv")]:  # an FP8 matrix: e4m3 bytes x its block scale
+            weight = name.removesuffix("_scale_inv")
+            scale = np.repeat(np.repeat(raw.pop(name).astype(np.float64), 128, axis=0), 128, axis=1)
+            rows, cols = raw[weight].shape
+            raw[weight] = e4m3(raw[weight]) * scale[:rows, :cols]
+        self.w = {k: v.astype(np.float64) for k, v in raw.items()}
         self.c = c = json.loads((path / "config.json").read_text())
         self.kind, self.eps, self.heads = c["model_type"], c["rms_norm_eps"], c["num_attention_heads"]
         self.first, self.n = c["num_hidden_layers"], c["num_nextn_predict_layers"]
@@ -74,7 +90,10 @@ class NextNReference:
     def mla(self, x: np.ndarray, positions: np.ndarray, p: str) -> np.ndarray:
         c, w, H = self.c, self.w, self.heads
         nope, rope, vd, r = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
-        q = (self.norm(x @ w[f"{p}.q_a_proj.weight"].T, f"{p}.q_a_layernorm.weight") @ w[f"{p}.q_b_proj.weight"].T).reshape(-1, H, nope + rope)
+        if c.get("q_lora_rank") is None:  # no low-rank query: one q_proj
+            q = (x @ w[f"{p}.q_proj.weight"].T).reshape(-1, H, nope + rope)
+        else:
+            q = (self.norm(x @ w[f"{p}.q_a_proj.weight"].T, f"{p}.q_a_layernorm.weight") @ w[f"{p}.q_b_proj.weight"].T).reshape(-1, H, nope + rope)
         ckv = x @ w[f"{p}.kv_a_proj_with_mqa.weight"].T  # (n, r + rope)
         kv = (self.norm(ckv[:, :r], f"{p}.kv_a_layernorm.weight") @ w[f"{p}.kv_b_proj.weight"].T).reshape(-1, H, nope + vd)
         k_pe = np.repeat(self.rope(ckv[:, None, r:], positions, rope, interleaved=True), H, axis=1)  # one rope key for all heads
@@ -86,6 +105,8 @@ class NextNReference:
         c, w, H = self.c, self.w, self.heads
         D, KV = c["head_dim"], c["num_key_value_heads"]
         q, k, v = ((x @ w[f"{p}.{n}_proj.weight"].T + w.get(f"{p}.{n}_proj.bias", 0.0)).reshape(len(x), -1, D) for n in "qkv")
+        if c.get("use_qk_norm"):  # per-head RMSNorms of q and k, before RoPE
+            q, k = self.norm(q, f"{p}.q_norm.weight"), self.norm(k, f"{p}.k_norm.weight")
         dims = int(D * c["partial_rotary_factor"])
         q, k = (self.rope(t, positions, dims, interleaved=False) for t in (q, k))
         k, v = np.repeat(k, H // KV, axis=1), np.repeat(v, H // KV, axis=1)

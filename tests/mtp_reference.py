@@ -4,7 +4,10 @@ Written from the published math (DRAFTERS.md section 2; vLLM `qwen3_next_mtp.py`
 Qwen3-Next attention): zero-centred RMSNorms (weight 1 + w), fc over [norm_e(embed(t+1)), norm_h(h_t)],
 a decoder layer whose q_proj gives per head [query | gate], q/k RMSNorm, partial neox RoPE at position
 t, causal GQA attention, sigmoid-gated output, SwiGLU MLP, the final norm and the target's lm_head.
-Nothing here imports mlx_dspark or mlx-lm modules.
+A Qwen3.5-MoE layer's MLP (transformers' Qwen3.5-MoE sparse block) is a softmax router over the experts,
+the top `num_experts_per_tok` (renormalised when `norm_topk_prob`, true unless the config says otherwise),
+each a SwiGLU expert whose fused `gate_up_proj` holds the gate rows then the up rows, plus the shared SwiGLU
+expert scaled by sigmoid(shared_expert_gate). Nothing here imports mlx_dspark or mlx-lm modules.
 """
 
 from __future__ import annotations
@@ -66,8 +69,26 @@ class MTPReference:
         return (out.reshape(n, H * D) / (1.0 + np.exp(-gate))) @ self.w[f"{p}.o_proj.weight"].T
 
     def mlp(self, x: np.ndarray, p: str) -> np.ndarray:
+        if f"{p}.experts.gate_up_proj" in self.w:
+            return self.sparse_moe(x, p)
         g, u = x @ self.w[f"{p}.gate_proj.weight"].T, x @ self.w[f"{p}.up_proj.weight"].T
         return (g / (1.0 + np.exp(-g)) * u) @ self.w[f"{p}.down_proj.weight"].T
+
+    def sparse_moe(self, x: np.ndarray, p: str) -> np.ndarray:
+        router = x @ self.w[f"{p}.gate.weight"].T  # (n, E)
+        probs = np.exp(router - router.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        gate_up, down = self.w[f"{p}.experts.gate_up_proj"], self.w[f"{p}.experts.down_proj"]  # (E, 2I, C), (E, C, I)
+        inner = gate_up.shape[1] // 2
+        out = np.zeros_like(x)
+        for i in range(x.shape[0]):
+            chosen = np.argsort(-probs[i])[: self.cfg["num_experts_per_tok"]]
+            weights = probs[i, chosen] / (probs[i, chosen].sum() if self.cfg.get("norm_topk_prob", True) else 1.0)
+            for e, weight in zip(chosen, weights):
+                g, u = gate_up[e, :inner] @ x[i], gate_up[e, inner:] @ x[i]
+                out[i] += weight * (down[e] @ (g / (1.0 + np.exp(-g)) * u))
+        shared = self.mlp(x, f"{p}.shared_expert")
+        return out + shared / (1.0 + np.exp(-(x @ self.w[f"{p}.shared_expert_gate.weight"].T)))
 
     def hidden(self, next_tokens: list[int], hidden: np.ndarray) -> np.ndarray:
         """MTP output states (n, C) for entries t = 0..n-1: (hidden[t], next_tokens[t]) at position t."""

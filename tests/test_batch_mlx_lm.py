@@ -4,7 +4,7 @@ Every packed row must be bitwise its sequence's own forward (logits and tapped f
 rollback of a packed verify (rotating sliding-window caches past their wrap, recurrent states restored
 and their layer replayed); a batched greedy run with injected wrong drafts (partial acceptances: each row
 rolls back on its own) must equal each request's solo run and mlx-lm's own generate; the server batches
-such targets, hybrids included, and refuses in one line a family whose attention it cannot split.
+such targets, hybrids included, and refuses in one line a family it cannot split.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_map, tree_unflatten
+from mlx_lm.models import gemma2 as mlx_lm_gemma2
 from mlx_lm.models import qwen3 as mlx_lm_qwen3
 
 import mlx_dspark
@@ -32,6 +33,7 @@ from mlx_dspark.models.cache import trim_caches
 from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward, packing_problem
 from mlx_dspark.testing.draft_layouts import write_gemma4_draft
 from mlx_dspark.testing.mlx_lm_tiny import HYBRID_FAMILIES, tiny_mlx_lm_config, tiny_mlx_lm_weights, write_draft_for, write_tiny_mlx_lm_target
+from mlx_dspark.testing.mtp_deepseek_tiny import write_tiny_nextn_target
 from mlx_dspark.testing.tiny import write_tiny_draft
 from mlx_dspark.testing.tiny_mlx_lm import tiny_mlx_lm_model
 from tests.test_mlx_lm_targets import mlx_lm_greedy
@@ -80,6 +82,8 @@ TARGETS = {
     "nemotron_h": lambda: _as_target(tiny_mlx_lm_model("nemotron_h")),  # Mamba-2 + attention + MLP / MoE blocks
     "falcon_h1": lambda: _as_target(tiny_mlx_lm_model("falcon_h1")),  # CacheList(ArraysCache, KVCache) per layer
     "mamba2": lambda: _as_target(tiny_mlx_lm_model("mamba2")),  # recurrent only: no attention at all
+    # attention written out (its own arithmetic on the mask / keys): the attention module per sequence
+    "gemma2": lambda: _gemma2(),
 }
 
 
@@ -90,7 +94,19 @@ def test_packed_rows_are_bitwise_their_own_forward_and_roll_back_alike(family):
     target = TARGETS[family]()
     assert packing_problem(type("Pair", (), {"target": target, "draft": None})()) is None
     if family in ("qwen3_5", "lfm2", "nemotron_h", "falcon_h1", "mamba2"):  # only the mixer per sequence
-        assert target._dspark_recurrent_mode == "module"
+        assert target._dspark_split_mode == "module"
+    if family == "gemma2":
+        assert target._dspark_split_mode == "attention"
+    check_packed_rows(target)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_next_n_targets_packed_rows_are_bitwise_their_own_forward(family, tmp_path):
+    """DeepSeek-V3's MLA attention scores the rotary part itself and hands the sum as the mask: its attention
+    runs per sequence; GLM-4.5's calls mlx-lm's attention and packs as any other family."""
+    target = mlx_dspark.load(str(write_tiny_nextn_target(tmp_path / family, family=family, seed=0))).target
+    assert packing_problem(type("Pair", (), {"target": target, "draft": None})()) is None
+    assert target._dspark_split_mode == ("attention" if family == "deepseek_v3" else "module")
     check_packed_rows(target)
 
 
@@ -99,7 +115,7 @@ def test_whole_recurrent_layers_per_sequence_are_bitwise_too(family):
     """The fallback for a family whose layer does more with its recurrent cache or mask than hand them to
     one sub-module: the whole layer runs per sequence (chosen at load when the probe of the default fails)."""
     target = TARGETS[family]()
-    object.__setattr__(target, "_dspark_recurrent_mode", "layer")
+    object.__setattr__(target, "_dspark_split_mode", "layer")
     check_packed_rows(target)
 
 
@@ -261,25 +277,42 @@ def test_server_batches_an_mlx_lm_target(family, tmp_path):
         assert server.worker.peak_active >= 2, "the requests did share rounds"
 
 
-def _gemma2():
+def _gemma2(model_class=None):
     """gemma2 writes its attention out (soft-capped scores) instead of calling mlx-lm's
-    scaled_dot_product_attention: a packed forward cannot split it per sequence."""
+    scaled_dot_product_attention: a packed forward runs its attention module per sequence."""
     config = dict(model_type="gemma2", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
                   head_dim=16, rms_norm_eps=1e-6, vocab_size=384, num_key_value_heads=2)  # fmt: skip
-    target = mlx_lm_target.from_config(config)
+    target = mlx_lm_target.from_config(config, model_class=model_class)
     mx.eval(target.parameters())
     mlx_lm_target.probe_target(target)  # a valid target: one request at a time runs it
     return target
 
 
-def test_a_family_whose_attention_cannot_be_split_is_refused_in_one_line(tmp_path):
-    problem = packing_problem(type("Pair", (), {"target": _gemma2(), "draft": None})())
+class _IntOffsetBackbone(mlx_lm_gemma2.GemmaModel):
+    """gemma2's backbone reading its first cache's offset as an int, outside any layer (as gpt_bigcode's
+    position ids do): no layer split can serve that."""
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        if cache is not None:
+            inputs = inputs + 0 * int(cache[0].offset)
+        return super().__call__(inputs, cache, **kwargs)
+
+
+class _IntOffsetGemma2(mlx_lm_gemma2.Model):
+    def __init__(self, args):
+        super().__init__(args)
+        self.model = _IntOffsetBackbone(args)
+
+
+def test_a_family_that_cannot_be_split_is_refused_in_one_line(tmp_path):
+    problem = packing_problem(type("Pair", (), {"target": _gemma2(_IntOffsetGemma2), "draft": None})())
     assert problem.startswith("the target (model_type 'gemma2') fails in a packed forward") and "scaled_dot_product_attention" in problem
+    assert "; with its attention per sequence it fails in a packed forward (ValueError: " in problem
     assert "\n" not in problem
     from tests.test_server import call, running_server
 
     target_path, _ = write_pair(tmp_path, "llama")
-    loaded = dataclasses.replace(mlx_dspark.load(str(target_path)), target=_gemma2())
+    loaded = dataclasses.replace(mlx_dspark.load(str(target_path)), target=_gemma2(_IntOffsetGemma2))
     with running_server(lambda: loaded, max_batch=4) as server:
         server.worker.loaded.wait(60)
         status, _, health = call(server, "GET", "/health")

@@ -161,3 +161,20 @@ def test_a_dflash2_gguf_is_the_same_draft_as_its_hugging_face_files(tiny_qwen3_t
     spec = mlx_dspark.generate(from_gguf, PROMPT, max_tokens=64, max_draft_tokens=from_gguf.draft.num_drafts)
     assert spec.tokens == mlx_dspark.generate(from_hf, PROMPT, max_tokens=64, speculative=False).tokens
     assert spec.rounds < 64 and spec.tokens == mlx_dspark.generate(from_hf, PROMPT, max_tokens=64, max_draft_tokens=from_hf.draft.num_drafts).tokens
+
+
+@pytest.mark.parametrize("fast_forward", [True, False], ids=["fast_forward", "no_fast_forward"])
+def test_constrained_generation_with_a_dflash2_draft_is_plain_constrained_decoding(dflash2_pair, fast_forward):
+    """A JSON schema and a regex with forced runs: the grammar's mask reaches the selector's candidates
+    (masked draft) or not (unmasked), the forced runs ride the block or not; the tokens are plain decoding's."""
+    from mlx_dspark.engine.constraints import Constraint
+
+    pair = dflash2_pair[2]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}  # fmt: skip
+    for constraint in (Constraint.json_schema(json.dumps(schema)), Constraint.regex(r"The answer is [0-9]{1,3}\. Done")):
+        plain = mlx_dspark.generate(pair, "hello", constraint=constraint, max_tokens=40, speculative=False)
+        for mask_draft in (True, False):
+            spec = mlx_dspark.generate(pair, "hello", constraint=constraint, max_tokens=40, mask_draft=mask_draft,
+                                       fast_forward=fast_forward, max_draft_tokens=pair.draft.num_drafts)  # fmt: skip
+            assert spec.tokens == plain.tokens and spec.rounds < len(plain.tokens), (constraint.kind, mask_draft)

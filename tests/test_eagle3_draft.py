@@ -73,7 +73,43 @@ def test_the_speculators_checkpoint_loads_as_an_eagle3_draft_with_eagles_layer_n
 
 
 def test_a_chained_proposal_is_the_numpy_restatements_chain(llama_pair):
-    target_dir, draft_dir, pair = llama_pair
+    assert_the_restatements_chain(*llama_pair)
+
+
+LLAMA3_ROPE = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}  # fmt: skip
+VARIANTS = {  # name -> (target writer, draft options); the tiny targets' 4 layers take EAGLE ids [1, 2, 3]
+    "llama3-rope": ("llama", dict(rope=LLAMA3_ROPE)),  # every regime of llama3's frequency blend at original_max 64
+    "narrower-draft": ("llama", dict(hidden_size=64, own_embedding=True)),  # C 64 over a C_t 128 target: its own table
+    "full-vocab-no-d2t": ("llama", dict(draft_vocab_size=384, with_d2t=False)),
+    "norm-before-fc": ("llama", dict(norm_before_fc=True)),  # gpt-oss drafts' input_norm over the taps
+    "qwen3-target": ("qwen3", dict(layer_type="qwen3", norm_before_residual=True)),
+    "default-aux-ids": ("llama8", dict(aux_layer_ids=None)),  # vLLM's (2, N // 2, N - 3) of 8 layers: taps 1, 3, 4
+    "unsorted-aux-ids": ("llama", dict(aux_layer_ids=(3, 0, 2))),  # collected in layer order (vLLM's loop); 0: the embedding
+}
+
+
+@pytest.fixture(scope="module")
+def variant_targets(root) -> dict[str, Path]:
+    from mlx_dspark.testing.tiny import write_tiny_target
+
+    return {
+        "llama": write_tiny_mlx_lm_target(root / "llama", family="llama", seed=0),
+        "qwen3": write_tiny_target(root / "qwen3-target", family="qwen3", seed=6),
+        "llama8": write_tiny_mlx_lm_target(root / "llama8", family="llama", seed=7, num_hidden_layers=8),
+    }
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_config_variants_give_the_numpy_restatements_chain(variant, variant_targets, root):
+    kind, options = VARIANTS[variant]
+    target_dir = variant_targets[kind]
+    draft_dir = write_eagle3_draft(root / f"variant-{variant}", target_path=target_dir, seed=11, **options)
+    pair = mlx_dspark.load(str(target_dir), draft=str(draft_dir))
+    assert_the_restatements_chain(target_dir, draft_dir, pair)
+
+
+def assert_the_restatements_chain(target_dir: Path, draft_dir: Path, pair) -> None:
     target_ref = LlamaTarget(target_dir)
     reference = Eagle3Reference(draft_dir, target_ref.embed_table)
     aux = reference.aux(target_ref.hidden_states(PROMPT), target_ref.cfg["num_hidden_layers"])
@@ -83,7 +119,7 @@ def test_a_chained_proposal_is_the_numpy_restatements_chain(llama_pair):
     anchor = 77
     nxt = PROMPT[1:] + [anchor]
     g = reference.fuse(aux)
-    ours = np.array(pair.eagle3.logits(pair.eagle3(pair.target.embed(mx.array([nxt])), pair.eagle3.fuse(features)))[0])
+    ours = np.array(pair.eagle3.logits(pair.eagle3(pair.eagle3.embed(mx.array([nxt]), pair.target), pair.eagle3.fuse(features)))[0])
     expected = reference.logits(reference.outputs(nxt, g))
     finite = np.isfinite(expected)
     assert (np.isfinite(ours) == finite).all() and np.abs(ours[finite] - expected[finite]).max() < 1e-4 * np.abs(expected[finite]).max()

@@ -179,3 +179,15 @@ def test_no_draft_with_lookup_named_runs_lookup_alone(tmp_path):
     named = json.loads(named.stdout)
     assert named["tokens"] == plain["tokens"]
     assert plain["target_forwards"] == 96 and named["target_forwards"] < 96  # the demo's text repeats: lookups land
+
+
+def test_generate_with_its_defaults_and_a_json_schema_on_a_tiny_dflash2_pair(tiny_qwen3_pair, tmp_path):
+    from mlx_dspark.testing.dflash2_tiny import write_dflash2_draft
+
+    target, deepspec = tiny_qwen3_pair
+    draft = str(write_dflash2_draft(deepspec, tmp_path / "dflash2", seed=4))
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}))
+    result = ok(["mlx_dspark.generate", "--model", str(target), "--draft", draft, "--prompt", "hello", "--max-tokens", "24",
+                 "--json-schema", str(schema), "--compare"], tmp_path)  # fmt: skip
+    assert "outputs identical: yes" in result.stderr

@@ -65,14 +65,38 @@ def _proposal_at(pair, sequence, anchor, n, cache=None):
 def test_a_proposal_is_the_numpy_restatement_over_the_targets_last_sliding_and_full_layers(pair):
     target_dir, draft_dir, loaded = pair
     assert loaded.draft is None and isinstance(loaded.assistant, Gemma4AssistantDraft)
+    assert GemmaTargetKV(target_dir).cfg["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"]
+    assert_the_restatements_proposal(target_dir, draft_dir, loaded)
+
+
+SHARED_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+TARGET_VARIANTS = {  # a target of the published kinds the tiny one is not
+    # E2B / E4B: the last layers KV-shared (the assistant reads the last non-shared layer of each type: 1 and 2,
+    # not 4 and 5), per-layer inputs, a wider window
+    "kv-shared-per-layer-input": dict(num_hidden_layers=6, layer_types=SHARED_TYPES, num_kv_shared_layers=3,
+                                      hidden_size_per_layer_input=16, sliding_window=10),
+    # 26B-A4B / 31B: full layers without v_proj (values = the raw keys), their own KV head count
+    "k-eq-v": dict(attention_k_eq_v=True, num_global_key_value_heads=1, sliding_window=6),
+    "window-wider-than-the-context": dict(sliding_window=64),  # the sliding layer's K/V: every row so far
+}
+
+
+@pytest.mark.parametrize("variant", list(TARGET_VARIANTS))
+def test_target_variants_give_the_restatements_proposal(variant, root):
+    target_dir = write_tiny_mlx_lm_target(root / f"gemma-{variant}", family="gemma4_text", seed=5, **TARGET_VARIANTS[variant])
+    draft_dir = write_assistant(root / f"assistant-{variant}", target_path=target_dir, seed=6, table_scale=4.0)
+    assert_the_restatements_proposal(target_dir, draft_dir, mlx_dspark.load(str(target_dir), draft=str(draft_dir)))
+
+
+def assert_the_restatements_proposal(target_dir: Path, draft_dir: Path, loaded) -> None:
     target, model = loaded.target, loaded.assistant
     kv_ref = GemmaTargetKV(target_dir)
-    assert kv_ref.cfg["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"]
-    _, features = target(mx.array([PROMPT]), tap_ids=(1, 2))  # the inputs of layers 2 (last sliding) and 3 (last full)
+    window, C = kv_ref.cfg["sliding_window"], kv_ref.cfg["hidden_size"]
+    sliding, full = kv_ref.source("sliding_attention"), kv_ref.source("full_attention")
+    _, features = target(mx.array([PROMPT]), tap_ids=(sliding - 1, full - 1))  # those layers' inputs
     inputs = np.array(features[0], dtype=np.float64)
-    C = kv_ref.cfg["hidden_size"]
-    keys_s, values_s = kv_ref.kv(2, inputs[:, :C])
-    kv = {"sliding_attention": (keys_s[:, -WINDOW:], values_s[:, -WINDOW:]), "full_attention": kv_ref.kv(3, inputs[:, C:])}
+    keys_s, values_s = kv_ref.kv(sliding, inputs[:, :C])
+    kv = {"sliding_attention": (keys_s[:, -window:], values_s[:, -window:]), "full_attention": kv_ref.kv(full, inputs[:, C:])}
     hidden = np.array(target.model(mx.array([PROMPT])), dtype=np.float64)[0, -1]  # mlx-lm's own final normed state
     reference = AssistantReference(draft_dir, kv_ref.embed_table)
     anchor = 77
@@ -80,7 +104,7 @@ def test_a_proposal_is_the_numpy_restatement_over_the_targets_last_sliding_and_f
     _, proposal, cache = _proposal_at(loaded, PROMPT, anchor, 4)
     assert proposal.tokens[0].tolist() == expected
     shared = model.shared_kv(cache, target.layer_types)
-    assert shared["sliding_attention"][0].shape[2] == WINDOW and shared["full_attention"][0].shape[2] == len(PROMPT)
+    assert shared["sliding_attention"][0].shape[2] == min(window, len(PROMPT)) and shared["full_attention"][0].shape[2] == len(PROMPT)
     y = model(model.embed(mx.array([[anchor]]), target), mx.array(hidden[None, None], dtype=mx.float32), shared, position=len(PROMPT) - 1)
     ours = np.array(model.logits(y)[0, 0])
     assert np.abs(ours - first_logits).max() < 1e-3 * max(1.0, np.abs(first_logits).max())

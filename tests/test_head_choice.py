@@ -133,7 +133,7 @@ def test_a_dspark_draft_and_the_targets_mtp_layers_load_together_and_stay_lossle
         assert mlx_dspark.generate(pair, PROMPT, max_tokens=200, **options).tokens == plain, options
     # each head's curve is cached apart (tests: synthetic flat curves, conftest.py)
     assert len(list((tmp_path / "cost" / "in-process").glob("*.json"))) == 2
-    with pytest.raises(ValueError, match="one draft model at a time"):
+    with pytest.raises(ValueError, match="are both a DSpark / DFlash block draft; give at most one draft of each kind"):
         mlx_dspark.load(str(target), draft=[str(draft), str(draft), "mtp"])
 
 
@@ -161,6 +161,34 @@ def test_an_eagle3_draft_and_the_targets_mtp_layers_are_two_heads_too(dspark_and
     assert spec.tokens == plain and spec.rounds < 120
 
 
+def test_a_block_draft_an_eagle3_draft_and_the_mtp_layers_are_three_heads(dspark_and_mtp, tmp_path, monkeypatch):
+    """Two draft files and the MTP layers: three heads, each with its own cached curve (the EAGLE-3 head's keyed
+    by its own file), greedy output plain decoding's; the block draft's options apply to the block draft."""
+    from mlx_dspark.engine.cost_probe import cache_key, head_names
+    from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
+
+    monkeypatch.setenv("MLX_DSPARK_COST_DIR", str(tmp_path / "cost"))
+    target, draft = dspark_and_mtp
+    eagle = write_eagle3_draft(tmp_path / "eagle3", target_path=target, seed=3, include_embedding=False)
+    pair = mlx_dspark.load(str(target), draft=f"{draft},{eagle},mtp", draft_tap_ids=[0, 2])
+    assert head_names(pair) == ["draft", "eagle3", "mtp"]
+    assert pair.draft_path == Path(draft) and pair.head_source("eagle3")[0] == Path(eagle)
+    assert pair.draft.args.target_layer_ids == (0, 2)
+    alone = mlx_dspark.load(str(target), draft=str(eagle))
+    assert cache_key(pair, head="eagle3") == cache_key(alone, head="eagle3") != cache_key(pair, head="draft")
+    pair = prepare_model(pair, RunSettings(ignore_eos=True))
+    plain = mlx_dspark.generate(pair, PROMPT, max_tokens=120, speculative=False).tokens
+    spec = mlx_dspark.generate(pair, PROMPT, max_tokens=120, max_draft_tokens=3, lookup="off")
+    assert spec.tokens == plain and spec.rounds < 120
+    assert len(list((tmp_path / "cost" / "in-process").glob("*.json"))) == 3
+    with pytest.raises(ValueError, match="both an EAGLE-3 draft"):
+        mlx_dspark.load(str(target), draft=f"{eagle},{eagle}")
+    with pytest.raises(ValueError, match="export one draft at a time"):
+        from mlx_dspark.export.source import _one_draft
+
+        _one_draft(f"{draft},{eagle}")
+
+
 def test_calibrate_shows_each_heads_own_curve(dspark_and_mtp, tmp_path, monkeypatch):
     """`calibrate` on a pair of two heads: the block draft's curve, then the MTP chain's with its cost per
     draft (measured for real on the chain; verify widths stubbed: tests time no target forwards)."""
@@ -178,3 +206,44 @@ def test_calibrate_shows_each_heads_own_curve(dspark_and_mtp, tmp_path, monkeypa
     assert "context 32: draft block" in result.output and "head mtp:" in result.output
     assert "ms per draft" in result.output.split("head mtp:")[1]
     assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+class _Estimating:
+    """A draft that says what its round would give and cost (as HeadChoice does)."""
+
+    tap_ids, block_size = (), 7
+
+    def __init__(self, estimate):
+        self.round_estimate = lambda length: estimate
+
+
+def test_lookup_is_weighed_against_the_round_heads_own_estimate():
+    """choose.Chooser: a lookup block of a repeated context against the draft head's own (expected tokens, ms):
+    a cheap, well-accepted head's block wins the round, a dear or poorly accepted one loses it to lookup."""
+    from mlx_dspark.engine.choose import Chooser, RoundCost
+    from mlx_dspark.engine.lookup import ContextIndex
+
+    cost = RoundCost(draft=5.0, verify=(10.0, 10.5, 11.0, 11.5, 12.0))  # the pair's first head: a dear block
+    context = list(range(30)) + list(range(4))  # a 4-token match: lookup's block of 5 scores 0.22 tokens per ms
+    plans = {}
+    for name, estimate in (("cheap", (3.5, 1.0)), ("dear", (3.5, 80.0)), ("poor", (0.05, 1.0)), ("unknown", None)):
+        chooser = Chooser(draft=_Estimating(estimate), index=ContextIndex(context, ngram_sizes=(4,)), cost=cost)
+        plans[name] = chooser.plan(num_tokens=4, room=40)
+    assert plans["cheap"].draft_size == 4
+    assert plans["dear"].draft_size == 0 and plans["dear"].proposal.source == "lookup"
+    assert plans["poor"].draft_size == 0 and plans["poor"].proposal.source == "lookup"
+    assert plans["unknown"].draft_size == 0  # no estimate: the chooser's own prior rate and the pair's dear block
+
+
+def test_the_round_estimate_is_the_chosen_heads_acceptance_and_cost():
+    block = CostCurve(draft_ms=6.0, verify_ms=(10.0,) * 9, context=32)
+    chain = CostCurve(draft_ms=0.5, verify_ms=(10.0,) * 9, context=32, draft_step_ms=1.5)
+    heads = {name: OracleProposer([], prompt_len=0, vocab_size=8, errors=lambda r: []) for name in ("block", "chain")}
+    choice = HeadChoice(heads,
+                        {"block": FixedLength(4), "chain": FixedLength(3)}, {"block": block, "chain": chain})
+    assert choice.round_estimate(3) is None  # no head chosen yet
+    choice.acceptance["chain"] = [0.9, 0.5, 0.1] + [0.0] * (len(choice.acceptance["chain"]) - 3)
+    choice.acceptance["block"] = [0.1] * len(choice.acceptance["block"])
+    assert choice.next_length(position=0) == 3 and choice._current == "chain"
+    expected, ms = choice.round_estimate(3)
+    assert ms == pytest.approx(0.5 + 3 * 1.5) and expected == pytest.approx(0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -43,6 +44,39 @@ def loaded(target_dir):
     return mlx_dspark.load(str(target_dir), draft="mtp")
 
 
+VARIANTS = {  # name -> the tiny writer's options (beside the dense target above)
+    # a Qwen3.5-MoE target: its MTP layer's MLP a sparse MoE, the experts fused as HF stores them
+    "qwen3_5_moe": dict(family="qwen3_5_moe"),
+    # the small Qwen3.5s' tied head (the MTP's logits through the embedding) and another partial rotary factor
+    "tied-half-rotary": dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                                        "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+}
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory, target_dir, loaded):
+    """name -> (target directory, loaded with draft 'mtp'), each built once, when first asked for."""
+    built = {"qwen3_5": (target_dir, loaded)}
+
+    def get(name: str):
+        if name not in built:
+            path = write_tiny_qwen3_5_mtp_target(tmp_path_factory.mktemp(f"mtp-{name}") / "target", seed=3, **VARIANTS[name])
+            built[name] = (path, mlx_dspark.load(str(path), draft="mtp"))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def family_pair(request, variants):
+    return variants(request.param)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", *VARIANTS])
+def variant_pair(request, variants):
+    return variants(request.param)
+
+
 def final_hidden(target, tokens: list[int]) -> mx.array:
     _, features = target(mx.array([tokens]), tap_ids=(FINAL_TAP,))
     return features  # (1, n, C)
@@ -65,7 +99,8 @@ def test_the_final_tap_is_the_states_mlx_lms_head_reads(loaded):
     assert mx.allclose(logits[:, -1], full[:, -1], atol=1e-5).item()
 
 
-def test_one_mtp_step_gives_the_numpy_restatements_logits(target_dir, loaded):
+def test_one_mtp_step_gives_the_numpy_restatements_logits(variant_pair):
+    target_dir, loaded = variant_pair
     target, mtp = loaded.target, loaded.mtp
     hidden = final_hidden(target, PROMPT)
     nxt = PROMPT[1:] + [77]  # entry t pairs h_t with the token at t + 1
@@ -75,7 +110,8 @@ def test_one_mtp_step_gives_the_numpy_restatements_logits(target_dir, loaded):
     assert np.abs(ours - expected).max() < 1e-4 * max(1.0, np.abs(expected).max())
 
 
-def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_entries(target_dir, loaded):
+def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_entries(variant_pair):
+    target_dir, loaded = variant_pair
     target, mtp = loaded.target, loaded.mtp
     anchor = 77
     proposer = MTPProposer(mtp, target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
@@ -120,7 +156,8 @@ def mlx_lm_greedy(target: Path, prompt: list[int], max_tokens: int) -> list[int]
     return [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
 
 
-def test_greedy_mtp_speculation_is_mlx_lms_generate(target_dir, loaded):
+def test_greedy_mtp_speculation_is_mlx_lms_generate(family_pair):
+    target_dir, loaded = family_pair
     reference = mlx_lm_greedy(target_dir, PROMPT, 50)
     steps = speculative_steps(loaded.target, MTPProposer(loaded.mtp, loaded.target, prompt=PROMPT, greedy=True, temperature=1.0),
                               PROMPT, sampler=Sampler(), speculation=FIXED)  # fmt: skip
@@ -215,11 +252,12 @@ def test_sampled_mtp_drafts_are_drawn_from_the_distributions_they_report(tiny_vo
 # -- loading, conversion, refusals, the command line -----------------------------------------------------
 
 
-def test_convert_keeps_the_mtp_layers_and_the_conversion_loads_the_same_layers(target_dir, loaded, tmp_path):
+def test_convert_keeps_the_mtp_layers_and_the_conversion_loads_the_same_layers(family_pair, tmp_path):
     from mlx.utils import tree_flatten
 
     from mlx_dspark.loading.convert import convert
 
+    target_dir, loaded = family_pair
     out = convert(target_dir, tmp_path / "mlx", log=lambda _: None)
     converted = mlx_dspark.load(str(out), draft="mtp")
     assert not converted.mtp.raw_norms  # norms written in MLX form, with the conv kernels moved
@@ -231,6 +269,37 @@ def test_a_target_without_mtp_tensors_says_how_to_get_them(tmp_path):
     bare = write_tiny_qwen3_5_mtp_target(tmp_path / "bare", mtp=False)
     with pytest.raises(ValueError, match=r"no mtp\.\* tensors.*mlx_dspark\.convert"):
         mlx_dspark.load(str(bare), draft="mtp")
+
+
+def _two_layer_targets() -> dict:
+    from mlx_dspark.testing.mtp_deepseek_tiny import write_tiny_nextn_target
+    from mlx_dspark.testing.mtp_mimo_tiny import write_tiny_mimo_target
+    from mlx_dspark.testing.mtp_nemotron_h_tiny import write_tiny_nemotron_h_target
+    from mlx_dspark.testing.mtp_qwen3_next_tiny import write_tiny_qwen3_next_target
+
+    field = "num_nextn_predict_layers"
+    return {  # family -> (writer of a target declaring 2 MTP layers, the field the line must name)
+        "qwen3_5": (lambda p: write_tiny_qwen3_5_mtp_target(p, mtp_layers=2), "text_config.mtp_num_hidden_layers"),
+        "mimo": (lambda p: write_tiny_mimo_target(p, mtp_layers=2), field),
+        "deepseek_v3": (lambda p: write_tiny_nextn_target(p, family="deepseek_v3", nextn_layers=2), field),
+        "glm4_moe": (lambda p: write_tiny_nextn_target(p, family="glm4_moe", nextn_layers=2), field),
+        "qwen3_next": (lambda p: write_tiny_qwen3_next_target(p, mtp=False, mtp_layers=2), field),
+        "nemotron_h": (lambda p: write_tiny_nemotron_h_target(p, mtp=False, mtp_layers=2), field),
+    }
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mimo", "deepseek_v3", "glm4_moe", "qwen3_next", "nemotron_h"])
+def test_more_than_one_mtp_layer_is_refused_in_one_line_naming_the_file_and_field(family, tmp_path):
+    """Every published checkpoint of these families has one (Qwen3.5's readings differ too: vLLM's step k runs
+    layer k mod n, mlx-vlm's every layer in order); --draft auto does not take layers load() refuses."""
+    from mlx_dspark.loading.draft_registry import resolve_auto_draft
+
+    write, field = _two_layer_targets()[family]
+    two = write(tmp_path / "two")
+    with pytest.raises(ValueError, match=rf"two/config\.json: draft 'mtp': {re.escape(field)} is 2; only 1 is supported") as refused:
+        mlx_dspark.load(str(two), draft="mtp")
+    assert "\n" not in str(refused.value)
+    assert resolve_auto_draft(str(two))[0] is None
 
 
 def test_a_target_that_declares_no_mtp_layers_is_one_clear_error(tmp_path):

@@ -83,6 +83,26 @@ def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_
     assert all(c.offset == len(PROMPT) for c in proposer.cache)  # the 3 chained entries were trimmed
 
 
+FP8_PARTS = ("eh_proj.weight", "shared_head.head.weight", "self_attn.o_proj.weight", "mlp.shared_experts.down_proj.weight")
+
+
+@pytest.mark.parametrize(("family", "change"), [("deepseek_v3", {"q_lora_rank": None}), ("glm4_moe", {"use_qk_norm": True}),
+                                                ("deepseek_v3", {"fp8_parts": FP8_PARTS})])  # fmt: skip
+def test_config_variants_give_the_restatements_step_and_chain(family, change, tmp_path):
+    """DeepSeek-V3 without a low-rank query (one q_proj: V2-Lite's layout), GLM with q/k norms (GLM-4.5-Air / 4.6
+    configs may set it), DeepSeek-V3's FP8 files (the next-n layer's eh_proj and head dequantized as its block's)."""
+    path = write_tiny_nextn_target(tmp_path / family, family=family, seed=4, **change)
+    loaded = mlx_dspark.load(str(path), draft="mtp")
+    target, mtp = loaded.target, loaded.mtp
+    hidden, nxt, reference = final_hidden(target, PROMPT), PROMPT[1:] + [77], NextNReference(path)
+    out = mtp(mtp.embed(mx.array([nxt]), target), hidden, mtp.make_cache())
+    assert close(np.array(mtp.logits(out, target)[0]), reference.step_logits(nxt, np.array(hidden[0])))
+    proposer = MTPProposer(mtp, target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
+    proposer.extend(hidden)
+    proposer.commit([77])
+    assert proposer.propose(mx.array([77]), position=len(PROMPT), num_tokens=4).tokens[0].tolist() == reference.greedy_chain(nxt, np.array(hidden[0]), 4)
+
+
 def test_the_target_shared_embedding_and_head_are_used_when_the_layer_has_no_copies(tmp_path):
     path = write_tiny_nextn_target(tmp_path / "shared", family="deepseek_v3", own_embedding=False, own_head=False)
     loaded = mlx_dspark.load(str(path), draft="mtp")

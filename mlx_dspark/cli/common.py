@@ -190,7 +190,7 @@ DRAFT_HELP = (
     "carries them; 'mtp': the target's own multi-token-prediction layers (Qwen3.5 / 3.6 / 3.8 checkpoints with mtp.*, DeepSeek-V3 / "
     "GLM-4.5+ checkpoints with their next-n layer, MiMo checkpoints with model.mtp_layers.*, Qwen3-Next checkpoints with mtp.*, Nemotron-H checkpoints with mtp.layers.*); "
     "a Gemma 4 assistant drafter (google/gemma-4-*-it-assistant) beside a Gemma 4 target; "
-    "'PATH,mtp' (a DSpark / DFlash or EAGLE-3 draft and the MTP layers): both, each round proposing from the one that pays more on this machine; "
+    "several joined by commas, one of each kind ('DSPARK,EAGLE3', 'PATH,mtp', 'DSPARK,EAGLE3,mtp'): each round proposes from the one that pays most on this machine; "
     "'lookup': no draft, prompt-lookup drafts alone."
 )
 DraftTapIds = Annotated[

@@ -13,8 +13,9 @@ processor, proposer state and RNG. `batch_round(model, rows, ...)` runs, for all
    its own `choose.Chooser`: `Chooser.plan` picks a lookup / forced block (no draft forward; up to 32
    tokens, within the row's room) or the DSpark block of the row's draft length, which then comes from
    the same packed draft forward and `Chooser.finish` completes (forced run in front, lookup tail).
-   A chained head's row (MTP layers, an EAGLE-3 draft) drafts its k steps by itself over its own drafter
-   cache (engine/batch_propose.py); only the verify is packed with the other rows.
+   A chained head's rows (MTP layers, an EAGLE-3 draft) keep their own drafter caches and run each chain
+   step as one packed drafter forward (engine/batch_chain.py); a Gemma 4 assistant's row drafts its k
+   steps by itself over its own target caches (engine/batch_propose.py).
 2. **Verify**: one packed target forward over every row's segment: `[anchor, x1..xl]` for a drafting
    row, `[anchor]` for a plain or parked one, and the next chunk (at most `prefill_chunk` tokens) of a
    newcomer's prompt, so running streams keep flowing while it prefills.
@@ -108,9 +109,6 @@ class BatchRow:
         if proposer is not None and proposer.context is not self.prompt_cache.draft_context:
             raise ValueError("the proposer must draft over the row's prompt cache: DraftProposer(..., context=prompt_cache.draft_context)")
         head = default_head(model)  # the pair's one head (models/packed.packing_problem refuses several)
-        if head == "assistant" and self.speculation.speculative:  # as packing_problem: its chain reads the target's caches
-            raise ValueError("a Gemma 4 assistant drafts over the target's caches, which a batched row does not hand it: "
-                             "serve it with --max-batch 1")  # fmt: skip
         if proposer is None and self.speculation.speculative and lookup != "only" and getattr(model, head, None) is not None:
             self.proposer = DraftProposer(
                 model.draft,
@@ -118,8 +116,9 @@ class BatchRow:
                 greedy=self.speculation.draft_sampling == "greedy" or self.sampler.greedy,
                 temperature=max(self.sampler.temperature, 1e-6),
                 context=self.prompt_cache.draft_context,
-            ) if head == "draft" else _chain_proposer(model, head, self.prompt, options)  # fmt: skip
-        self.chained = isinstance(self.proposer, ChainProposer)  # drafts k chained steps of its own (batch_propose.py)
+            ) if head == "draft" else _chain_proposer(model, head, self.prompt, options, self.prompt_cache)  # fmt: skip
+        # drafts k chained steps of its own (batch_propose.py); a Gemma 4 assistant over the row's target caches
+        self.chained = isinstance(self.proposer, ChainProposer) or getattr(self.proposer, "takes_target_cache", False)
         # this machine's single-request curve (measured once and cached), read once for the row's length
         # policy, its Chooser and its confidence schedule
         speculation = self.speculation
@@ -189,6 +188,10 @@ class BatchRow:
         """Before building this row's random draws: re-seed MLX's generator from the row's own stream."""
         if self._seeds is not None:
             mx.random.seed(int(self._seeds.integers(2**32)))
+
+    def draw_key(self) -> mx.array:
+        """A key from this row's own stream, for draws built in one graph with other rows' (batch_chain.py)."""
+        return mx.random.key(int(self._seeds.integers(2**32)))
 
     def room(self) -> int:
         """The most tokens this round's block may hold: what max_tokens leaves and the caches roll back."""

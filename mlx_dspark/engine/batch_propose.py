@@ -2,9 +2,11 @@
 
 A block draft's rows (DSpark, DFlash, DFlash 2) share one packed draft block forward
 (`models/packed.packed_block_hidden`); their heads run together for the greedy rows without a logits hook,
-per row otherwise. A chained head's rows (the target's MTP layers, an EAGLE-3 draft) each run their own
-k chained steps over their own drafter cache, as a single request does (engine/chain_propose.py). A
-row's proposer may then `revise` what it proposed (a benchmark's controlled acceptance).
+per row otherwise. A chained head's rows (the target's MTP layers, an EAGLE-3 draft) each keep their own
+drafter cache; their chain steps run as one packed drafter forward per step (engine/batch_chain.py), or,
+where the drafter's packed step fails its probe, each row runs its own k steps as a single request does
+(engine/chain_propose.py). A row's proposer may then `revise` what it proposed (a benchmark's controlled
+acceptance).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from mlx_dspark.engine.batch_chain import chains_packable, propose_chains
 from mlx_dspark.engine.propose import Proposal
 from mlx_dspark.models.packed import packed_block_hidden
 
@@ -26,8 +29,10 @@ def _row_proposal(proposal: Proposal, i: int) -> Proposal:
 
 
 def propose_rows(model: Any, rows: list[Any], lengths: list[int]) -> list[Proposal]:
-    """The drafting rows' proposals: a chained head's rows each from their own proposer (`_chained`); the
-    block draft's rows from one packed draft block forward (`_blocks`). Then a proposer's own `revise`."""
+    """The drafting rows' proposals: a chained head's rows together, one packed drafter forward per chain
+    step (engine/batch_chain.py), or each from its own proposer (`_chained`) where the drafter's packed
+    step fails its probe; the block draft's rows from one packed draft block forward (`_blocks`). Then a
+    proposer's own `revise`."""
     hooks = [r.processor.draft_hook() for r in rows]
     proposals: list[Proposal | None] = [None] * len(rows)
     blocks = [i for i, r in enumerate(rows) if not r.chained]
@@ -35,9 +40,14 @@ def propose_rows(model: Any, rows: list[Any], lengths: list[int]) -> list[Propos
         made = _blocks(model, [rows[i] for i in blocks], [lengths[i] for i in blocks], [hooks[i] for i in blocks])
         for i, proposal in zip(blocks, made):
             proposals[i] = proposal
-    for i, row in enumerate(rows):
-        if row.chained:
-            proposals[i] = _chained(row, lengths[i], hooks[i])
+    chains = [i for i, r in enumerate(rows) if r.chained]
+    if chains_packable([rows[i] for i in chains]):
+        made = propose_chains([rows[i] for i in chains], [lengths[i] for i in chains], [hooks[i] for i in chains])
+        for i, proposal in zip(chains, made):
+            proposals[i] = proposal
+    else:
+        for i in chains:
+            proposals[i] = _chained(rows[i], lengths[i], hooks[i])
     for i, row in enumerate(rows):
         revise = getattr(row.proposer, "revise", None)
         if revise is not None:
@@ -47,13 +57,16 @@ def propose_rows(model: Any, rows: list[Any], lengths: list[int]) -> list[Propos
 
 
 def _chained(row: Any, length: int, hook: Callable | None) -> Proposal:
-    """A chained head's row (MTP layers, an EAGLE-3 draft) drafts its `length` steps over its own drafter
-    cache, as a single request does (chain_propose.py: only committed entries stay in that cache, so each
-    row's rollback is its own); a sampled row from its own generator."""
+    """A chained head's row (MTP layers, an EAGLE-3 draft, a Gemma 4 assistant) drafts its `length` steps
+    by itself, as a single request does (chain_propose.py: only committed entries stay in its drafter cache,
+    so each row's rollback is its own; the assistant writes no cache); a sampled row from its own generator."""
     if not row.proposer.greedy:
         row.reseed()
     anchor = mx.array([row.anchor], dtype=mx.int32)
-    return row.proposer.propose(anchor, position=row.position, num_tokens=length, **({} if hook is None else {"logits_hook": hook}))
+    extra = {} if hook is None else {"logits_hook": hook}
+    if getattr(row.proposer, "takes_target_cache", False):  # a Gemma 4 assistant: the row's own target caches,
+        extra["target_cache"] = row.prompt_cache.target_cache  # at its committed positions (rolled back last round)
+    return row.proposer.propose(anchor, position=row.position, num_tokens=length, **extra)
 
 
 def _blocks(model: Any, rows: list[Any], lengths: list[int], hooks: list[Callable | None]) -> list[Proposal]:

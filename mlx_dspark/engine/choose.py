@@ -127,6 +127,8 @@ class Chooser:
         self.tap_ids = tuple(self.draft.tap_ids) if self.draft is not None else ()
         self.block_size = int(self.draft.block_size) if self.draft is not None else self.max_lookup
         self.context = getattr(self.draft, "context", None)  # the prompt cache checks the draft context
+        self.chains = tuple(getattr(self.draft, "chains", ()))  # and holds a chained draft's state
+        self.resumable = getattr(self.draft, "resumable", False)
         self.takes_target_cache = getattr(self.draft, "takes_target_cache", False)  # handed on to the draft
         self.draft_rate = Acceptance()
         self.lookup_rates: dict[int, Acceptance] = {}
@@ -155,6 +157,9 @@ class Chooser:
     def flush(self) -> None:
         if self.draft is not None:
             getattr(self.draft, "flush", lambda: None)()
+
+    def start_at(self, position: int) -> None:
+        getattr(self.draft, "start_at", lambda position: None)(position)
 
     def take_catch_up_ms(self) -> float:
         """The draft's catch-up time since the last call (propose.DraftProposer.take_catch_up_ms)."""
@@ -203,7 +208,7 @@ class Chooser:
         best, expected = self._best_ready(forced, room)
         size = min(num_tokens, room, self.block_size) if self.draft is not None else 0
         if size > m:  # the block is the default: parking the draft is the draft-length policy's call, not ours
-            score = self._rate(1 + m + expected_tokens(self.draft_rate.rate, size - m), 1 + size, draft=True)
+            score = self._draft_score(m, size)
             if best[1] != "lookup" or score > best[0]:
                 return Plan(draft_size=size, forced=tuple(forced), room=room, strong=best[3] >= CHAIN_MATCH)
         _, source, tokens, ngram = best
@@ -293,6 +298,16 @@ class Chooser:
         if length not in self.lookup_rates:  # the prior: a longer match is more likely copied on
             self.lookup_rates[length] = Acceptance(hits=max(1.0, length / 2), misses=1.0)
         return self.lookup_rates[length]
+
+    def _draft_score(self, forced: int, size: int) -> float:
+        """Expected tokens per cost of the draft's block of `size` (the first `forced` of them the grammar's):
+        from the draft's own estimate where it has one (head_choice.HeadChoice: the round's head, its costs and
+        per-position acceptance), else from this chooser's draft rate and the pair's curve."""
+        estimate = getattr(self.draft, "round_estimate", lambda length: None)(size - forced)
+        if estimate is None:
+            return self._rate(1 + forced + expected_tokens(self.draft_rate.rate, size - forced), 1 + size, draft=True)
+        expected, draft_ms = estimate
+        return (1 + forced + expected) / (draft_ms + self.cost.verify_cost(1 + size))
 
     def _rate(self, expected: float, width: int, *, draft: bool) -> float:
         return expected / ((self.cost.draft if draft else 0.0) + self.cost.verify_cost(width))

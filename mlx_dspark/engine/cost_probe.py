@@ -61,16 +61,18 @@ def cache_key(model: Any, *, head: str = "draft") -> str:
     cost it holds ("draft": the draft model; "mtp": the target's own MTP layers) and the machine."""
     from mlx.utils import tree_flatten
 
+    head_module = getattr(model, head, None)  # "draft": the draft model; a chain: its own layers (their precision)
     dtypes = {
         name: sorted({str(v.dtype) for _, v in tree_flatten(module.parameters())})
-        for name, module in (("target", model.target), ("draft", model.draft))
+        for name, module in (("target", model.target), ("draft", head_module))
         if module is not None
     }
+    draft_path, draft_config = model.head_source(head) if hasattr(model, "head_source") else (model.draft_path, model.draft_config)
     identity = {
         "target": str(Path(model.target_path).resolve()),
-        "draft": str(Path(model.draft_path).resolve()) if model.draft_path else None,
+        "draft": str(Path(draft_path).resolve()) if draft_path else None,
         "target_config": model.target_config,
-        "draft_config": model.draft_config,
+        "draft_config": draft_config,
         "dtypes": dtypes,
         "machine": machine(),
         **({} if head == "draft" else {"head": head}),

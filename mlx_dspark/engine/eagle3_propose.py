@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
+from mlx_dspark.engine.chain_context import ChainContext
 from mlx_dspark.engine.chain_propose import ChainProposer
 
 DEFAULT_TOKENS = 3  # drafts per proposal when the config names no speculative_tokens (speculators' ttt_steps)
@@ -26,18 +27,19 @@ def default_block_size(draft: Any) -> int:
 
 class Eagle3Proposer(ChainProposer):
     def __init__(self, draft: Any, target: Any, *, prompt: Sequence[int], greedy: bool, temperature: float,
-                 block_size: Optional[int] = None) -> None:
+                 block_size: Optional[int] = None, context: ChainContext | None = None) -> None:
         size = default_block_size(draft) if block_size is None else block_size
-        super().__init__(prompt=prompt, greedy=greedy, temperature=temperature, block_size=size, what="EAGLE-3")
+        super().__init__(prompt=prompt, greedy=greedy, temperature=temperature, block_size=size, what="EAGLE-3",
+                         make_cache=draft.make_cache, context=context)  # fmt: skip
         self.draft, self.target = draft, target
+        self.module = draft  # the drafter a batch's packed chain step runs (models/packed_chain.py)
         self.tap_ids = draft.args.tap_ids(target.args.num_hidden_layers)
-        self.cache = draft.make_cache()
 
     def _entries(self, next_ids: mx.array, features: mx.array) -> mx.array:
         return self.draft(self.draft.embed(next_ids, self.target), self.draft.fuse(features), self.cache)
 
-    def _step(self, token_ids: mx.array, hidden: mx.array, step: int = 0) -> mx.array:
-        return self.draft(self.draft.embed(token_ids, self.target), hidden, self.cache)
+    def _step(self, token_ids: mx.array, hidden: mx.array, step: int = 0, cache: list | None = None) -> mx.array:
+        return self.draft(self.draft.embed(token_ids, self.target), hidden, self.cache if cache is None else cache)
 
     def _logits(self, hidden: mx.array, step: int = 0) -> mx.array:
         return self.draft.logits(hidden)

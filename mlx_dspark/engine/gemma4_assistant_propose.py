@@ -8,6 +8,9 @@ them as `target_cache=`). The round proposes after it rolled the caches back to 
 `kv_rows` reads no row past a cache's offset, so a rejected draft's K/V is never read. Nothing is rolled back
 here: the chained steps write no cache.
 
+A prompt cache resumes it exactly (`resumable`, `start_at`): the target's caches are all it reads besides the
+newest state, which the prefill always gives (it prefills at least the prompt's last token).
+
 Greedy drafting is argmax, sampled drafting a draw from softmax(logits / T) with those distributions returned
 (`draft_probs`), through chain_propose.draw_chain as the other chained heads.
 """
@@ -29,6 +32,7 @@ DEFAULT_TOKENS = 3
 class AssistantProposer:
     takes_logits_hook = True
     takes_target_cache = True
+    resumable = True  # nothing of its own to keep: a prompt cache resumes it on the target's caches (`start_at`)
 
     def __init__(self, assistant: Any, target: Any, *, prompt: Sequence[int] = (), greedy: bool, temperature: float,
                  block_size: Optional[int] = None) -> None:  # fmt: skip
@@ -48,6 +52,11 @@ class AssistantProposer:
         self.positions += features.shape[1]
 
     extend_later = extend  # nothing to batch: only the newest state is read
+
+    def start_at(self, position: int) -> None:
+        """A prompt cache resumed the target's caches at `position`: the prefill gives the features from there
+        (at least the last prompt position's, the only state read)."""
+        self.positions, self._hidden = position, None
 
     def propose(self, anchor: mx.array, *, position: int, num_tokens: int, logits_hook: Callable | None = None,
                 target_cache: Any = None) -> Proposal:  # fmt: skip

@@ -44,9 +44,13 @@ class HeadChoice:
         self.block_size = max(int(head.block_size) for head in heads.values())
         self.takes_target_cache = any(getattr(h, "takes_target_cache", False) for h in heads.values())  # handed on
         self.context = next((getattr(h, "context", None) for h in heads.values() if getattr(h, "context", None) is not None), None)
+        # a prompt cache resumes the heads together: a block draft over its draft context, chains over its chains
+        self.chains = tuple(chain for head in heads.values() for chain in getattr(head, "chains", ()))
+        self.resumable = all(getattr(h, "resumable", False) or getattr(h, "context", None) is not None for h in heads.values())
         self.acceptance = {name: [PRIOR] * int(head.block_size) for name, head in heads.items()}
         self.chosen: Counter[str] = Counter()  # rounds each head proposed, for benchmarks
         self._current: str | None = None  # the head of the round in flight; None: parked
+        self._position = 0  # the round's position (its curve's context)
         self._idle = {name: 0 for name in heads}  # drafting rounds since each head last proposed
 
     # -- DraftLength: which head, how long ----------------------------------------------------------
@@ -64,8 +68,17 @@ class HeadChoice:
             self._current = max(drafting, key=lambda name: (self.rate(name, drafting[name], position), -drafting[name]))
         for name in drafting:
             self._idle[name] = 0 if name == self._current else self._idle[name] + 1
-        self.chosen[self._current] += 1
+        self._position = position
         return drafting[self._current]
+
+    def round_estimate(self, length: int) -> tuple[float, float] | None:
+        """(expected accepted drafts, the proposal's cost in ms) of `length` drafts from the round's head: what
+        a lookup block is weighed against (choose.py); None when no head is chosen or its costs are unknown."""
+        name = self._current
+        if name is None or self.curves[name] is None:
+            return None
+        curve = self.curves[name].at(self._position)
+        return expected_tokens(self.acceptance[name], length) - 1.0, curve.draft_ms + length * curve.draft_step_ms
 
     def rate(self, name: str, length: int, position: int = 0) -> float:
         """Expected tokens per millisecond of a round of `length` drafts from head `name`."""
@@ -110,6 +123,7 @@ class HeadChoice:
                 target_cache: Any = None) -> Proposal:  # fmt: skip
         name = self._current if self._current is not None else next(iter(self.heads))
         head = self.heads[name]
+        self.chosen[name] += 1  # here, not when the length is named: a lookup block may take the round instead
         extra = {"logits_hook": logits_hook} if logits_hook is not None and getattr(head, "takes_logits_hook", False) else {}
         extra.update({"target_cache": target_cache} if getattr(head, "takes_target_cache", False) else {})
         proposal = head.propose(anchor, position=position, num_tokens=min(num_tokens, int(head.block_size)), **extra)
@@ -137,6 +151,10 @@ class HeadChoice:
     def flush(self) -> None:
         for head in self.heads.values():
             getattr(head, "flush", lambda: None)()
+
+    def start_at(self, position: int) -> None:
+        for head in self.heads.values():
+            getattr(head, "start_at", lambda position: None)(position)
 
     def take_catch_up_ms(self) -> float:
         return sum(getattr(head, "take_catch_up_ms", lambda: 0.0)() for head in self.heads.values())

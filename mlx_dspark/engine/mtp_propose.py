@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
+from mlx_dspark.engine.chain_context import ChainContext
 from mlx_dspark.engine.chain_propose import ChainProposer
 from mlx_dspark.models.base import FINAL_TAP
 
@@ -19,17 +20,18 @@ DEFAULT_CHAIN = 4  # the most MTP steps per proposal (acceptance falls fast with
 
 class MTPProposer(ChainProposer):
     def __init__(self, mtp: Any, target: Any, *, prompt: Sequence[int], greedy: bool, temperature: float,
-                 block_size: int = DEFAULT_CHAIN) -> None:
-        super().__init__(prompt=prompt, greedy=greedy, temperature=temperature, block_size=block_size, what="MTP")
+                 block_size: int = DEFAULT_CHAIN, context: ChainContext | None = None) -> None:
+        super().__init__(prompt=prompt, greedy=greedy, temperature=temperature, block_size=block_size, what="MTP",
+                         make_cache=mtp.make_cache, context=context)  # fmt: skip
         self.mtp, self.target = mtp, target
+        self.module = mtp  # the drafter a batch's packed chain step runs (models/packed_chain.py)
         self.tap_ids = (FINAL_TAP,)
-        self.cache = mtp.make_cache()
 
     def _entries(self, next_ids: mx.array, features: mx.array) -> mx.array:
         return self.mtp(self.mtp.embed(next_ids, self.target), features, self.cache)
 
-    def _step(self, token_ids: mx.array, hidden: mx.array, step: int = 0) -> mx.array:
-        return self.mtp(self.mtp.embed(token_ids, self.target), hidden, self.cache, step=step)
+    def _step(self, token_ids: mx.array, hidden: mx.array, step: int = 0, cache: list | None = None) -> mx.array:
+        return self.mtp(self.mtp.embed(token_ids, self.target), hidden, self.cache if cache is None else cache, step=step)
 
     def _logits(self, hidden: mx.array, step: int = 0) -> mx.array:
         return self.mtp.logits(hidden, self.target, step=step)

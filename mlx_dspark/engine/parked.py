@@ -14,7 +14,6 @@ keeps the prompt cache's record and yields the same one-token Round a parked rou
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 

@@ -35,20 +35,35 @@ caches that are no longer its own.
 
 Draft context. The draft proposer must read and extend this cache's `draft_context`
 (`DraftProposer(..., context=prompt_cache.draft_context)`); a plain generation does not extend it,
-so switching between plain and speculative generations on one cache restarts it cold. A speculative
-generation with a proposer whose state this cache does not hold (no `draft_context`) is always cold.
+so switching between plain and speculative generations on one cache restarts it cold.
+
+Chained heads (issue 35.5). An MTP / EAGLE-3 proposer drafts over this cache's `chain_context(name,
+make_cache)` (`context=`; engine/chain_context.py): the drafter's KV cache (full attention: trimmed to any
+position, so snapshots copy nothing of it), its entries, the tokens they pair with, the waiting features and
+the newest entry's features. Entry t pairs the target's features at t with the token at t + 1, so a resume
+also stops where a chain can no longer serve exactly (`ChainContext.reach`): the entry before the resumed
+position is kept when its next token is the prompt's, written again from kept features otherwise (the newest
+entry's: a next turn that extends the held tokens with another token than the last anchor), else the resume
+starts one position earlier (the target then gives that position's features again). A Gemma 4 assistant keeps
+nothing of its own (`resumable`, `start_at`): it reads the target's caches and the newest features, which the
+prefill always gives. Several heads (`HeadChoice`) resume together over their states. A chain that did not
+follow the latest generation, or a proposer whose state this cache does not hold (a chain of its own, or no
+`draft_context` and not `resumable`), starts cold.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
 from mlx_dspark.models.cache import trim_caches
 from mlx_dspark.models.rollback import TRIM, LayerState, RollbackCaches, layer_state, restore_layer
+from mlx_dspark.engine.chain_context import ChainContext, common_prefix
 from mlx_dspark.engine.propose import Proposer
+
+__all__ = ["PromptCache", "Snapshot", "common_prefix"]
 
 State = tuple[mx.array | None, mx.array | None, int]  # a cache's `snapshot()`: kept keys, values, offset
 
@@ -67,22 +82,12 @@ class Snapshot:
 
     position: int
     target: dict[int, State | LayerState] = field(default_factory=dict)
-    draft: dict[int, State] | None = None  # None: taken during a plain generation
+    draft: dict[int, State] | None = None  # None: taken during a plain generation (a chained head's: {})
 
     @property
     def nbytes(self) -> int:
         states = list(self.target.values()) + list((self.draft or {}).values())
         return sum(a.nbytes for state in states for a in _state_arrays(state))
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class PromptCache:
@@ -108,11 +113,13 @@ class PromptCache:
         self._cache_options = {} if max_rollback is None else {"max_rollback": max_rollback}
         self.target_cache: list[Any] = target.make_cache(**self._cache_options)
         self.draft_context: list[Any] | None = None if draft is None else draft.make_cache()
+        self.chains: dict[str, ChainContext] = {}  # the chained heads' states, by head name (`chain_context`)
         self.cached_tokens = 0  # prompt tokens the latest resume reused
         self._tokens: list[int] = []
         self._snapshots: list[Snapshot] = []  # in position order
         self._consistent = True  # the live caches hold exactly `_tokens`
         self._speculative: bool | None = None  # whether the draft context followed the latest generation
+        self._followers: tuple[ChainContext, ...] | None = ()  # the chains that did (None: a state not held here)
         self._lease = 0
 
     # -- what a server reads ---------------------------------------------------------------------
@@ -129,11 +136,20 @@ class PromptCache:
     @property
     def nbytes(self) -> int:
         live = sum(c.nbytes for c in self.target_cache) + sum(c.nbytes for c in self.draft_context or [])
+        live += sum(chain.nbytes for chain in self.chains.values())
         return live + sum(s.nbytes for s in self._snapshots)
 
     def reusable(self, prompt: Sequence[int], *, speculative: bool) -> int:
-        """How many tokens of `prompt` a resume would reuse now (changes nothing)."""
-        return self._plan(prompt, speculative=speculative)[0]
+        """How many tokens of `prompt` a resume would reuse now (changes nothing); a speculative one with
+        the heads of the latest generation."""
+        return self._plan(prompt, speculative=speculative, chains=self._followers if speculative else ())[0]
+
+    def chain_context(self, name: str, make_cache: Callable[[], list]) -> ChainContext:
+        """The state of the chained head `name` ("mtp", "eagle3"), made on first use: build its proposer with
+        `context=` this (chain_propose.ChainProposer) so a later generation resumes it."""
+        if name not in self.chains:
+            self.chains[name] = ChainContext(make_cache)
+        return self.chains[name]
 
     # -- what the step generators call -----------------------------------------------------------
 
@@ -154,14 +170,28 @@ class PromptCache:
                 "the proposer does not use this prompt cache's draft context: "
                 "build it as DraftProposer(..., context=prompt_cache.draft_context)"
             )
-        start, snapshot = self._plan(prompt, speculative=speculative)
+        used = tuple(getattr(proposer, "chains", ()))
+        for chain in used:
+            if chain not in self.chains.values() and (chain.entries or chain.waiting):
+                raise ValueError(
+                    "the proposer drafts over a chained head's state that is not this prompt cache's: build it "
+                    "with context=prompt_cache.chain_context(name, drafter.make_cache), or with a fresh state"
+                )
+        chains = self._held(proposer) if speculative else ()
+        start, snapshot = self._plan(prompt, speculative=speculative, chains=chains)
         self._lease += 1
         self._consistent = False
         if start == 0:
             self._reset()
         else:
-            self._rewind(start, snapshot, speculative=speculative)
-        self._speculative = speculative
+            self._rewind(start, snapshot, speculative=speculative, chains=chains or (), prompt=prompt)
+        for chain in self.chains.values():
+            if chain not in used:
+                chain.reset()  # it does not follow this generation: stale from here on (memory freed)
+            elif start == 0:
+                chain.reset(prompt)  # a cold prefill of the whole prompt follows
+        getattr(proposer, "start_at", lambda position: None)(start)
+        self._speculative, self._followers = speculative, chains
         self.cached_tokens = start
         return start
 
@@ -196,13 +226,14 @@ class PromptCache:
         length = common_prefix(self._tokens, output)
         if length == len(self._tokens):
             return
-        speculative = bool(self._speculative) and self.draft_context is not None
+        speculative = bool(self._speculative) and self._followers is not None
+        chains = self._followers or ()
         if self._live_reaches(length, speculative=speculative):
-            self._rewind(length, None, speculative=speculative)
+            self._rewind(length, None, speculative=speculative, chains=chains)
             return
         snapshot = next((s for s in reversed(self._snapshots) if s.position <= length), None)
         if snapshot is not None and (snapshot.draft is not None or not speculative):
-            self._rewind(snapshot.position, snapshot, speculative=speculative)
+            self._rewind(snapshot.position, snapshot, speculative=speculative, chains=chains)
         else:
             self._consistent = False
 
@@ -215,8 +246,8 @@ class PromptCache:
         for i, cache in enumerate(self.target_cache):
             if kinds is not None and kinds[i] != TRIM:
                 snap.target[i] = layer_state(cache, copy=True)  # rotating buffers are written in place later
-        if self._speculative and self.draft_context is not None:
-            snap.draft = {i: ctx.snapshot() for i, ctx in enumerate(self.draft_context) if ctx.keep is not None}
+        if self._speculative:  # a chain's drafter caches are full attention: trimmed to the position instead
+            snap.draft = {i: ctx.snapshot() for i, ctx in enumerate(self.draft_context or []) if ctx.keep is not None}
         arrays = [a for s in (snap.target, snap.draft or {}) for state in s.values() for a in _state_arrays(state)]
         mx.eval(*arrays)  # the copies stand alone: the cache buffers they came from may be freed
         self._snapshots = [s for s in self._snapshots if s.position != position] + [snap]
@@ -225,13 +256,27 @@ class PromptCache:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _plan(self, prompt: Sequence[int], *, speculative: bool) -> tuple[int, Snapshot | None]:
+    def _held(self, proposer: Proposer) -> tuple[ChainContext, ...] | None:
+        """The chains `proposer` drafts over when this cache holds all its state; None when it does not (a
+        proposer built over chains of its own, or one not `resumable` beside no draft context)."""
+        chains = tuple(getattr(proposer, "chains", ()))
+        if self.draft_context is None and not getattr(proposer, "resumable", False):
+            return None
+        if getattr(proposer, "context", None) is not self.draft_context:
+            return None  # a block draft's context of its own (a cache made without the draft)
+        if any(all(chain is not held for held in self.chains.values()) for chain in chains):
+            return None
+        return chains
+
+    def _plan(self, prompt: Sequence[int], *, speculative: bool,
+              chains: tuple[ChainContext, ...] | None) -> tuple[int, Snapshot | None]:  # fmt: skip
         """(start, snapshot to restore or None for the live caches); start 0 means a cold prefill."""
         if not self._consistent or speculative != self._speculative:
             return 0, None
-        if speculative and self.draft_context is None:
-            return 0, None  # the proposer's own state cannot be rewound
-        limit = min(common_prefix(self._tokens, prompt), len(prompt) - 1)
+        if speculative and (chains is None or self._followers is None or any(c not in self._followers for c in chains)):
+            return 0, None  # the proposer's own state, or a chain that did not follow the latest generation
+        # a chain resumes exactly up to its first entry whose next token changed (chain_context.py)
+        limit = min(common_prefix(self._tokens, prompt), len(prompt) - 1, *(c.reach(prompt) for c in chains or ()))
         if limit <= 0:
             return 0, None
         if self._live_reaches(limit, speculative=speculative):
@@ -248,7 +293,8 @@ class PromptCache:
             return False  # a hybrid's recurrent state rewinds only within the latest forward
         return all(n <= c.trimmable() for c in draft or [])
 
-    def _rewind(self, start: int, snapshot: Snapshot | None, *, speculative: bool) -> None:
+    def _rewind(self, start: int, snapshot: Snapshot | None, *, speculative: bool, chains: Sequence[ChainContext] = (),
+                prompt: Sequence[int] | None = None) -> None:  # fmt: skip
         n = len(self._tokens) - start
         if snapshot is None:
             trim_caches(self.target_cache, n)
@@ -261,11 +307,13 @@ class PromptCache:
             if isinstance(self.target_cache, RollbackCaches):
                 self.target_cache.begin_forward()  # the latest forward's record no longer matches the caches
         if speculative:
-            for i, ctx in enumerate(self.draft_context):
+            for i, ctx in enumerate(self.draft_context or []):
                 if snapshot is not None and i in (snapshot.draft or {}):
                     ctx.restore(snapshot.draft[i])
                 else:
                     ctx.trim(n)
+            for chain in chains:
+                chain.rewind(start, prompt)
         del self._tokens[start:]
         self._snapshots = [s for s in self._snapshots if s.position <= start]
 

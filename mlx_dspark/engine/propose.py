@@ -39,7 +39,10 @@ class Proposer(Protocol):
     indexes them), and `takes_room` = True makes the round pass `room=`, the most tokens a block may hold
     (max_tokens left, the caches' rollback), to a proposer that sizes its own blocks (choose.Chooser);
     `takes_target_cache` = True makes it pass `target_cache=`, the target's caches holding the committed
-    positions (rolled back), to a drafter that reads the target's K/V (a Gemma 4 assistant)."""
+    positions (rolled back), to a drafter that reads the target's K/V (a Gemma 4 assistant). For a prompt
+    cache (prompt_cache.py): `chains`, the chain_context.ChainContexts it drafts over, `resumable` = True when
+    its state is the cache's (those, or none beyond the target's caches) and `start_at(position)`, told where
+    the cache resumed."""
 
     tap_ids: Sequence[int]
     block_size: int  # the most draft tokens one proposal can hold

@@ -88,10 +88,10 @@ def make_steps(
         prompt_cache = PromptCache(model.target, max_snapshots=0, max_rollback=LOOKUP_MAX_TOKENS)
     draft_length = None
     if proposer is None and len(head_names(model)) > 1 and lookup != "only":
-        # several heads: the round takes the one that pays (head_choice.py); a chained head's state is not a
-        # prompt cache's, so the prefill runs cold (a fresh cache; the caller's stays as it was)
-        proposer, draft_length, speculation = _head_choice(model, prompt_ids, options)
-        prompt_cache = PromptCache(model.target, max_snapshots=0, max_rollback=LOOKUP_MAX_TOKENS)
+        # several heads: the round takes the one that pays (head_choice.py), each head over the prompt cache's state
+        if prompt_cache is None:
+            prompt_cache = PromptCache(model.target, model.draft, max_snapshots=0, max_rollback=LOOKUP_MAX_TOKENS)
+        proposer, draft_length, speculation = _head_choice(model, prompt_ids, options, prompt_cache)
     if proposer is None and model.draft is not None and lookup != "only":
         proposer = DraftProposer(
             model.draft,
@@ -101,10 +101,10 @@ def make_steps(
             context=None if prompt_cache is None else prompt_cache.draft_context,
         )
     if proposer is None and model.draft is None and getattr(model, "mtp", None) is not None and lookup != "only":
-        proposer = _chain_proposer(model, "mtp", prompt_ids, options)
+        proposer = _chain_proposer(model, "mtp", prompt_ids, options, prompt_cache)
     for head in ("eagle3", "assistant"):
         if proposer is None and model.draft is None and getattr(model, head, None) is not None and lookup != "only":
-            proposer = _chain_proposer(model, head, prompt_ids, options)
+            proposer = _chain_proposer(model, head, prompt_ids, options, prompt_cache)
     if speculation.confidence_threshold > 0 and isinstance(proposer, DraftProposer):
         # as llama-server refuses --spec-draft-p-min > 0 for a DSpark draft without a confidence head
         require_confidence_head(
@@ -179,18 +179,21 @@ def _tree_rounds(
     ))  # fmt: skip
 
 
-def _head_choice(model: Any, prompt_ids: list[int], options: GenerationOptions) -> tuple[HeadChoice, Any, Any]:
+def _head_choice(model: Any, prompt_ids: list[int], options: GenerationOptions,
+                 prompt_cache: PromptCache) -> tuple[HeadChoice, Any, Any]:  # fmt: skip
     """The pair's heads (a draft model or an EAGLE-3 draft, and the target's MTP layers), each with its own
     length policy over its own measured costs (cost_probe: a block draft's forward, a chain's cost per
-    draft); (proposer, policy, the speculation options with the first head's curve for the lookup choice)."""
+    draft), each over `prompt_cache`'s state for it; (proposer, policy, the speculation options with the
+    first head's curve for the lookup choice)."""
     sampling, speculation = options.sampling, options.speculation
     if speculation.verify_schedule == "confidence" or speculation.confidence_threshold > 0:
         raise ValueError("verify_schedule 'confidence' and confidence_threshold need one draft with a confidence head; "
                          "with several heads (draft and 'mtp') use the defaults")  # fmt: skip
     greedy, temperature = speculation.draft_sampling == "greedy" or sampling.greedy, max(sampling.temperature, 1e-6)
     names = head_names(model)
-    heads = {name: DraftProposer(model.draft, model.target, greedy=greedy, temperature=temperature) if name == "draft"
-             else _chain_proposer(model, name, prompt_ids, options) for name in names}  # fmt: skip
+    heads = {name: DraftProposer(model.draft, model.target, greedy=greedy, temperature=temperature,
+                                 context=prompt_cache.draft_context) if name == "draft"
+             else _chain_proposer(model, name, prompt_ids, options, prompt_cache) for name in names}  # fmt: skip
     curves = {}
     for name in names:
         given = speculation.cost_curve if name == names[0] else None  # --cost-curve-file: the first head's
@@ -203,9 +206,12 @@ def _head_choice(model: Any, prompt_ids: list[int], options: GenerationOptions) 
     return choice, choice, dataclasses.replace(speculation, cost_curve=curves[names[0]])
 
 
-def _chain_proposer(model: Any, name: str, prompt_ids: list[int], options: GenerationOptions) -> MTPProposer | Eagle3Proposer | AssistantProposer:
+def _chain_proposer(model: Any, name: str, prompt_ids: list[int], options: GenerationOptions,
+                    prompt_cache: PromptCache | None = None) -> MTPProposer | Eagle3Proposer | AssistantProposer:  # fmt: skip
     """A chained head: the target's own MTP layers (`draft="mtp"`, name "mtp"), an EAGLE-3 draft ("eagle3") or a
-    Gemma 4 assistant ("assistant"): k chained steps per round, k its default unless a fixed length asks more."""
+    Gemma 4 assistant ("assistant"): k chained steps per round, k its default unless a fixed length asks more.
+    With a prompt cache, an MTP / EAGLE-3 head drafts over the cache's state for it (a later turn resumes it);
+    the assistant keeps none (it reads the target's caches)."""
     sampling, speculation = options.sampling, options.speculation
     fixed = speculation.max_draft_tokens if isinstance(speculation.max_draft_tokens, int) else None
     make, drafter, default = {
@@ -213,10 +219,12 @@ def _chain_proposer(model: Any, name: str, prompt_ids: list[int], options: Gener
         "eagle3": lambda: (Eagle3Proposer, model.eagle3, default_block_size(model.eagle3)),
         "assistant": lambda: (AssistantProposer, model.assistant, ASSISTANT_TOKENS),
     }[name]()
+    held = prompt_cache is not None and name != "assistant"
     return make(
         drafter, model.target, prompt=prompt_ids,
         greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
         temperature=max(sampling.temperature, 1e-6), block_size=max(default, fixed or 0),
+        **({"context": prompt_cache.chain_context(name, drafter.make_cache)} if held else {}),
     )  # fmt: skip
 
 

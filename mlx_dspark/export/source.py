@@ -158,11 +158,13 @@ def read_draft_for_export(
 
 def _one_draft(draft: str | Path) -> str | Path:
     """The draft model of `draft`; ValueError for the target's MTP layers, alone or beside a draft."""
-    model, use_mtp = split_draft(str(draft)) if isinstance(draft, str) else (draft, False)
-    if use_mtp and model is None:
+    models, use_mtp = split_draft(str(draft)) if isinstance(draft, str) else ([draft], False)
+    if use_mtp and not models:
         raise ValueError(f"draft {MTP_DRAFT!r}: {MTP_LAYERS}")
     if use_mtp:
-        raise ValueError(f"draft {draft!r}: pass {model!r} alone (the target's MTP layers stay in its checkpoint: nothing to export)")
+        raise ValueError(f"draft {draft!r}: pass {models[0]!r} alone (the target's MTP layers stay in its checkpoint: nothing to export)")
+    if len(models) > 1:
+        raise ValueError(f"draft {draft!r}: export one draft at a time, e.g. {models[0]!r}")
     return draft
 
 

@@ -68,6 +68,12 @@ def check_exportable(draft: ExportDraft) -> None:
             f"{draft.path}: the DFlash 2 draft has {args.family}-style layers; z-lab's DFlash2DraftModel has Qwen3 layers "
             "(export it --to gguf: our loader reads that file)"
         )
+    ropes = set(args.layers.rope_by_type[t] for t in args.layer_types)
+    if len(ropes) > 1 or any(dims != args.layers.head_dim for _, dims in ropes):
+        raise ValueError(
+            f"{draft.path}: the draft's RoPE turns part of each head or differs per layer type, which z-lab's layout "
+            "cannot hold (its Qwen3RotaryEmbedding turns the whole head, one theta): export it --to gguf"
+        )
     packaging = args.packaging
     if packaging.value_scale is not None or packaging.attention_scale is not None:
         raise ValueError(

@@ -61,7 +61,7 @@ def _skeleton(config: dict, files: list[Path], *, src: Path) -> tuple[nn.Module,
     if is_draft_config(config):
         shapes = {canonical_name(name): shape for path in files for name, (_, shape) in read_header(path).items()}
         family = layer_family(list(shapes), source=str(src))
-        config = with_tensor_fields(config, shapes)
+        config = with_tensor_fields(config, shapes, source=source)
         args = DraftArgs.from_dict(config, family=family, source=source)
         return draft_class(args)(args), "draft"
     return mlx_lm_target_from_config(config, source=source, model_class=target_model_class(config)), "target"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
-from mlx_dspark.loading.mtp import MTP_DRAFT, declares_mtp, has_mtp_tensors, mtp_layer_count, supports_mtp
+from mlx_dspark.loading.mtp import MTP_DRAFT, declares_mtp, has_mtp_tensors, mtp_layer_count, runs_mtp
 
 AUTO = "auto"
 HUB_CONNECT_TIMEOUT_S = 5.0
@@ -164,7 +164,7 @@ def resolve_auto_draft(
         config = local_config(target, fetch_config=fetch_config)
         choice = choose_draft(target, config)
     local = Path(target).expanduser().is_dir()
-    if choice is None and config is not None and supports_mtp(config) and (has_mtp_tensors(target, config) if local else declares_mtp(config)):
+    if choice is None and config is not None and runs_mtp(config) and (has_mtp_tensors(target, config) if local else declares_mtp(config)):
         # no published draft, but the target carries its own MTP layers (a Hub config is taken at its word:
         # load() says how to get the layers when the repo's files lack them)
         return MTP_DRAFT, f"draft auto: the target's own MTP layers ({mtp_layer_count(config)}), no published draft known for {describe(target, config)}"

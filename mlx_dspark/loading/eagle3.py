@@ -4,11 +4,14 @@ eagle3` in its config.json): checked against its target, built into models/eagle
 The draft's `embed_tokens.weight`, when the file holds one, is a frozen copy of the target's embedding
 (speculators' `embed_requires_grad` false, the default): it is compared with the target's (pair.py, as
 DSpark drafts' copies are) and dropped, and the draft embeds with the target's table. A draft that trained
-its own (`embed_requires_grad: true`) keeps it.
+its own (`embed_requires_grad: true`) keeps it, and so does a draft narrower or wider than its target
+(`transformer_layer_config.hidden_size` != the target's): its table cannot be the target's (vLLM shares the
+target's only when the shapes match).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -47,7 +50,7 @@ def check_pair(target_args: Any, args: Eagle3Args, *, target_source: str, draft_
         raise mismatch("target_hidden_size", args.target_hidden_size, target_args.hidden_size)
     if not args.own_embedding and args.hidden_size != target_args.hidden_size:
         raise mismatch("transformer_layer_config.hidden_size", args.hidden_size, target_args.hidden_size,
-                       "the draft embeds with the target's table (embed_requires_grad is false)")  # fmt: skip
+                       "the draft stores no embed_tokens.weight of its own width, so it would embed with the target's table")  # fmt: skip
     n = target_args.num_hidden_layers
     given = args.aux_layer_ids is not None
     aux = list(args.aux_layer_ids) if given else default_aux_ids(n)
@@ -65,6 +68,8 @@ def build_eagle3(checkpoint: Checkpoint, *, target: Optional[nn.Module], target_
     None: the draft alone, as the exporter reads it without a target)."""
     config, config_source, source = checkpoint.config, checkpoint.config_source, str(checkpoint.path)
     args = Eagle3Args.from_dict(config, source=config_source)
+    if target is not None and not args.own_embedding and args.hidden_size != target.args.hidden_size and EMBEDDING in checkpoint.weights:
+        args = replace(args, own_embedding=True)  # a table of the draft's own width cannot be the target's (vLLM keeps it)
     if target is not None:
         check_pair(target.args, args, target_source=target_source, draft_source=config_source)
     weights = dict(checkpoint.weights)

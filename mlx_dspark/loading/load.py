@@ -11,7 +11,7 @@ frozen copies of the target's embedding / LM head are compared with the target's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -26,10 +26,11 @@ from mlx_dspark.models.mlx_lm_target import check_quantized_caches, from_config 
 from mlx_dspark.models.dflash2 import draft_class
 from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
+from mlx_dspark.models.dspark_packaging import BONUS_ANCHOR_ARCHITECTURES
 from mlx_dspark.loading.eagle3 import build_eagle3, check_options as check_eagle3_options, quantize_eagle3
 from mlx_dspark.loading.gemma4_assistant import build_assistant, check_options as check_assistant_options, quantize_assistant
 from mlx_dspark.loading.mtp import MTP_DRAFT, build_mtp, quantize_mtp, target_weights
-from mlx_dspark.loading.pair import check_shared_tensors, validate_pair
+from mlx_dspark.loading.pair import check_shared_tensors, check_zlab_block_embedding, validate_pair
 from mlx_dspark.loading.precision import (
     DRAFT_SOURCE_PRECISION,
     check_draft_quantize,
@@ -46,18 +47,44 @@ from mlx_dspark.models.gemma4_assistant import is_assistant_config
 from mlx_dspark.loading.weights import fill_model
 
 
-def split_draft(draft: Any) -> tuple[Any, bool]:
-    """(the draft model to load or None, whether the target's MTP layers are wanted) from `draft=`: a path,
-    "mtp", "PATH,mtp", or a list of those (one draft model at most)."""
+def split_draft(draft: Any) -> tuple[list[Any], bool]:
+    """(the draft files to load, whether the target's MTP layers are wanted) from `draft=`: a path, "mtp",
+    several joined by commas ("PATH,mtp", "DSPARK_PATH,EAGLE3_PATH"), or a list of those."""
     if draft is None:
-        return None, False
-    entries = list(draft) if isinstance(draft, (list, tuple)) else (
-        [e.strip() for e in draft.split(",")] if isinstance(draft, str) and MTP_DRAFT in draft.split(",") else [draft])
-    use_mtp = MTP_DRAFT in entries
-    models = [e for e in entries if e != MTP_DRAFT]
-    if len(models) > 1:
-        raise ValueError(f"draft: one draft model at a time (beside 'mtp'), got {models}")
-    return (models[0] if models else None), use_mtp
+        return [], False
+    if isinstance(draft, (list, tuple)):
+        entries = list(draft)
+    elif isinstance(draft, str) and "," in draft and not Path(draft).exists():
+        entries = [e.strip() for e in draft.split(",")]
+    else:
+        entries = [draft]
+    if any(isinstance(e, str) and not e for e in entries):
+        raise ValueError(f"draft: an empty entry in {draft!r}; give paths (or 'mtp') separated by single commas")
+    return [e for e in entries if e != MTP_DRAFT], MTP_DRAFT in entries
+
+
+# The slot of LoadedModel each kind of draft file fills; one file per slot.
+DRAFT_SLOTS = {"draft": "a DSpark / DFlash block draft", "eagle3": "an EAGLE-3 draft", "assistant": "a Gemma 4 assistant"}
+
+
+def draft_slot(config: dict) -> str:
+    return "eagle3" if is_eagle3_config(config) else "assistant" if is_assistant_config(config) else "draft"
+
+
+def read_draft_files(drafts: Sequence[Any], *, tap_ids: Optional[Sequence[int]]) -> dict[str, tuple[Path, Checkpoint]]:
+    """Each draft file's checkpoint by the slot it fills; two files of one kind are refused in one line."""
+    files: dict[str, tuple[Path, Checkpoint]] = {}
+    for draft in drafts:
+        path = resolve_path(draft, role="draft")
+        checkpoint = read_checkpoint(path, role="draft", tap_ids=tap_ids)
+        slot = draft_slot(checkpoint.config)
+        if slot in files:
+            raise ValueError(
+                f"draft: {files[slot][0]} and {path} are both {DRAFT_SLOTS[slot]}; give at most one draft of each kind "
+                f"({', '.join(DRAFT_SLOTS.values())}) and 'mtp', separated by commas"
+            )
+        files[slot] = (path, checkpoint)
+    return files
 
 
 @dataclass
@@ -72,6 +99,12 @@ class LoadedModel:
     mtp: Optional[nn.Module] = None  # the target's own MTP layers (draft="mtp"), in place of a draft
     eagle3: Optional[nn.Module] = None  # an EAGLE-3 draft (speculators layout), in place of a DSpark draft
     assistant: Optional[nn.Module] = None  # a Gemma 4 assistant drafter, in place of a DSpark draft
+    # each draft file's (path, config) by head ("draft", "eagle3", "assistant"): several may be loaded at once
+    head_files: dict[str, tuple[Path, dict]] = field(default_factory=dict)
+
+    def head_source(self, head: str) -> tuple[Optional[Path], Optional[dict]]:
+        """(path, config) of the file a head was read from; the pair's draft file for the target's MTP layers."""
+        return self.head_files.get(head, (self.draft_path, self.draft_config))
 
 
 def build_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) -> nn.Module:
@@ -115,12 +148,14 @@ def build_draft(
         )
     # Read once: DeepSpec tensor names from any packaging, the layer family from them, then the args.
     weights, origin = canonical_names(checkpoint.weights, checkpoint.origin, source=source)
-    config = with_tensor_fields(config, {k: tuple(v.shape) for k, v in weights.items()})
+    config = with_tensor_fields(config, {k: tuple(v.shape) for k, v in weights.items()}, source=config_source)
     family = layer_family(list(weights), source=source)
     args = DraftArgs.from_dict(config, family=family, source=config_source, tap_ids=None if tap_ids is None else list(tap_ids))
     taps_field = "target_layer_ids" if tap_ids is None else "draft_tap_ids"
     if target is not None:
         validate_pair(target.args, args, target_source=target_source, draft_source=config_source, taps_field=taps_field)
+        zlab = (config.get("architectures") or [None])[0] in BONUS_ANCHOR_ARCHITECTURES
+        check_zlab_block_embedding(target, args, zlab=zlab, target_source=target_source, draft_source=config_source)
     fc = weights.get("fc.weight")
     if fc is not None and "fc.scales" not in weights and fc.shape[-1] != len(args.target_layer_ids) * args.hidden_size:
         raise ValueError(
@@ -185,7 +220,9 @@ def load(
       in a DeepSeek-V3 or GLM-4.5+ one, `model.mtp_layers.*` in a MiMo one, `mtp.*` in a Qwen3-Next one,
       `mtp.layers.*` in a Nemotron-H one, or any in our own conversion of one.
       "PATH,mtp" (or a list [PATH, "mtp"]): both heads; each round proposes from the one that pays more
-      (engine/head_choice.py).
+      (engine/head_choice.py). Likewise several draft files, one of each kind: "DSPARK_PATH,EAGLE3_PATH[,mtp]"
+      (a block draft, an EAGLE-3 draft or a Gemma 4 assistant, the MTP layers); draft_tap_ids / draft_vocab
+      then apply to the block draft.
     draft_vocab: draft over the K most frequent target tokens only (FR-Spec; `models/draft_vocab.py`),
       ranked by `draft_vocab_file` (from `python -m mlx_dspark.rank_vocab`), by default the
       `vocab_rank.json` beside the draft. Lossless: the target still verifies over its full vocabulary.
@@ -197,12 +234,11 @@ def load(
       until then): the `mlx.launch` entry points split the target over their ranks there (cli/split.py), so
       each rank reads and holds its own slice only, as mlx-lm's `sharded_load` does.
     """
-    draft, use_mtp = split_draft(draft)
-    if use_mtp and draft is None:
+    drafts, use_mtp = split_draft(draft)
+    if use_mtp and not drafts:
         for name, value in (("draft_tap_ids", draft_tap_ids), ("draft_vocab", draft_vocab), ("draft_vocab_file", draft_vocab_file)):
             if value is not None:
                 raise ValueError(f"{name} applies to a DSpark draft, not to the target's own MTP layers (draft='mtp')")
-        draft = None
     mx_dtype = parse_dtype(dtype)
     draft_mx_dtype = mx_dtype if draft_dtype is None else parse_dtype(draft_dtype)
     if quantize is not None:
@@ -213,7 +249,7 @@ def load(
     check_kv_bits(kv_bits)
     for name, value in (("draft_tap_ids", draft_tap_ids), ("draft_quantize", draft_quantize), ("draft_dtype", draft_dtype),
                         ("draft_vocab", draft_vocab), ("draft_vocab_file", draft_vocab_file)):
-        if value is not None and draft is None and not use_mtp:
+        if value is not None and not drafts and not use_mtp:
             raise ValueError(f"{name} only applies with a draft; pass draft= as well")
     if draft_vocab_file is not None and draft_vocab is None:
         raise ValueError("draft_vocab_file needs draft_vocab (K, the number of ranked tokens the draft scores)")
@@ -231,22 +267,22 @@ def load(
     tokenizer = load_tokenizer(target_path, target_checkpoint.config, gguf_tokenizer=target_checkpoint.tokenizer,
                                tool_parser=tool_parser)
 
-    draft_model = draft_config = draft_path = eagle3_model = assistant_model = None
-    if draft is not None:
-        draft_path = resolve_path(draft, role="draft")
-        draft_checkpoint = read_checkpoint(draft_path, role="draft", tap_ids=draft_tap_ids)
-        draft_config = draft_checkpoint.config
-    if draft is not None and is_eagle3_config(draft_config):
-        check_eagle3_options(dict(draft_tap_ids=draft_tap_ids, draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file),
-                             source=draft_checkpoint.config_source)  # fmt: skip
-        eagle3_model = build_eagle3(draft_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
+    files = read_draft_files(drafts, tap_ids=draft_tap_ids)
+    # the block draft's options go to it; beside no block draft, a chained file refuses them
+    block_options = {} if "draft" in files else dict(draft_tap_ids=draft_tap_ids, draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file)
+    draft_model = eagle3_model = assistant_model = None
+    if "eagle3" in files:
+        eagle3_path, eagle3_checkpoint = files["eagle3"]
+        check_eagle3_options(block_options, source=eagle3_checkpoint.config_source)
+        eagle3_model = build_eagle3(eagle3_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
                                     dtype=draft_mx_dtype)  # fmt: skip
-    elif draft is not None and is_assistant_config(draft_config):
-        check_assistant_options(dict(draft_tap_ids=draft_tap_ids, draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file,
-                                     kv_bits=kv_bits), source=draft_checkpoint.config_source)  # fmt: skip
-        assistant_model = build_assistant(draft_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
+    if "assistant" in files:
+        assistant_path, assistant_checkpoint = files["assistant"]
+        check_assistant_options({**block_options, "kv_bits": kv_bits}, source=assistant_checkpoint.config_source)
+        assistant_model = build_assistant(assistant_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
                                           dtype=draft_mx_dtype)  # fmt: skip
-    elif draft is not None:
+    if "draft" in files:
+        draft_path, draft_checkpoint = files["draft"]
         draft_model, shared = build_draft(
             draft_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
             dtype=draft_mx_dtype, tap_ids=draft_tap_ids,
@@ -255,6 +291,10 @@ def load(
         own_rows = check_shared_tensors(shared, target_model, draft_source=str(draft_path), storage=draft_checkpoint.storage)
         if own_rows:
             draft_model.set_embedding_rows(list(own_rows), mx.stack(list(own_rows.values())))
+    head_files = {slot: (path, checkpoint.config) for slot, (path, checkpoint) in files.items()}
+    # the pair's draft file: the block draft's, else the one chained draft's
+    draft_path, draft_config = next(iter(head_files[s] for s in DRAFT_SLOTS if s in head_files), (None, None))
+    del files
     target_config, target_source = target_checkpoint.config, target_checkpoint.config_source
     del target_checkpoint  # the raw (uncast, unsanitized) weights are no longer needed
 
@@ -288,6 +328,11 @@ def load(
             nn.quantize(draft_model, q_group_size, quantize, class_predicate=quant_predicate(draft_model, group_size=q_group_size))
         draft_model.eval()
         if draft_vocab is not None:
+            if draft_model.args.dflash2 is not None:  # its selector takes candidates from the whole head
+                raise ValueError(
+                    f"{draft_path}: a DFlash2 draft's candidate selector reads the target's whole LM head; draft_vocab / "
+                    "--draft-vocab applies to DSpark and DFlash drafts"
+                )
             if draft_model.args.packaging.draft_vocab_size is not None:
                 raise ValueError(
                     f"{draft_path}: this draft already drafts over a reduced vocabulary of its own (d2t, "
@@ -309,4 +354,5 @@ def load(
         mtp=mtp_model,
         eagle3=eagle3_model,
         assistant=assistant_model,
+        head_files=head_files,
     )

@@ -1,7 +1,7 @@
 """A target's own MTP layers (`load(target, draft="mtp")`, `--draft mtp`): read from the target's checkpoint.
 
 One layout per model module (dispatch on model_type):
-- Qwen3.5 / 3.6 / 3.8 (`qwen3_5`): `mtp.*` tensors, `text_config.mtp_num_hidden_layers`
+- Qwen3.5 / 3.6 / 3.8, dense or MoE (`qwen3_5`, `qwen3_5_moe`): `mtp.*` tensors, `text_config.mtp_num_hidden_layers`
   (`models/mtp_qwen3_5.py`);
 - Qwen3-Next (`qwen3_next`): `mtp.*` tensors, `num_nextn_predict_layers` or 1 when absent (`models/mtp_qwen3_next.py`);
 - Nemotron-H (`nemotron_h`): `mtp.layers.<j>.*`, `num_nextn_predict_layers` and `mtp_layers_block_type`
@@ -36,8 +36,10 @@ _MODULES = {
     **dict.fromkeys(mtp_qwen3_next.MODEL_TYPES, mtp_qwen3_next),
     **dict.fromkeys(mtp_nemotron_h.MODEL_TYPES, mtp_nemotron_h),
 }
-# the families whose published checkpoints carry one MTP layer (more is refused, by name)
-_ONE_LAYER = {mtp_deepseek: "DeepSeek-V3 / GLM-4.5", mtp_mimo: "MiMo-7B", mtp_qwen3_next: "Qwen3-Next", mtp_nemotron_h: "Nemotron-H"}
+# the families whose published checkpoints carry one MTP layer (more is refused, by name: for Qwen3.5 the readings
+# differ too, vLLM's step k runs layer k mod n, mlx-vlm's runs every layer in order)
+_ONE_LAYER = {mtp_deepseek: "DeepSeek-V3 / GLM-4.5", mtp_mimo: "MiMo-7B", mtp_qwen3_next: "Qwen3-Next", mtp_nemotron_h: "Nemotron-H",
+              mtp_qwen3_5: "Qwen3.5 / 3.6 / 3.8"}  # fmt: skip
 MODEL_TYPES = tuple(_MODULES)
 
 
@@ -56,6 +58,12 @@ def mtp_layer_count(config: dict) -> int:
 def supports_mtp(config: dict) -> bool:
     """Whether a target config declares MTP layers of a family we build."""
     return mtp_layer_count(config) > 0
+
+
+def runs_mtp(config: dict) -> bool:
+    """Whether `draft="mtp"` runs the layers the config declares (more than one of a family whose published
+    checkpoints carry one is refused: `build_mtp`)."""
+    return supports_mtp(config) and not (_module(config) in _ONE_LAYER and mtp_layer_count(config) > 1)
 
 
 def declares_mtp(config: dict) -> bool:
@@ -132,8 +140,8 @@ def build_mtp(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) -> nn
             f"{', '.join(MODEL_TYPES)}); pass a DSpark draft, --draft lookup, or --no-draft"
         )
     count = mtp_layer_count(config)
+    field = "text_config.mtp_num_hidden_layers" if _module(config) is mtp_qwen3_5 else "num_nextn_predict_layers"
     if count < 1:
-        field = "text_config.mtp_num_hidden_layers" if _module(config) is mtp_qwen3_5 else "num_nextn_predict_layers"
         raise ValueError(
             f"{source}: draft 'mtp': {field} is absent or 0, so this target carries no MTP "
             "layers; pass a DSpark draft, --draft lookup, or --no-draft"
@@ -141,7 +149,7 @@ def build_mtp(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) -> nn
     if _module(config) in _ONE_LAYER and count > 1:
         family = _ONE_LAYER[_module(config)]
         raise ValueError(
-            f"{source}: draft 'mtp': num_nextn_predict_layers is {count}; only 1 is supported (every published "
+            f"{source}: draft 'mtp': {field} is {count}; only 1 is supported (every published "
             f"{family} checkpoint has 1: with more, what the later layers' caches hold over the committed "
             "positions is not defined by the chained proposal we follow); pass --no-draft or a DSpark draft"
         )

@@ -17,6 +17,23 @@ from mlx_dspark.models.heads import target_head
 from mlx_dspark.models.dspark_args import DraftArgs
 
 
+# mlx-lm families whose model multiplies the input embedding by sqrt(hidden_size) (Gemma's scaled embedding)
+SCALED_INPUT_EMBEDDINGS = ("gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma4", "gemma4_text")
+
+
+def check_zlab_block_embedding(target: Any, draft: DraftArgs, *, zlab: bool, target_source: str, draft_source: str) -> None:
+    """Refuse a z-lab DFlash / DFlash 2 draft with plain (Qwen3) layers beside a target whose model scales
+    its input embedding: z-lab's runtime embeds the block through the target's embedding module (mlx-vlm
+    times the target's embed_scale), scale included; ours gives such a draft the raw table."""
+    kind = getattr(target, "mlx_lm_model_type", None)
+    if zlab and kind in SCALED_INPUT_EMBEDDINGS and getattr(draft.layers, "embedding_scale", None) is None:
+        raise ValueError(
+            f"{draft_source}: a z-lab DFlash / DFlash 2 draft with {draft.family}-style layers beside a {kind} target "
+            f"({target_source}), whose embedding scales by sqrt(hidden_size): "
+            "z-lab's runtime embeds the draft's block with that scale, which we do not apply to such a draft; not supported"
+        )
+
+
 def validate_pair(
     target_args: Any, draft: DraftArgs, *, target_source: str, draft_source: str, taps_field: str = "target_layer_ids"
 ) -> None:

@@ -25,14 +25,17 @@ import mlx.core as mx
 
 from mlx_dspark.models import FAMILIES, family_module
 from mlx_dspark.models.dspark_heads import MARKOV_HEAD_TYPES
-from mlx_dspark.models.dflash2_args import DFlash2Fields, dflash2_fields
+from mlx_dspark.models.dflash2_args import DFlash2Fields, check_dflash2_heads, dflash2_fields
 from mlx_dspark.models.dspark_packaging import (
     BONUS_ANCHOR_ARCHITECTURES,
     EAGLE3_MARKERS,
     PACKAGING_FIELDS,
     Packaging,
     check_graph,
+    check_window_fields,
+    check_zlab_rope,
     speculators_layers,
+    whole_head_rope,
 )
 
 DSPARK_FIELDS = (
@@ -58,11 +61,13 @@ def flat_config(config: dict, *, source: str = "config.json") -> dict:
     check_graph(config, source=source)
     arch = (config.get("architectures") or [None])[0]
     if arch in BONUS_ANCHOR_ARCHITECTURES:
+        check_zlab_rope(config, source=source)
+        config = whole_head_rope(config)
         given = dspark_fields(config, source=source)
         if "sample_from_anchor" not in given:
             config = {**config, "sample_from_anchor": False}
         if "target_layer_ids" not in given:
-            config = {**config, "target_layer_ids": zlab_tap_ids(config, source=source)}
+            config = {**config, "target_layer_ids": zlab_tap_ids({**config, **given}, source=source)}  # num_target_layers nested too
     if not any(k in config for k in EAGLE3_MARKERS):
         return config
     flat = dict(config)
@@ -89,12 +94,12 @@ def flat_config(config: dict, *, source: str = "config.json") -> dict:
     return flat
 
 
-def with_tensor_fields(config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+def with_tensor_fields(config: dict, shapes: dict[str, tuple[int, ...]], *, source: str = "config.json") -> dict:
     """A config with the DSpark fields its tensors determine filled in where it leaves them out, as
     upstream's converter reads exports that carry none (EAGLE-3 / speculators configs): the Markov
     rank from `markov_w1`'s shape (head type vanilla), the confidence head from its presence and
     whether it reads the Markov feature from its width. Fields the config gives are never replaced."""
-    given = dspark_fields(flat_config(config), source="config.json")
+    given = dspark_fields(flat_config(config, source=source), source=source)
     filled = dict(config)
     w1 = shapes.get("markov_head.markov_w1.weight")
     if "markov_rank" not in given:
@@ -249,6 +254,7 @@ class DraftArgs:
         if missing:
             raise ValueError(f"{source}: missing DSpark field(s) {missing} (top level or under {NESTED_FIELDS!r})")
         layers = family_module(family).ModelArgs.from_dict(config, source=source)
+        check_window_fields(config, [layers.layer_window(t) for t in layers.layer_types], source=source)
         ids = fields["target_layer_ids"]
         if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= -1 for i in ids):
             raise ValueError(f"{source}: field 'target_layer_ids' must be a non-empty list of layer ids >= -1, got {ids!r}")
@@ -273,9 +279,15 @@ class DraftArgs:
         # a packaging field the layer family itself reads (gemma4's final_logit_softcapping) is the family's
         own = {k: v for k, v in fields.items() if not hasattr(layers, k)}
         dflash2 = dflash2_fields(config, hidden_size=layers.hidden_size, vocab_size=layers.vocab_size, source=source)
-        if dflash2 is not None:  # its selector applies these (DSpark's graph would not)
+        if dflash2 is not None:  # its selector applies these (DSpark's graph would not); it drafts from row 1
             own = {k: v for k, v in own.items() if k not in ("output_multiplier", "final_logit_softcapping")}
+            own.setdefault("sample_from_anchor", False)
         packaging = Packaging.from_fields(own, vocab_size=layers.vocab_size, source=source)
+        if dflash2 is not None:
+            check_dflash2_heads(
+                sample_from_anchor=packaging.sample_from_anchor, draft_vocab_size=packaging.draft_vocab_size,
+                markov_rank=markov_rank, confidence=confidence, source=source,
+            )  # fmt: skip
         if not packaging.sample_from_anchor and block_size < 2:
             raise ValueError(f"{source}: block_size {block_size} leaves no draft row (sample_from_anchor is false: row 0 is the anchor)")
         neox = config.get("rope_is_neox_style", True)

@@ -44,6 +44,13 @@ SPECULATORS_TYPES = ("dflash", "dspark")
 _OTHER_GRAPHS = {
     "hyper_connection_count": "a DeepSeek-V4 DSpark draft (hyper-connections)",
 }
+# Flags (as mlx-vlm's DFlash configs read them) that, when true, change the block forward we run: refused.
+_BLOCK_FLAGS = {
+    "is_causal": "the draft's block would attend causally; ours attends to the whole block (DFlash / DSpark)",
+    "causal": "the draft's block would attend causally; ours attends to the whole block (DFlash / DSpark)",
+    "dflash_query_causal": "the draft's block would attend causally; ours attends to the whole block (DFlash / DSpark)",
+    "attention_sink_bias": "the draft's attention has learned sink logits, which ours does not",
+}
 
 
 def check_graph(config: dict, *, source: str) -> None:
@@ -54,6 +61,9 @@ def check_graph(config: dict, *, source: str) -> None:
             kind = _OTHER_GRAPHS.get(key)
             if kind is not None:
                 raise ValueError(f"{source}: field '{where}{key}' is set: this is {kind}, which we do not run; use a DSpark or DFlash draft")
+            what = _BLOCK_FLAGS.get(key)
+            if what is not None and fields[key] not in (None, False):
+                raise ValueError(f"{source}: field '{where}{key}' is {fields[key]!r}: {what}; not supported")
     kind = config.get("speculators_model_type")
     if kind == "eagle3":  # not a DSpark graph: load(target, draft=...) builds it as models/eagle3.py
         raise ValueError(f"{source}: speculators_model_type is 'eagle3': an EAGLE-3 draft, not a DSpark / DFlash one; "
@@ -74,9 +84,7 @@ def speculators_layers(config: dict, layer: dict, *, source: str) -> dict:
     if isinstance(rope, dict) and "sliding_attention" in rope:
         layer["rope_parameters"] = rope = rope["sliding_attention"]
         layer.pop("rope_theta", None)
-    if isinstance(rope, dict) and "partial_rotary_factor" in rope:
-        # Qwen3RotaryEmbedding (the DFlash backbone's) turns the whole head whatever the verifier's factor
-        layer["rope_parameters"] = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+    layer = whole_head_rope(layer)
     types, count = layer.get("layer_types"), layer.get("num_hidden_layers")
     if isinstance(types, list) and isinstance(count, int):
         # the verifier's text config with the draft's depth: draft layer i reads layer_types[i] and only
@@ -91,6 +99,52 @@ def speculators_layers(config: dict, layer: dict, *, source: str) -> dict:
     if hidden is not None and hidden != layer.get("hidden_size"):
         raise ValueError(f"{source}: target_hidden_size {hidden} differs from the draft's hidden_size {layer.get('hidden_size')}; not supported")
     return layer
+
+
+def whole_head_rope(layer: dict) -> dict:
+    """The layer fields with `rope_parameters.partial_rotary_factor` dropped: the DFlash backbone's
+    Qwen3RotaryEmbedding (z-lab `dflash/model.py`, speculators) turns the whole head whatever it says, as
+    mlx-vlm's DFlash / DFlash2 drafts do (RoPE over `head_dim`)."""
+    rope = layer.get("rope_parameters")
+    if not (isinstance(rope, dict) and "partial_rotary_factor" in rope):
+        return layer
+    return {**layer, "rope_parameters": {k: v for k, v in rope.items() if k != "partial_rotary_factor"}}
+
+
+def check_zlab_rope(config: dict, *, source: str) -> None:
+    """A top-level `partial_rotary_factor` other than 1 on a z-lab DFlash / DFlash2 config: z-lab's pinned
+    transformers (4.57.1) turns only that share of the head, transformers 5 and mlx-vlm the whole head;
+    what the draft was trained with is unknown, so it is refused."""
+    factor = config.get("partial_rotary_factor")
+    if factor is not None and factor != 1:
+        raise ValueError(
+            f"{source}: field 'partial_rotary_factor' is {factor!r} on a z-lab DFlash draft: transformers 4.57 turns that "
+            "share of each head, transformers 5 and mlx-vlm the whole head; which one it was trained with is unknown; not supported"
+        )
+
+
+def check_window_fields(config: dict, windows: list[Optional[int]], *, source: str) -> None:
+    """`dflash_config.swa_window_size` / `.sliding_window` / `.use_swa` (read by mlx-vlm, LMDeploy and
+    TensorRT-LLM, some in place of the layer config's window) must say what the layer config does:
+    `windows` are the draft layers' windows as we run them (None: full attention)."""
+    nested = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
+    used = sorted({w for w in windows if w is not None})
+    for key in ("swa_window_size", "sliding_window"):
+        value = nested.get(key)
+        if key not in nested or (value is None and not used):
+            continue
+        given = None if value in (0, -1) else value  # LMDeploy's no-window values
+        if [given] != (used or [None]):
+            raise ValueError(
+                f"{source}: field 'dflash_config.{key}' is {value!r} but the draft's layers (layer_types, sliding_window, "
+                f"use_sliding_window) slide {'with window ' + str(used[0]) if len(used) == 1 else used or 'no layer'}; "
+                "they must agree"
+            )
+    if nested.get("use_swa") and not used:
+        raise ValueError(
+            f"{source}: field 'dflash_config.use_swa' is true but the draft's layers (layer_types, sliding_window, "
+            "use_sliding_window) slide no layer; they must agree"
+        )
 
 
 def _scale(fields: dict, name: str, *, source: str) -> Optional[float]:

@@ -145,14 +145,15 @@ class MTP(MTPLayers):
         return head.head(normed) if self.own_head else target.lm_head_logits(normed)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Checkpoint names (HF, or our conversion's, which keeps them) -> ours. The blocks go through
-        mlx-lm's own sanitize of the family (fp8 / int4 dequantization, experts stacked into switch_mlp,
-        DeepSeek's kv_b_proj split into embed_q / unembed_out), one layer at a time."""
+        """Checkpoint names (HF, or our conversion's, which keeps them) -> ours. Each next-n layer's tensors
+        but the embedding go through mlx-lm's own sanitize of the family, one layer at a time: fp8 / int4
+        dequantization (an FP8 checkpoint's `eh_proj` and head carry their `weight_scale_inv` too), experts
+        stacked into switch_mlp, DeepSeek's kv_b_proj split into embed_q / unembed_out."""
         first = self.args.num_hidden_layers
         out: dict[str, mx.array] = {}
         for i in range(self.num_layers):
             prefix = f"model.layers.{first + i}."
-            block = {}
+            layer = {}
             for name, value in weights.items():
                 if not name.startswith(prefix):
                     continue
@@ -160,12 +161,11 @@ class MTP(MTPLayers):
                 if key.startswith("embed_tokens."):
                     if i == 0:  # vLLM: the embedding is shared, read from the first next-n layer
                         out[key] = value
-                elif key.startswith(OWN_PARTS):
-                    out[f"layers.{i}.{key}"] = value
                 else:
-                    block[f"model.layers.0.{key}"] = value
-            for key, value in _one_layer_model(self.args).sanitize(block).items():
-                out[f"layers.{i}.block.{key[len('model.layers.0.'):]}"] = value
+                    layer[f"model.layers.0.{key}"] = value
+            for key, value in _one_layer_model(self.args).sanitize(layer).items():
+                key = key[len("model.layers.0."):]
+                out[f"layers.{i}.{key}" if key.startswith(OWN_PARTS) else f"layers.{i}.block.{key}"] = value
         return out
 
     def checkpoint_name(self, name: str) -> str:

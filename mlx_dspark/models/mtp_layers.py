@@ -30,6 +30,7 @@ class MTPLayers(nn.Module):
         has no embedding, as vLLM's next-n / MiMo layers run it)."""
         index = step % len(self.layers)
         layer, c = self.layers[index], (cache[index] if cache else None)
-        if c is None or c.offset == 0:
+        # a packed chain step's offset is every row's position (models/packed_chain.py): never a first entry
+        if c is None or (isinstance(c.offset, int) and c.offset == 0):
             embeddings = mx.concatenate([mx.zeros_like(embeddings[:, :1]), embeddings[:, 1:]], axis=1)
         return layer, c, embeddings

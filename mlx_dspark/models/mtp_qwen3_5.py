@@ -12,12 +12,15 @@ output) back as the next step's hidden state, beside the embedding of the token 
 The embedding and the LM head are the target's (`embed`, `logits` take the target).
 
 The layer is mlx-lm's own qwen3_5 `DecoderLayer` built with every layer full attention, so its numerics
-are the target's attention layers'; attribute names are the checkpoint's names without `mtp.`.
+are the target's attention layers'; attribute names are the checkpoint's names without `mtp.`. A Qwen3.5-MoE
+target's (`qwen3_5_moe`) MTP layer has the target's sparse MoE MLP (`num_experts` > 0), its experts stacked
+into mlx-lm's `switch_mlp` by `sanitize`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -35,7 +38,10 @@ OFFSET_NORMS = (
     "input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
     "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight",
 )  # fmt: skip
-MODEL_TYPES = ("qwen3_5",)  # mlx-lm model types whose MTP layers this module builds
+MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # mlx-lm model types whose MTP layers this module builds
+# a MoE layer's experts as Hugging Face stores them: fused (E, 2I, C) gate | up and (E, C, I) down, or one by one
+FUSED_GATE_UP, FUSED_DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"
+ONE_EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)")
 
 
 def text_config(config: dict) -> dict:
@@ -68,8 +74,6 @@ class MTPArgs:
         layers = mtp_layer_count(config)
         if layers < 1:
             raise ValueError(f"{source}: text_config.mtp_num_hidden_layers is missing or 0: this target declares no MTP layers")
-        if int(text.get("num_experts", 0) or 0) > 0:
-            raise ValueError(f"{source}: MTP layers of a MoE qwen3_5 target (num_experts {text['num_experts']}) are not supported yet")
         args = qwen3_5.TextModelArgs.from_dict(text)
         return cls(
             hidden_size=args.hidden_size,
@@ -101,8 +105,8 @@ class MTP(MTPLayers):
     def __call__(self, embeddings: mx.array, hidden: mx.array, cache: Optional[list[KVCache]] = None, *, step: int = 0) -> mx.array:
         """embeddings (B, L, C) of tokens t+1, hidden (B, L, C) normed states at t -> normed MTP states (B, L, C).
 
-        With several MTP layers all run in order on every step, whatever the `step` (mtp_num_hidden_layers
-        is 1 in every published Qwen3.5 checkpoint)."""
+        With several MTP layers all run in order on every step, whatever the `step`, as mlx-vlm does (vLLM's
+        step k runs layer k mod n); loading/mtp.py refuses more than one (every published checkpoint has 1)."""
         x = mx.concatenate([self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden.astype(embeddings.dtype))], axis=-1)
         x = self.fc(x)
         cache = cache or [None] * len(self.layers)
@@ -116,18 +120,37 @@ class MTP(MTPLayers):
         return target.lm_head_logits(h)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """`mtp.*` names without the prefix; raw HF norms + 1 (as mlx-lm's qwen3_5 sanitize does for the target)."""
+        """`mtp.*` names without the prefix; raw HF norms + 1 (as mlx-lm's qwen3_5 sanitize does for the target);
+        a MoE layer's experts (Qwen3.5-MoE) stacked into mlx-lm's `switch_mlp`, from the fused `gate_up_proj` /
+        `down_proj` (gate rows first, as mlx-lm's qwen3_5_moe sanitize splits the target's) or one by one."""
         out = {}
         for name, value in weights.items():
             key = name[len(PREFIX):] if name.startswith(PREFIX) else name
             if self.raw_norms and key.endswith(OFFSET_NORMS) and value.ndim == 1:
                 value = value + 1.0
             out[key] = value
-        return out
+        return stack_experts(out)
 
     def checkpoint_name(self, name: str) -> str:
         """Our parameter name -> the name a conversion writes."""
         return PREFIX + name
+
+
+def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """MoE experts under mlx-lm's names: `<layer>.mlp.switch_mlp.{gate,up,down}_proj.weight` (E, out, in)."""
+    out = dict(weights)
+    for key in [k for k in weights if k.endswith(FUSED_GATE_UP)]:
+        mlp = key[: -len(FUSED_GATE_UP)] + ".mlp.switch_mlp."
+        gate, up = mx.split(out.pop(key), 2, axis=-2)
+        out.update({mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up})
+        out[mlp + "down_proj.weight"] = out.pop(key[: -len(FUSED_GATE_UP)] + FUSED_DOWN)
+    groups: dict[tuple[str, str, str], dict[int, mx.array]] = {}
+    for key in [k for k in out if ONE_EXPERT.fullmatch(k)]:
+        mlp, expert, proj, kind = ONE_EXPERT.fullmatch(key).groups()
+        groups.setdefault((mlp, proj, kind), {})[int(expert)] = out.pop(key)
+    for (mlp, proj, kind), experts in groups.items():
+        out[f"{mlp}.switch_mlp.{proj}.{kind}"] = mx.stack([experts[e] for e in sorted(experts)])
+    return out
 
 
 def is_raw_hf(shapes: dict[str, Any]) -> bool:

@@ -37,8 +37,9 @@ PACKED_DRAFT_FAMILIES = ("qwen3", "spark2_5", "gemma4")  # the draft layer famil
 def packing_problem(model: Any) -> Optional[str]:
     """Why a loaded pair cannot run packed (continuous batching), or None: the packed forwards follow
     mlx-lm's models where its load-time probe passes (models/packed_mlx_lm.py) and the draft layer
-    families (`DecoderLayer`), nothing else. A chained head (MTP layers, an EAGLE-3 draft) drafts per row
-    over its own cache (engine/batch.py), so it needs nothing packed but the target."""
+    families (`DecoderLayer`), nothing else. A chained head (MTP layers, an EAGLE-3 draft) drafts over each
+    row's own cache (engine/batch_chain.py: packed where its own probe passes, else per row), a Gemma 4
+    assistant per row over the row's own target caches, so they need nothing packed but the target."""
     if not is_mlx_lm_target(model.target):
         return f"the target ({type(model.target).__name__}) is not an mlx-lm model"
     problem = packed_mlx_lm.packing_problem(model.target)
@@ -47,8 +48,6 @@ def packing_problem(model: Any) -> Optional[str]:
     heads = [name for name in ("draft", "eagle3", "mtp", "assistant") if getattr(model, name, None) is not None]
     if len(heads) > 1:  # engine/head_choice.py picks per round over single-request costs; a batch row does not
         return f"a pair with several draft heads ({', '.join(heads)}) chooses its head per round, which batched rows do not; load one head"
-    if getattr(model, "assistant", None) is not None:  # its chain reads the target's caches (takes_target_cache)
-        return "a Gemma 4 assistant's chained proposer (over the target's caches) is not packed yet"
     draft = model.draft
     if draft is not None and draft.args.family not in PACKED_DRAFT_FAMILIES:
         return f"the draft's layer family {draft.args.family!r} is not packed (only {', '.join(PACKED_DRAFT_FAMILIES)})"

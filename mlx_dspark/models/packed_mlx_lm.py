@@ -27,9 +27,13 @@ sequence's rows (1, n, hidden), its own mask (`create_ssm_mask` of its own cache
 through its `RollbackCaches.call` (recorded for the replay a rollback runs): the call of the sequence's
 own forward. Where that does not reproduce the rows' own forwards (the load-time probe), or the layer's
 cache is a `CacheList`, the whole layer runs per sequence instead. Only the mixers lose the shared
-matmuls; norms, MLPs, attention layers, the head and the draft stay packed. A family whose code does anything else with the offset or the mask (an `int` offset,
-mask arithmetic, attention written out instead of mlx-lm's call) is found by `probe_packing` and refused
-with its model_type named, never approximated.
+matmuls; norms, MLPs, attention layers, the head and the draft stay packed. A family whose attention does
+its own arithmetic on the mask or the fetched keys (gemma2's soft-capped scores written out, DeepSeek's
+MLA adding its rotary scores to the mask) fails the probe packed; it is probed again with its attention
+modules (every sub-module that takes a cache) run per sequence the same way ("attention" mode: each the
+call of the sequence's own forward, so bitwise; the projections, MLPs and head stay packed). A family that
+still fails (an `int` offset read outside the layers) is refused with its model_type and both reasons named,
+never approximated.
 """
 
 from __future__ import annotations
@@ -163,7 +167,7 @@ def install_dispatch(target: MLXLMTarget) -> list[str]:
     return patched
 
 
-def _per_sequence(module: Any, args: tuple, kwargs: dict, view: PackedView, what: str) -> mx.array:
+def per_sequence(module: Any, args: tuple, kwargs: dict, view: PackedView, what: str) -> mx.array:
     """`module(*args, **kwargs)` once per sequence on its rows, masks and caches (`_one`), each call
     through the sequence's `RollbackCaches` (recorded for replay) -> its outputs packed again (T, 1, ...)."""
     total, outs = sum(view.lengths), []
@@ -177,27 +181,28 @@ def _per_sequence(module: Any, args: tuple, kwargs: dict, view: PackedView, what
     return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
 
-def _recurrent_view(args: tuple, kwargs: dict) -> Optional[PackedView]:
+def _split_view(args: tuple, kwargs: dict, mode: str) -> Optional[PackedView]:
+    """The view of a call that runs per sequence: a recurrent cache's, or any cache's in "attention" mode."""
     view = next((v for v in (*args, *kwargs.values()) if isinstance(v, PackedView)), None)
-    return view if view is not None and view.recurrent else None
+    return view if view is not None and (view.recurrent or mode == "attention") else None
 
 
 class _PerSequenceChild:
     """Stands in for a direct sub-module of a recurrent layer: the one that receives the recurrent cache
     (the mixer) runs per sequence; the others (norms, MLP, a CacheList layer's attention) run packed."""
 
-    def __init__(self, module: Any, used: list):
-        self._module, self._used = module, used
+    def __init__(self, module: Any, used: list, mode: str):
+        self._module, self._used, self._mode = module, used, mode
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        view = _recurrent_view(args, kwargs)
+        view = _split_view(args, kwargs, self._mode)
         if view is None:
             return self._module(*args, **kwargs)
         self._used.append(True)
-        return _per_sequence(self._module, args, kwargs, view, type(self._module).__name__)
+        return per_sequence(self._module, args, kwargs, view, type(self._module).__name__)
 
 
 class _PerSequence:
@@ -205,7 +210,9 @@ class _PerSequence:
     along the sequence) runs packed except for the sub-module that takes that cache, which runs once per
     sequence ("module" mode); or, where a family's layer does more with its cache or mask, the whole layer
     runs per sequence ("layer" mode). Either is the call of the sequence's own forward, recorded by its
-    `RollbackCaches` for replay. Any other layer runs packed. Attributes pass through to the layer."""
+    `RollbackCaches` for replay. Any other layer runs packed, except in "attention" mode (a family whose
+    attention does its own arithmetic on the mask or the fetched keys: DeepSeek's MLA), where the
+    sub-module that takes any cache runs per sequence. Attributes pass through to the layer."""
 
     def __init__(self, layer: Any, index: int, capture: Any, mode: str):
         self._layer, self._index, self._capture, self._mode = layer, index, capture, mode
@@ -214,23 +221,23 @@ class _PerSequence:
         return getattr(self._layer, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        view = _recurrent_view(args, kwargs)
+        view = _split_view(args, kwargs, self._mode)
         if view is None:
             return self._layer(*args, **kwargs)
-        if self._mode == "module" and not isinstance(view.caches[0], CacheList):  # a member is not recorded alone
+        if self._mode != "layer" and not isinstance(view.caches[0], CacheList):  # a member is not recorded alone
             used: list = []
             children = [(k, m) for k, m in self._layer.items() if isinstance(m, nn.Module)]
             for key, child in children:
-                self._layer[key] = _PerSequenceChild(child, used)
+                self._layer[key] = _PerSequenceChild(child, used, self._mode)
             try:
                 out = self._layer(*args, **kwargs)
             finally:
                 for key, child in children:
                     self._layer[key] = child
             if not used:
-                raise ValueError(f"layer {self._index}: no sub-module of it took its recurrent cache")
+                raise ValueError(f"layer {self._index}: no sub-module of it took its cache")
             return out
-        hidden = _per_sequence(self._layer, args, kwargs, view, f"layer {self._index}")
+        hidden = per_sequence(self._layer, args, kwargs, view, f"layer {self._index}")
         capture = self._capture  # the per-sequence calls recorded per-sequence taps: the packed ones instead
         if self._index == 0 and -1 in capture.tap_ids:
             capture.taps[-1] = args[0]
@@ -279,7 +286,8 @@ def packed_target_forward(
     views = [PackedView([c[i] for c in caches], lengths, row_positions, forward, caches) for i in range(len(caches[0]))]
     if not getattr(target, "_dspark_packed_dispatch", None):
         object.__setattr__(target, "_dspark_packed_dispatch", install_dispatch(target))
-    if not target._dspark_packed_dispatch and not all(view.recurrent for view in views):
+    mode = getattr(target, "_dspark_split_mode", "module")
+    if not target._dspark_packed_dispatch and mode != "attention" and not all(view.recurrent for view in views):
         raise ValueError(
             f"model_type {target.mlx_lm_model_type!r}: its attention does not call mlx-lm's scaled_dot_product_attention, "
             "the call a packed forward splits per sequence"
@@ -290,8 +298,7 @@ def packed_target_forward(
     capture.start("forward", tap_ids=tap_ids)
     owner = layer_owner(target)
     layers = owner["layers"]
-    if any(view.recurrent for view in views):
-        mode = getattr(target, "_dspark_recurrent_mode", "module")
+    if mode == "attention" or any(view.recurrent for view in views):
         owner["layers"] = [_PerSequence(layer, i, capture, mode) for i, layer in enumerate(layers)]
     _CURRENT.append(forward)  # list.append / remove: atomic under the GIL
     try:
@@ -321,23 +328,30 @@ def _first_offset(caches: Sequence[Any]) -> int:
 
 def packing_problem(target: MLXLMTarget) -> Optional[str]:
     """Why this mlx-lm target cannot run packed, or None (the answer is kept on the target). A target with
-    recurrent layers is probed with only their cache-taking sub-module per sequence, else whole layers."""
+    recurrent layers is probed with only their cache-taking sub-module per sequence, else whole layers; a
+    target whose attention fails packed (its own mask or key arithmetic) with its attention per sequence."""
     known = getattr(target, "_dspark_packing_problem", False)
     if known is not False:
         return known
-    object.__setattr__(target, "_dspark_recurrent_mode", "module")
+    object.__setattr__(target, "_dspark_split_mode", "module")
     problem = probe_packing(target)
     if problem is not None and any(cache_kind(c) == REPLAY for c in target.make_cache()):
-        object.__setattr__(target, "_dspark_recurrent_mode", "layer")  # whole recurrent layers per sequence
+        object.__setattr__(target, "_dspark_split_mode", "layer")  # whole recurrent layers per sequence
         problem = probe_packing(target)
+    if problem is not None:
+        object.__setattr__(target, "_dspark_split_mode", "attention")  # every cache-taking sub-module per sequence
+        split = probe_packing(target)
+        problem = None if split is None else f"{problem}; with its attention per sequence it {split}"
+    if problem is not None:
+        problem = f"the target (model_type {target.mlx_lm_model_type!r}) {problem}"
     object.__setattr__(target, "_dspark_packing_problem", problem)
     return problem
 
 
 def probe_packing(target: MLXLMTarget, *, lengths: Sequence[int] = (3, 1, 2), tolerance: float = 1e-3) -> Optional[str]:
     """Run a short packed forward (sequences at different offsets), roll each sequence back its own number
-    of rows and run one more, against each sequence's own forwards doing the same; a reason when it fails
-    or differs (relative to the logits' scale), else None."""
+    of rows and run one more, against each sequence's own forwards doing the same; what went wrong when it
+    fails or differs (relative to the logits' scale), else None."""
     vocab = target.args.vocab_size
     prompts = [[(5 + 13 * i + 7 * j) % vocab for j in range(2 + i)] for i in range(len(lengths))]
     segments = [[(11 + 17 * i + 3 * j) % vocab for j in range(n)] for i, n in enumerate(lengths)]
@@ -362,7 +376,7 @@ def probe_packing(target: MLXLMTarget, *, lengths: Sequence[int] = (3, 1, 2), to
         packed = mx.concatenate([packed, again], axis=0)
         worst = mx.max(mx.abs(packed - reference)).item() / max(mx.max(mx.abs(reference)).item(), 1e-6)
     except (ValueError, TypeError, RuntimeError, IndexError, AttributeError, AssertionError) as e:
-        return f"the target (model_type {target.mlx_lm_model_type!r}) fails in a packed forward ({type(e).__name__}: {e})"
+        return f"fails in a packed forward ({type(e).__name__}: {e})"
     if not worst <= tolerance:
-        return f"the target (model_type {target.mlx_lm_model_type!r}): a packed forward differs from its rows' own forwards (relative {worst:.2g})"
+        return f"differs in a packed forward from its rows' own forwards (relative {worst:.2g})"
     return None

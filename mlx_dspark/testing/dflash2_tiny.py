@@ -18,8 +18,10 @@ from mlx_dspark.testing.tiny import _read_hf_weights, _write_json, save_hf_weigh
 def write_dflash2_draft(
     deepspec_draft: str | Path, dst: str | Path, *, seed: int = 0, kernel_size: int = 2, group_size: int = 16,
     rank: int = 8, top_k: int = 4, output_multiplier: float | None = None, softcap: float | None = None,
+    dtype: str = "float32",
 ) -> Path:  # fmt: skip
-    """The DeepSpec-layout draft's backbone as a z-lab DFlash draft, plus random DFlash 2 convolutions and selector."""
+    """The DeepSpec-layout draft's backbone as a z-lab DFlash draft, plus random DFlash 2 convolutions and selector,
+    stored in `dtype`."""
     dst = repackage(deepspec_draft, Path(dst), "zlab_dflash")
     config = json.loads((dst / "config.json").read_text(encoding="utf-8"))
     config["architectures"] = ["DFlash2DraftModel"]
@@ -45,6 +47,6 @@ def write_dflash2_draft(
     weights["candidate_selector.hidden_projection.weight"] = (rng.standard_normal((rank, hidden)) / np.sqrt(hidden)).astype(np.float32)
     for f in dst.glob("*.safetensors*"):
         f.unlink()
-    save_hf_weights(dst, dict(sorted(weights.items())))
+    save_hf_weights(dst, dict(sorted(weights.items())), dtype=dtype)
     _write_json(dst / "config.json", config)
     return dst

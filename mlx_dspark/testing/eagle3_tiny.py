@@ -35,15 +35,21 @@ def eagle3_config(
     kv_heads: int = 2,
     head_dim: int = 32,
     intermediate_size: int = 256,
+    hidden_size: Optional[int] = None,
+    rope: Optional[dict[str, Any]] = None,
+    embed_requires_grad: bool = False,
+    norm_before_fc: bool = False,
 ) -> dict[str, Any]:
+    """`hidden_size` the draft's width (None: the target's); `rope` replaces the layer's `rope_theta` /
+    `rope_scaling`."""
     text = dict(target_config.get("text_config") or target_config)
-    hidden = text["hidden_size"]
+    hidden = hidden_size or text["hidden_size"]
     layer = {
         "architectures": ["Qwen3ForCausalLM" if layer_type == "qwen3" else "LlamaForCausalLM"], "model_type": layer_type, "hidden_size": hidden,
         "intermediate_size": intermediate_size, "num_hidden_layers": 1, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "head_dim": head_dim, "hidden_act": "silu", "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
-        "max_position_embeddings": 4096, "vocab_size": text["vocab_size"], "tie_word_embeddings": False,
+        "max_position_embeddings": 4096, "vocab_size": text["vocab_size"], "tie_word_embeddings": False, **(rope or {}),
     }  # fmt: skip
     config = {
         "architectures": ["Eagle3Speculator"],
@@ -51,10 +57,10 @@ def eagle3_config(
         "speculators_version": "0.3.0",
         "transformer_layer_config": layer,
         "draft_vocab_size": draft_vocab_size,
-        "target_hidden_size": hidden,
+        "target_hidden_size": text["hidden_size"],
         "norm_before_residual": norm_before_residual,
-        "norm_before_fc": False,
-        "embed_requires_grad": False,
+        "norm_before_fc": norm_before_fc,
+        "embed_requires_grad": embed_requires_grad,
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -91,6 +97,8 @@ def eagle3_weights(config: dict[str, Any], *, vocab_ids: np.ndarray, seed: int, 
         "norm.weight": norm(C),
         "lm_head.weight": linear(len(vocab_ids), C, 3.0),
     }  # fmt: skip
+    if config.get("norm_before_fc"):  # gpt-oss drafts: an RMSNorm over the concatenated taps before fc
+        weights["input_norm.weight"] = norm(3 * Ct)
     if layer["model_type"] == "qwen3":  # Qwen3Attention's per-head q/k RMSNorms
         weights.update({p + "self_attn.q_norm.weight": norm(D), p + "self_attn.k_norm.weight": norm(D)})
     ids = np.asarray(vocab_ids, dtype=np.int64)
@@ -113,11 +121,19 @@ def write_eagle3_draft(
     layer_type: str = "llama",
     include_embedding: bool = True,
     specforge_names: bool = False,
+    hidden_size: Optional[int] = None,
+    own_embedding: bool = False,
+    rope: Optional[dict[str, Any]] = None,
+    with_d2t: bool = True,
+    norm_before_fc: bool = False,
 ) -> Path:
     """Write a random EAGLE-3 draft for the tiny target at `target_path` into `path`; return it.
 
     `draft_vocab_size` None: a third of the target's vocabulary (its lowest ids, where the tiny tokenizer's
-    common bytes are, and a random rest); `aux_layer_ids` None leaves the field out (vLLM's default)."""
+    common bytes are, and a random rest); `aux_layer_ids` None leaves the field out (vLLM's default).
+    `hidden_size`: the draft's width when not the target's; `own_embedding`: a random table of the draft's
+    width in place of the target's copy (`embed_requires_grad` stays false: a width of its own says it);
+    `rope`: the layer's rope fields; `with_d2t` False: no `d2t` / `t2d` (a full-vocabulary draft)."""
     from safetensors.numpy import save_file
 
     target_path, path = Path(target_path), Path(path)
@@ -131,9 +147,14 @@ def write_eagle3_draft(
     vocab_ids = np.sort(np.concatenate([np.arange(low), rest]))
     config = eagle3_config(target_config, draft_vocab_size=size, aux_layer_ids=aux_layer_ids,
                            speculative_tokens=speculative_tokens, norm_before_residual=norm_before_residual,
-                           layer_type=layer_type)  # fmt: skip
+                           layer_type=layer_type, hidden_size=hidden_size, rope=rope, norm_before_fc=norm_before_fc)  # fmt: skip
     weights = eagle3_weights(config, vocab_ids=vocab_ids, seed=seed)
-    if include_embedding:
+    if not with_d2t:
+        weights = {k: v for k, v in weights.items() if k not in ("d2t", "t2d")}
+    if own_embedding:
+        C = config["transformer_layer_config"]["hidden_size"]
+        weights["embed_tokens.weight"] = (0.5 * np.random.default_rng(seed + 2).standard_normal((vocab, C))).astype(np.float32)
+    elif include_embedding:
         target = _read_hf_weights(target_path)
         weights["embed_tokens.weight"] = next(v for k, v in target.items() if k.endswith("embed_tokens.weight"))
     if specforge_names:

@@ -14,7 +14,7 @@ sees which table is read. mlx-lm's own sanitize turns the target into its layout
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -92,6 +92,17 @@ def _nextn_parts(config: dict[str, Any], rng: np.random.Generator, *, own_embedd
     return out
 
 
+def _as_fp8(weights: dict[str, np.ndarray], names: Sequence[str]) -> None:
+    """DeepSeek-V3's FP8 layout for the named matrices: e4m3 bytes (uint8) of 2w and a `weight_scale_inv`
+    of 0.5 per 128 x 128 block, so the dequantized matrix is w rounded to e4m3."""
+    import mlx.core as mx
+
+    for name in names:
+        rows, cols = weights[name].shape
+        weights[name] = np.array(mx.to_fp8(mx.array(2.0 * weights[name])))
+        weights[name.removesuffix("weight") + "weight_scale_inv"] = np.full((-(-rows // 128), -(-cols // 128)), 0.5, np.float32)
+
+
 def write_tiny_nextn_target(
     path: str | Path,
     *,
@@ -100,14 +111,17 @@ def write_tiny_nextn_target(
     nextn: bool = True,
     own_embedding: bool = True,
     own_head: bool = True,
+    fp8_parts: Sequence[str] = (),
     **overrides: Any,
 ) -> Path:
     """Write the target (config, HF-layout weights with the next-n layers unless `nextn` is False,
-    tokenizer) into `path`; `own_embedding` / `own_head`: whether the next-n layers carry those copies."""
+    tokenizer) into `path`; `own_embedding` / `own_head`: whether the next-n layers carry those copies;
+    `fp8_parts`: the next-n layer's matrices (names after its prefix) stored in FP8 with their scales."""
     path, config = write_target_dir(path, lambda ids: tiny_nextn_config(family, ids, **overrides))
     rng = np.random.default_rng(seed)
     weights = _hf_weights(config, rng)
     weights.update(_nextn_parts(config, rng, own_embedding=own_embedding, own_head=own_head))
+    _as_fp8(weights, [f"model.layers.{config['num_hidden_layers']}.{name}" for name in fp8_parts])
     if not nextn:
         prefixes = tuple(f"model.layers.{config['num_hidden_layers'] + i}." for i in range(config["num_nextn_predict_layers"]))
         weights = {k: v for k, v in weights.items() if not k.startswith(prefixes)}

@@ -186,7 +186,8 @@ def write_target_dir(path: str | Path, config_of: Callable[[dict[str, Any]], dic
 
 def save_hf_weights(path: Path, weights: dict[str, np.ndarray], *, dtype: str = "float32", num_shards: int = 1) -> None:
     """Write weights as Hugging Face safetensors (`model.safetensors`, or `num_shards` shards plus
-    `model.safetensors.index.json`), cast to `dtype` (bf16 goes through MLX: numpy has no bf16)."""
+    `model.safetensors.index.json`), floating ones cast to `dtype` (bf16 goes through MLX: numpy has no bf16),
+    integer ones (fp8 bytes, token tables) as they are."""
     import mlx.core as mx
 
     if dtype not in _DTYPES:
@@ -194,7 +195,7 @@ def save_hf_weights(path: Path, weights: dict[str, np.ndarray], *, dtype: str = 
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     mx_dtype = getattr(mx, dtype)
-    arrays = {k: mx.array(v).astype(mx_dtype) for k, v in weights.items()}
+    arrays = {k: mx.array(v).astype(mx_dtype) if np.issubdtype(v.dtype, np.floating) else mx.array(v) for k, v in weights.items()}
     names = list(arrays)
     if num_shards == 1:
         mx.save_safetensors(str(path / "model.safetensors"), arrays, metadata={"format": "pt"})
@@ -386,6 +387,7 @@ def write_tiny_draft(
     dtype: str | None = None,
     num_shards: int = 1,
     packaging: str = "deepspec",
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random tiny DSpark draft for the target at `target_path` into `path`; return it.
 
@@ -395,7 +397,9 @@ def write_tiny_draft(
     window (16 when it has none), taps [0, L/2], mask token = the tokenizer's `<|mask|>`, the shared
     embedding / lm_head copied from the target (`include_shared=False` leaves them out, as our converter
     does). `packaging` writes the same draft as DeepSpec does, with its DSpark fields nested under
-    `dflash_config`, or with a `model.` prefix on every tensor.
+    `dflash_config`, or with a `model.` prefix on every tensor. `config_overrides` replace config fields
+    before the weights are drawn (e.g. `head_dim`, `num_key_value_heads`, `block_size`: the weights take
+    their shapes).
     """
     target_path = Path(target_path)
     target_config = json.loads((target_path / "config.json").read_text(encoding="utf-8"))
@@ -428,6 +432,7 @@ def write_tiny_draft(
         sliding_window=sliding_window,
         target_layer_ids=target_layer_ids,
     )
+    config = dict(sorted({**config, **(config_overrides or {})}.items()))
     target_weights = _read_hf_weights(target_path) if include_shared else None
     weights = tiny_draft_weights(config, layer_family=layer_family, target_weights=target_weights, seed=seed)
     config, weights = package_draft(config, weights, packaging)
