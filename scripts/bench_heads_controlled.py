@@ -5,11 +5,15 @@ controlled-acceptance benchmark (`python -m mlx_dspark.benchmark --controlled-ac
 bench/controlled.py: the head's real forward runs each round, its tokens replaced by the target's
 greedy continuation with the chosen mean acceptance) in its own process, one head after the other,
 and prints per head and acceptance length: efficiency = measured speedup / ideal speedup, beside
-the cost curve it was measured on (the head's draft ms and verify(1..8) ms). A head the harness
-cannot drive is one line with its error, and the others still run.
+the cost curve it was measured on (a block draft's ms per block, a chained head's ms for its first
+draft and per chained step; verify(1..8) ms) and the costs timed interleaved with the runs that the
+ideal speedup uses. Block drafts (DSpark, DFlash, DFlash 2) and chained heads (`--head mtp` on a target
+with MTP layers, an EAGLE-3 draft, a Gemma 4 assistant: bench/controlled_chain.py) are both driven. A
+head the harness cannot drive is one line with its error, and the others still run.
 
     python scripts/bench_heads_controlled.py --model /tmp/bench/scaled/target \\
-        --head /tmp/bench/scaled/draft --head /tmp/bench/scaled/dflash2 --openblas
+        --head /tmp/bench/scaled/draft --head /tmp/bench/scaled/dflash2 --head /tmp/bench/scaled/eagle3 --openblas
+    python scripts/bench_heads_controlled.py --model /tmp/bench/scaled/mtp-target --head mtp --openblas
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from mlx_dspark.bench.controlled import draft_cost_text
 
 
 def benchmark_command(model: str, head: str, out: Path, args: argparse.Namespace) -> list[str]:
@@ -47,10 +53,17 @@ def head_lines(head: str, results: dict) -> list[str]:
         return [f"{head}: not measured: {results['error']}"]
     curve, controlled = results["cost_curve"], results["controlled"]
     verify = " ".join(f"{curve['verify_ms'][w]:.1f}" for w in sorted(curve["verify_ms"], key=int))
+    if "draft_step_ms" in curve:  # a chained head: its first draft, then a cost per chained step
+        draft = (f"{curve['head']} chain of {curve['chain_steps']}: {curve['draft_ms']:.1f} ms + "
+                 f"{curve['draft_step_ms']:.2f} ms/step = {curve['draft_block_ms']:.1f} ms")  # fmt: skip
+    else:
+        draft = f"draft block of {curve['block_size']}: {curve['draft_block_ms']:.1f} ms"
     lines = [
         f"{head}",
-        f"  cost curve (context {curve.get('context', '?')}): draft {curve['draft_block_ms']:.1f} ms, "
+        f"  cost curve (context {curve.get('context', '?')}): {draft}, "
         f"verify(1..{len(curve['verify_ms'])}) {verify} ms; plain {controlled['plain_tokens_per_second']:.1f} tok/s",
+        f"  interleaved with the runs: {draft_cost_text(controlled)}, verify({controlled['draft_tokens'] + 1}) "
+        f"{controlled['verify_ms']:.1f} ms, plain {controlled['decode_ms']:.1f} ms/token",
         f"  {'tau':>6} {'tau meas.':>9} {'measured':>9} {'ideal':>7} {'efficiency':>10} {'round ms':>9} {'ideal ms':>9} {'lossless':>8}",
     ]
     for row in controlled["rows"]:
@@ -81,7 +94,7 @@ def main() -> None:
     print("ENGINE MEASUREMENT per head at controlled acceptance (not model acceptance); efficiency = measured / ideal")
     for i, head in enumerate(args.head):
         results = run_head(args.model, head, args.out / f"head{i}", args)
-        summary[head] = results.get("controlled", results)
+        summary[head] = {**results["controlled"], "cost_curve": results["cost_curve"]} if "controlled" in results else results
         print("\n".join(head_lines(head, results)), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

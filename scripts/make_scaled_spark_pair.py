@@ -15,6 +15,10 @@ products weigh about as much against a decode step as they do on the real pair.
 windowed layers): mlx-lm has its own qwen3 model, so on that pair our plain decoding can be compared
 with mlx-lm's model as well as with its loop.
 
+`scripts/make_scaled_heads.py OUT` adds the other head kinds at this shape (a DFlash 2 draft, a qwen3_5
+target with an MTP layer, a gemma4_text target with a Gemma 4 assistant), so
+`scripts/bench_heads_controlled.py` can measure every head kind at controlled acceptance.
+
 Random weights accept almost nothing: use this pair for cost curves and the controlled-acceptance
 benchmark, never for acceptance numbers. The tokenizer is the tiny byte-level one (384 entries);
 ids above it decode to placeholder text, which the benchmarks do not read.

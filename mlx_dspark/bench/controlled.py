@@ -10,6 +10,10 @@ runs (a `CostProbe` at the runs' mean context times a draft block and a verify f
 `t_decode` is the interleaved plain runs' time per token), so load drifts on a shared machine hit
 both sides; efficiency then equals ideal round time / measured round time and carries over to
 other hardware.
+
+A chained head (MTP, EAGLE-3, Gemma 4 assistant; bench/controlled_chain.py) drafts `block` = k tokens
+by k chained steps: `t_draft` is then its chain's time (first draft + k - 1 steps, `ChainProbe`),
+reported with its cost per step.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from mlx_dspark.engine.decode import plain_steps
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.propose import DraftProposer, Proposal
 from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.bench.controlled_chain import ChainProbe, chain_head, chain_proposer, chain_steps, step_ms
 from mlx_dspark.bench.cost import CostProbe, ideal_speedup
 from mlx_dspark.bench.profile import format_profile, profile_rounds
 from mlx_dspark.bench.stats import loadavg, mean, median
@@ -49,22 +54,32 @@ class AcceptanceSchedule:
 
 
 class ControlledProposer:
-    """The target's greedy continuation with one injected error per round, behind a real draft forward."""
+    """The target's greedy continuation with one injected error per round, behind a real draft forward:
+    a block draft's (DraftProposer) or a chained head's (bench/controlled_chain.py), `block_size` its drafts.
 
-    def __init__(self, inner: DraftProposer, reference: Sequence[int], *, prompt_len: int, vocab_size: int, acceptance_length: float):
+    A chained head's own cache pairs the target's features with the committed tokens (`commit`, passed on),
+    never with the drafts it proposed: its chained entries are trimmed inside its `propose`, so replacing
+    its tokens here leaves that cache as an uncontrolled run's."""
+
+    def __init__(self, inner: Any, reference: Sequence[int], *, prompt_len: int, vocab_size: int, acceptance_length: float):
         self.inner = inner
         self.reference = list(reference)  # greedy tokens at positions prompt_len, prompt_len + 1, ...
         self.prompt_len = prompt_len
         self.vocab_size = vocab_size
         self.tap_ids = inner.tap_ids
         self.block_size = inner.block_size
+        self.takes_target_cache = getattr(inner, "takes_target_cache", False)  # a Gemma 4 assistant reads them
         self.schedule = AcceptanceSchedule(acceptance_length, block_size=inner.block_size)
 
     def extend(self, features: mx.array) -> None:
         self.inner.extend(features)
 
-    def propose(self, anchor: mx.array, *, position: int, num_tokens: int) -> Proposal:
-        real = self.inner.propose(anchor, position=position, num_tokens=num_tokens)
+    def commit(self, tokens: Sequence[int]) -> None:
+        getattr(self.inner, "commit", lambda tokens: None)(tokens)
+
+    def propose(self, anchor: mx.array, *, position: int, num_tokens: int, target_cache: Any = None) -> Proposal:
+        extra = {} if target_cache is None else {"target_cache": target_cache}
+        real = self.inner.propose(anchor, position=position, num_tokens=num_tokens, **extra)
         length = self.schedule.next()  # accepted = length - 1
         wrong = length - 1 if length <= num_tokens else None
         return Proposal(tokens=reference_block(real, self.reference, start=position - self.prompt_len + 1,
@@ -114,17 +129,33 @@ def run_controlled(
     Returns per target acceptance length: measured tok/s and speedup over our plain decoding, the
     measured mean acceptance length, the ideal speedup from the cost curve, and the efficiency.
     """
-    target, draft = model.target, model.draft
-    block = int(draft.num_drafts)
-    probe = CostProbe(model, context=len(prompts[0]) + max_tokens // 2)
-    probe.draft_block(), probe.verify(block + 1)  # warm-up
-    probe_ms: dict[str, list[float]] = {"draft": [], "verify": [], "draft_build": [], "verify_build": []}
+    target, head = model.target, chain_head(model)
+    context = len(prompts[0]) + max_tokens // 2
+    if head is None:  # a block draft: one forward of `block` drafts
+        block = int(model.draft.num_drafts)
+        probe = CostProbe(model, context=context)
+        pieces = {"draft": probe.draft_block}
+    else:  # a chain: `block` chained steps, their cost per step from chains of `block` and of 1
+        block = chain_steps(model, head, acceptance_lengths)
+        probe = ChainProbe(model, head, steps=block, context=context)
+        pieces = {"draft": probe.draft_block, "draft_first": probe.draft_first}
+    pieces["verify"] = lambda: probe.verify(block + 1)
+
+    def inner(ids: Sequence[int]) -> Any:
+        if head is None:
+            return DraftProposer(model.draft, target, greedy=True, temperature=1.0)
+        return chain_proposer(model, head, ids, steps=block)
+
+    for piece in pieces.values():
+        piece()  # warm-up
+    probe_ms: dict[str, list[float]] = {key: [] for name in pieces for key in (name, f"{name}_build")}
     references = [greedy_reference(target, ids, max_tokens + block + 1) for ids in prompts]
     plain_tps: list[float] = []
     by_tau: dict[float, dict[str, list]] = {tau: {"tps": [], "lengths": [], "match": []} for tau in acceptance_lengths}
     plain_options = GenerationOptions.from_keywords(max_tokens=max_tokens, speculative=False)
-    # full blocks: the efficiency's ideal is a round of block + 1 verified tokens (auto is bench/draft_length_ab.py's)
-    controlled_options = GenerationOptions.from_keywords(max_tokens=max_tokens, max_draft_tokens=None)
+    # full blocks: the efficiency's ideal is a round of block + 1 verified tokens (auto is bench/draft_length_ab.py's);
+    # lookup off: every round verifies the head's controlled block (a lookup block or tail would replace or extend it)
+    controlled_options = GenerationOptions.from_keywords(max_tokens=max_tokens, max_draft_tokens=None, lookup="off")
     load_before = loadavg()
     for repeat in range(repeats):
         for ids, reference in zip(prompts, references):
@@ -136,18 +167,15 @@ def run_controlled(
                     plain_tps.append(result.generation_tps)
                     continue
                 proposer = ControlledProposer(
-                    DraftProposer(draft, target, greedy=True, temperature=1.0),
-                    reference,
-                    prompt_len=len(ids),
-                    vocab_size=target.args.vocab_size,
-                    acceptance_length=tau,
+                    inner(ids), reference, prompt_len=len(ids), vocab_size=target.args.vocab_size, acceptance_length=tau
                 )
                 result = generate(model, list(ids), options=controlled_options, proposer=proposer)
                 by_tau[tau]["tps"].append(result.generation_tps)
                 by_tau[tau]["lengths"].extend(result.acceptance_lengths)
                 by_tau[tau]["match"].append(result.tokens == reference[: len(result.tokens)])
             for _ in range(probe_samples):
-                for name, (build, total) in (("draft", probe.draft_block()), ("verify", probe.verify(block + 1))):
+                for name, piece in pieces.items():
+                    build, total = piece()
                     probe_ms[name].append(1000 * total)
                     probe_ms[f"{name}_build"].append(1000 * build)
 
@@ -179,7 +207,7 @@ def run_controlled(
     # The round breakdown at the acceptance nearest the model card's greedy 4.55.
     profile_tau = min(acceptance_lengths, key=lambda tau: abs(tau - 4.55))
     profile_proposer = ControlledProposer(
-        DraftProposer(draft, target, greedy=True, temperature=1.0),
+        inner(prompts[0]),
         references[0],
         prompt_len=len(prompts[0]),
         vocab_size=target.args.vocab_size,
@@ -190,6 +218,9 @@ def run_controlled(
     profile["target_acceptance_length"] = profile_tau
     return {
         "label": "engine measurement (controlled acceptance), not model acceptance",
+        "head": head or "draft",
+        "draft_tokens": block,
+        **({} if head is None else chain_cost(probe_ms, steps=block)),
         "max_tokens": max_tokens,
         "repeats": repeats,
         "prompt_tokens": [len(ids) for ids in prompts],
@@ -208,11 +239,26 @@ def run_controlled(
     }
 
 
+def chain_cost(probe_ms: dict[str, list[float]], *, steps: int) -> dict:
+    """A chain's interleaved cost: one draft, and each further chained step (JSON-ready)."""
+    first, chain = median(probe_ms["draft_first"]), median(probe_ms["draft"])
+    return {"draft_first_ms": first, "draft_step_ms": step_ms(chain_ms=chain, first_ms=first, steps=steps),
+            "draft_first_ms_samples": probe_ms["draft_first"]}  # fmt: skip
+
+
+def draft_cost_text(result: dict) -> str:
+    """The draft's side of the ideal round: a block forward, or a chain's first draft and cost per step."""
+    if "draft_step_ms" not in result:
+        return f"draft block of {result['draft_tokens']} {result['draft_ms']:.1f} ms"
+    return (f"{result['head']} chain of {result['draft_tokens']} {result['draft_ms']:.1f} ms (first draft "
+            f"{result['draft_first_ms']:.1f} ms, {result['draft_step_ms']:.2f} ms per chained step)")  # fmt: skip
+
+
 def format_controlled(result: dict) -> str:
     lines = [
         "ENGINE MEASUREMENT at controlled acceptance (the draft's tokens are replaced; not model acceptance)",
         f"  plain decoding {result['plain_tokens_per_second']:.1f} tok/s ({result['decode_ms']:.1f} ms/token); "
-        f"draft block {result['draft_ms']:.1f} ms, verify of block + 1 tokens {result['verify_ms']:.1f} ms "
+        f"{draft_cost_text(result)}, verify of {result['draft_tokens']} + 1 tokens {result['verify_ms']:.1f} ms "
         f"(interleaved, context {result['probe_context']})",
         f"  {'tau target':>10} {'tau meas.':>9} {'tok/s':>8} {'speedup':>8} {'ideal':>7} {'efficiency':>10} {'round ms':>9} {'ideal ms':>9}",
     ]

@@ -38,6 +38,7 @@ class _TimedProposer:
         self.inner = inner
         self.tap_ids = inner.tap_ids
         self.block_size = inner.block_size
+        self.takes_target_cache = getattr(inner, "takes_target_cache", False)
         self.propose_build: list[float] = []
         self.extend_build: list[float] = []
 
@@ -46,9 +47,13 @@ class _TimedProposer:
         self.inner.extend(features)
         self.extend_build.append(time.perf_counter() - start)
 
-    def propose(self, anchor, *, position: int, num_tokens: int):
+    def commit(self, tokens) -> None:  # a chained head's cache pairs features with the committed tokens
+        getattr(self.inner, "commit", lambda tokens: None)(tokens)
+
+    def propose(self, anchor, *, position: int, num_tokens: int, target_cache=None):
+        extra = {} if target_cache is None else {"target_cache": target_cache}
         start = time.perf_counter()
-        proposal = self.inner.propose(anchor, position=position, num_tokens=num_tokens)
+        proposal = self.inner.propose(anchor, position=position, num_tokens=num_tokens, **extra)
         self.propose_build.append(time.perf_counter() - start)
         return proposal
 

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mlx_dspark.bench import card, controlled, cost, plots, report, runner, schedule_ab
+from mlx_dspark.bench import card, controlled, controlled_chain, cost, plots, report, runner, schedule_ab
 from mlx_dspark.bench.mlx_lm_baseline import make_mlx_lm_baseline
 from mlx_dspark.bench.prompts import select_prompts
 from mlx_dspark.bench.stats import loadavg
+from mlx_dspark.engine.cost_probe import head_block
 
 
 @dataclass
@@ -95,9 +96,11 @@ def run(options: Options, *, meta: dict, loaded: Any = None) -> dict:
     if options.controlled_acceptance and not settings.ignore_eos:
         _note("note: controlled-acceptance runs always ignore stop tokens (they follow a fixed greedy reference)")
     loaded = load_pair(options) if loaded is None else loaded
-    if loaded.draft is None:
+    head = controlled_chain.chain_head(loaded)  # None: a block draft
+    if loaded.draft is None and head is None:
         raise ValueError("the benchmark needs a draft: pass --draft")
-    settings.generation.speculation.draft_length(int(loaded.draft.num_drafts))  # before any long run
+    block = int(loaded.draft.num_drafts) if head is None else head_block(loaded, head)
+    settings.generation.speculation.draft_length(block)  # before any long run
     model = runner.prepare_model(loaded, settings)
     meta = {**meta, "target": str(loaded.target_path), "draft": str(loaded.draft_path), "settings": dataclasses.asdict(settings)}
     prompts = select_prompts(datasets=options.datasets, files=options.dataset_files, limit=options.prompts_per_dataset)
@@ -134,9 +137,14 @@ def run(options: Options, *, meta: dict, loaded: Any = None) -> dict:
         context = options.cost_context
         if context is None:
             context = options.controlled_context + options.controlled_tokens // 2 if controlled_ids else 512
-        curve = cost.measure_cost_curve(loaded, context=context, repeats=options.cost_repeats, seed=settings.seed)
+        if head is None:
+            # widths 1..8, fewer for a block of under 7 drafts (a DFlash block of 7 drafts 6)
+            curve = cost.measure_cost_curve(loaded, context=context, repeats=options.cost_repeats, seed=settings.seed, max_width=min(8, block + 1))
+        else:  # the chain's curve as `auto` measures it, for the chain the controlled runs drive
+            steps = controlled_chain.chain_steps(loaded, head, options.controlled_acceptance)
+            curve = controlled_chain.measure_chain_cost(loaded, head, steps=steps, context=context, repeats=options.cost_repeats, seed=settings.seed)
         results["cost_curve"] = curve
-        sections.append(cost.format_cost_curve(curve))
+        sections.append(cost.format_cost_curve(curve) if head is None else controlled_chain.format_chain_cost(curve))
         print(sections[-1])
         options.out.mkdir(parents=True, exist_ok=True)
         (options.out / "cost_curve.json").write_text(json.dumps(curve, indent=2) + "\n", encoding="utf-8")
