@@ -133,3 +133,22 @@ def test_the_benchmark_command_measures_a_chained_heads_curve_and_efficiency(cha
     assert (curve["draft_ms"], curve["draft_step_ms"], curve["draft_block_ms"]) == (1.0, 0.5, 3.5)
     assert controlled["head"] == "mtp" and controlled["draft_tokens"] == 5 and controlled["rows"][0]["outputs_match_reference"] == 1.0
     assert "mtp chain of 5" in result.output and "per chained step" in result.output
+
+
+def test_the_benchmarks_dataset_rows_run_with_a_chained_head(chain_pairs, tmp_path, monkeypatch):
+    """`benchmark` with `--draft mtp` and no draft model: the dataset rows run (they refused: 'needs a draft'),
+    each row's acceptance over the chain's length, the outputs plain decoding's."""
+    from typer.testing import CliRunner
+
+    from mlx_dspark.cli.benchmark import app
+
+    monkeypatch.setattr(cost_probe, "measure_chain_curve", lambda target, drafter, **kw:  # no timing in tests
+                        dataclasses.replace(CostCurve.flat(max_width=8, draft_ms=1.0), draft_step_ms=0.5, context=kw.get("context", 32)))
+    target_dir, _ = chain_pairs["mtp"]
+    out = tmp_path / "out"
+    args = ["--model", str(target_dir), "--draft", "mtp", "--datasets", "gsm8k", "--prompts-per-dataset", "1", "--max-tokens", "6",
+            "--no-mlx-lm-baseline", "--no-progress", "--out", str(out), "--repeats", "1", "--cost-repeats", "1"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["rows"] and "token-identical to the baseline: 1/1 prompts" in result.output

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from mlx_dspark.api import GenerationResult, encode_prompt, generate
+from mlx_dspark.engine.cost_probe import default_head, head_block, head_names
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.bench.lossless import compare_greedy
 from mlx_dspark.bench.mlx_lm_baseline import MlxLmBaseline, run_mlx_lm
@@ -137,7 +138,7 @@ def run_prompt(model: Any, prompt: BenchPrompt, settings: RunSettings, baseline:
         if repeat == 0 and baseline is not None:
             mlx_lm_run = _mlx_lm(model, baseline, ids, settings, max_tokens=len(plain[0].tokens))
 
-    block_size = int(model.draft.num_drafts)
+    block_size = head_block(model, default_head(model))  # a block draft's block, or a chain's default length
     record = {
         "category": prompt.category,
         "index": prompt.index,
@@ -202,8 +203,8 @@ def run_prompts(
     """Warm up on the first prompt, then yield one record per prompt."""
     if not prompts:
         raise ValueError("no prompts to run")
-    if model.draft is None:
-        raise ValueError("the benchmark needs a draft: pass --draft")
+    if not head_names(model):
+        raise ValueError("the benchmark needs a draft: pass --draft (a draft path, or mtp for the target's own layers)")
     warm_up(model, prompt_ids(model, prompts[0]), settings, baseline)
     for prompt in prompts:
         yield run_prompt(model, prompt, settings, baseline)
