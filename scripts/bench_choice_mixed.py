@@ -10,7 +10,7 @@ the prompt does not hold), `code_reemission` (benchmarks/workloads `rename`: a f
 `json` (benchmarks/workloads `json_record`: a JSON object under its schema). Settings, greedy, every
 default else (auto length, its cost curves measured in a fresh cost cache: what a new user gets):
 plain; `dspark` / `eagle3` (each head alone, lookup off); `lookup` (no draft, `--draft lookup`);
-`dspark+lookup` (the single-draft default); `choice` (`--draft DSPARK,EAGLE3` with lookup on: every
+`dspark+lookup` / `eagle3+lookup` (one draft and lookup, the default); `choice` (`--draft DSPARK,EAGLE3` with lookup on: every
 proposal, each round the one that pays). Each repeat runs every setting on every workload, the settings'
 order rotated per repeat. Every setting's tokens must equal plain decoding's (checked). Printed per workload
 and over the whole mix: target forwards per token, decode tok/s (median over repeats), speed over plain, and
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-SETTINGS = ("plain", "dspark", "eagle3", "lookup", "dspark+lookup", "choice")
+SETTINGS = ("plain", "dspark", "eagle3", "lookup", "dspark+lookup", "eagle3+lookup", "choice")
 PROSE = '''"""Helpers for reading and writing configuration files.
 
 This module reads the settings of an application from a file, checks that every value has the type
@@ -87,7 +87,8 @@ def main() -> None:
     }
     setting_pair = {"plain": ("target", dict(speculative=False)), "dspark": ("dspark", dict(lookup="off")),
                     "eagle3": ("eagle3", dict(lookup="off")), "lookup": ("target", dict(lookup="only")),
-                    "dspark+lookup": ("dspark", dict(lookup="on")), "choice": ("choice", dict(lookup="on"))}  # fmt: skip
+                    "dspark+lookup": ("dspark", dict(lookup="on")), "eagle3+lookup": ("eagle3", dict(lookup="on")),
+                    "choice": ("choice", dict(lookup="on"))}  # fmt: skip
     loads = [os.getloadavg()[0]]
     work = workloads(pairs["target"].tokenizer)
     runs = {w: {s: [] for s in SETTINGS} for w in work}

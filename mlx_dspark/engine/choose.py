@@ -45,10 +45,15 @@ class RoundCost:
 
     draft: float
     verify: tuple[float, ...]  # verify[n - 1]: a forward of n tokens
+    draft_step: float = 0.0  # a chained head's cost per draft (MTP, EAGLE-3: one forward each), 0 for a block draft
 
     @classmethod
     def from_curve(cls, curve: CostCurve) -> "RoundCost":
-        return cls(draft=curve.draft_ms, verify=curve.verify_ms)
+        return cls(draft=curve.draft_ms, verify=curve.verify_ms, draft_step=curve.draft_step_ms)
+
+    def draft_cost(self, drafts: int) -> float:
+        """A proposal of `drafts` tokens from the draft: its block, or its chain of that many steps."""
+        return self.draft + drafts * self.draft_step
 
     @classmethod
     def default(cls) -> "RoundCost":
@@ -242,7 +247,7 @@ class Chooser:
     def _best_ready(self, forced: list[int], room: int) -> tuple[tuple[float, str, list[int], int], float]:
         """The best ready block (forced run, then a lookup continuation where it pays) and its expected tokens."""
         m = len(forced)
-        best: tuple[float, str, list[int], int] = (self._rate(1 + m, 1 + m, draft=False), "forced", [], 0)
+        best: tuple[float, str, list[int], int] = (self._rate(1 + m, 1 + m), "forced", [], 0)
         expected = 1.0 + m
         if self.index is not None and room > m:
             match = self.index.continuation(forced, max_tokens=min(self.max_lookup, room) - m)
@@ -251,7 +256,7 @@ class Chooser:
             for length in range(1, len(match.tokens) + 1):
                 power *= rate
                 gain += power
-                score = self._rate(1 + m + gain, 1 + m + length, draft=False)
+                score = self._rate(1 + m + gain, 1 + m + length)
                 if score > best[0]:
                     best = (score, "lookup", match.tokens[:length], match.length)
                     expected = 1 + m + gain
@@ -271,9 +276,9 @@ class Chooser:
         all_accepted = self.draft_rate.rate**unforced
         base = 1 + pending.forced + expected_tokens(self.draft_rate.rate, unforced)
         rate = self._lookup_rate(match.length).rate
-        best, length = self._rate(base, 1 + size, draft=True), 0
+        best, length = self._rate(base, 1 + size, drafts=size), 0
         for n in range(1, len(match.tokens) + 1):
-            score = self._rate(base + all_accepted * expected_tokens(rate, n), 1 + size + n, draft=True)
+            score = self._rate(base + all_accepted * expected_tokens(rate, n), 1 + size + n, drafts=size)
             if score > best:
                 best, length = score, n
         if length == 0:
@@ -305,12 +310,14 @@ class Chooser:
         per-position acceptance), else from this chooser's draft rate and the pair's curve."""
         estimate = getattr(self.draft, "round_estimate", lambda length: None)(size - forced)
         if estimate is None:
-            return self._rate(1 + forced + expected_tokens(self.draft_rate.rate, size - forced), 1 + size, draft=True)
+            return self._rate(1 + forced + expected_tokens(self.draft_rate.rate, size - forced), 1 + size, drafts=size)
         expected, draft_ms = estimate
         return (1 + forced + expected) / (draft_ms + self.cost.verify_cost(1 + size))
 
-    def _rate(self, expected: float, width: int, *, draft: bool) -> float:
-        return expected / ((self.cost.draft if draft else 0.0) + self.cost.verify_cost(width))
+    def _rate(self, expected: float, width: int, *, drafts: int | None = None) -> float:
+        """Expected tokens per cost of a round verifying `width` tokens; `drafts`: that many came from the draft."""
+        spent = self.cost.draft_cost(drafts) if drafts is not None else 0.0
+        return expected / (spent + self.cost.verify_cost(width))
 
 
 def _forced_in_front(proposal: Proposal, size: int, forced: list[int], hooked: bool) -> Proposal:
