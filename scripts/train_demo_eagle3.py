@@ -62,14 +62,7 @@ def step_qkv(draft: Eagle3Draft, emb: mx.array, hidden: mx.array, offset: int) -
     normed = layer.hidden_norm(hidden)
     residual = normed if layer.norm_before_residual else hidden
     x = mx.concatenate([layer.input_layernorm(emb), normed], axis=-1)
-    B, L, _ = x.shape
-    q = attn.q_proj(x).reshape(B, L, attn.n_heads, -1)
-    k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1)
-    v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    if "q_norm" in attn:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-    return residual, attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+    return (residual, *attn.project(x, offset))
 
 
 def step_out(draft: Eagle3Draft, residual: mx.array, attended: mx.array) -> mx.array:

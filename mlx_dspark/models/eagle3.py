@@ -63,7 +63,8 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
         self.rope = initialize_rope(D, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings)
 
-    def __call__(self, x: mx.array, mask: Any, cache: Optional[KVCache]) -> mx.array:
+    def project(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys, values (B, heads, L, D) of inputs (B, L, 2C) at positions offset .., RoPE applied."""
         B, L, _ = x.shape
         queries = self.q_proj(x).reshape(B, L, self.n_heads, -1)
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
@@ -71,8 +72,11 @@ class Attention(nn.Module):
         if "q_norm" in self:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)  # (B, H, L, D)
-        offset = 0 if cache is None else cache.offset
-        queries, keys = self.rope(queries, offset=offset), self.rope(keys, offset=offset)
+        return self.rope(queries, offset=offset), self.rope(keys, offset=offset), values
+
+    def __call__(self, x: mx.array, mask: Any, cache: Optional[KVCache]) -> mx.array:
+        B, L, _ = x.shape
+        queries, keys, values = self.project(x, 0 if cache is None else cache.offset)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
