@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine import cost_probe
-from mlx_dspark.engine.cost_probe import CHAIN_HEADS, head_block
+from mlx_dspark.engine.cost_probe import default_head, head_block
 from mlx_dspark.engine.decode import prefill
 from mlx_dspark.engine.eagle3_propose import Eagle3Proposer
 from mlx_dspark.engine.gemma4_assistant_propose import AssistantProposer
@@ -34,9 +34,8 @@ PROPOSERS = {"mtp": MTPProposer, "eagle3": Eagle3Proposer, "assistant": Assistan
 def chain_head(loaded: Any) -> str | None:
     """The chained head the controlled runs drive ("mtp", "eagle3", "assistant"); None when the pair has a
     draft model (a block draft: DSpark, DFlash, DFlash 2)."""
-    if getattr(loaded, "draft", None) is not None:
-        return None
-    return next((head for head in CHAIN_HEADS if getattr(loaded, head, None) is not None), None)
+    head = default_head(loaded)  # "draft" also for a pair of no head at all
+    return None if head == "draft" else head
 
 
 def chain_steps(loaded: Any, head: str, acceptance_lengths: Sequence[float]) -> int:
@@ -108,7 +107,7 @@ def measure_chain_cost(loaded: Any, head: str, *, steps: int, context: int, repe
         "verify_ms": {str(width): ms for width, ms in enumerate(curve.verify_ms, start=1)},
         "draft_ms": curve.draft_ms,
         "draft_step_ms": curve.draft_step_ms,
-        "draft_block_ms": curve.draft_ms + steps * curve.draft_step_ms,  # a chain of `steps` drafts
+        "draft_block_ms": curve.proposal_ms(steps),  # a chain of `steps` drafts
         "round_ms": curve.round_ms(steps),
         "source": curve.source,
         "loadavg": loadavg(),

@@ -99,7 +99,7 @@ def run(options: Options, *, meta: dict, loaded: Any = None) -> dict:
     head = controlled_chain.chain_head(loaded)  # None: a block draft
     if loaded.draft is None and head is None:
         raise ValueError("the benchmark needs a draft: pass --draft")
-    block = int(loaded.draft.num_drafts) if head is None else head_block(loaded, head)
+    block = head_block(loaded, head or "draft")  # a block draft's block, or the chain's default length
     settings.generation.speculation.draft_length(block)  # before any long run
     model = runner.prepare_model(loaded, settings)
     meta = {**meta, "target": str(loaded.target_path), "draft": str(loaded.draft_path), "settings": dataclasses.asdict(settings)}

@@ -71,8 +71,7 @@ def propose_chains(rows: list[Any], lengths: list[int], hooks: list[Callable | N
             hidden = hidden[mx.array(going, dtype=mx.int32)]
             active = [active[j] for j in going]
     for proposer in proposers:
-        for c in proposer.cache:
-            c.trim(c.offset - proposer.entries)  # back to the committed entries (offsets only)
+        proposer.chain.drop_speculative()
     return [chain_proposal(*d, greedy=p.greedy) for d, p in zip(drafts, proposers)]
 
 

@@ -48,12 +48,21 @@ class ChainContext:
         held = [a for f in (self.features, [self.last_features]) for a in f if a is not None]
         return sum(c.nbytes for c in self.cache if c.keys is not None) + sum(a.nbytes for a in held)
 
+    @property
+    def first_kept(self) -> int:
+        """The first position whose features are kept: the newest entry's when they are, else the waiting ones'."""
+        return self.entries - 1 if self.last_features is not None else self.entries
+
+    def drop_speculative(self) -> None:
+        """The drafter's caches back to the committed entries (a proposal's chained entries; offsets only)."""
+        for c in self.cache:
+            c.trim(c.offset - self.entries)
+
     def reach(self, prompt: Sequence[int]) -> int:
         """The most positions of `prompt` this state resumes exactly (the caller also caps it at the target's
         common prefix): entries up to the first changed next token, plus kept features beyond them."""
         keep = max(0, min(self.entries, common_prefix(self.tokens, prompt) - 1))
-        first_kept = self.entries - 1 if self.last_features is not None else self.entries
-        return self.entries + self.waiting if keep >= first_kept else keep
+        return self.entries + self.waiting if keep >= self.first_kept else keep
 
     def rewind(self, start: int, prompt: Sequence[int] | None = None) -> None:
         """Hold positions 0 .. start - 1 of `prompt` (start <= `reach(prompt)`): the entries whose next token
@@ -62,7 +71,7 @@ class ChainContext:
         keep = min(self.entries, start)
         if prompt is not None:
             keep = max(0, min(keep, common_prefix(self.tokens, prompt) - 1))
-        first_kept = self.entries - 1 if self.last_features is not None else self.entries
+        first_kept = self.first_kept
         rows = None
         if start > keep:
             assert keep >= first_kept and start <= self.entries + self.waiting, (keep, start, self.entries, self.waiting)

@@ -110,8 +110,7 @@ class ChainProposer:
         proposal = draw_chain(self.chain.last, step=lambda tokens, h, k: self._step(tokens, h, step=k),
                               logits=lambda h, k: self._logits(h, step=k), num_tokens=num_tokens, greedy=self.greedy,
                               temperature=self.temperature, logits_hook=logits_hook)  # fmt: skip
-        for c in self.cache:
-            c.trim(c.offset - self.entries)  # back to the committed entries (offsets only: the graph keeps its values)
+        self.chain.drop_speculative()  # the graph keeps the chained entries' values
         return proposal
 
 

@@ -78,7 +78,7 @@ class HeadChoice:
         if name is None or self.curves[name] is None:
             return None
         curve = self.curves[name].at(self._position)
-        return expected_tokens(self.acceptance[name], length) - 1.0, curve.draft_ms + length * curve.draft_step_ms
+        return expected_tokens(self.acceptance[name], length) - 1.0, curve.proposal_ms(length)
 
     def rate(self, name: str, length: int, position: int = 0) -> float:
         """Expected tokens per millisecond of a round of `length` drafts from head `name`."""

@@ -91,10 +91,13 @@ class CostCurve:
             source=f"{self.source} at context {depth}",
         ), draft_step_ms=mix(self.draft_step_ms, self.deep.draft_step_ms))
 
+    def proposal_ms(self, draft_tokens: int) -> float:
+        """A proposal of `draft_tokens` drafts: the draft block (and a chain's steps, one per draft)."""
+        return self.draft_ms + draft_tokens * self.draft_step_ms
+
     def round_ms(self, draft_tokens: int) -> float:
-        """A round that verifies `draft_tokens` drafts: the draft block (and the chained steps) and a
-        forward of 1 + that many tokens."""
-        return self.draft_ms + draft_tokens * self.draft_step_ms + self.verify_ms[draft_tokens]
+        """A round that verifies `draft_tokens` drafts: the proposal and a forward of 1 + that many tokens."""
+        return self.proposal_ms(draft_tokens) + self.verify_ms[draft_tokens]
 
     def to_json(self) -> dict:
         """In the benchmark's `cost_curve.json` key names, so `from_file` reads both."""

@@ -272,12 +272,12 @@ def load(
     block_options = {} if "draft" in files else dict(draft_tap_ids=draft_tap_ids, draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file)
     draft_model = eagle3_model = assistant_model = None
     if "eagle3" in files:
-        eagle3_path, eagle3_checkpoint = files["eagle3"]
+        _, eagle3_checkpoint = files["eagle3"]
         check_eagle3_options(block_options, source=eagle3_checkpoint.config_source)
         eagle3_model = build_eagle3(eagle3_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
                                     dtype=draft_mx_dtype)  # fmt: skip
     if "assistant" in files:
-        assistant_path, assistant_checkpoint = files["assistant"]
+        _, assistant_checkpoint = files["assistant"]
         check_assistant_options({**block_options, "kv_bits": kv_bits}, source=assistant_checkpoint.config_source)
         assistant_model = build_assistant(assistant_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
                                           dtype=draft_mx_dtype)  # fmt: skip
@@ -293,8 +293,7 @@ def load(
             draft_model.set_embedding_rows(list(own_rows), mx.stack(list(own_rows.values())))
     head_files = {slot: (path, checkpoint.config) for slot, (path, checkpoint) in files.items()}
     # the pair's draft file: the block draft's, else the one chained draft's
-    draft_path, draft_config = next(iter(head_files[s] for s in DRAFT_SLOTS if s in head_files), (None, None))
-    del files
+    draft_path, draft_config = next((head_files[s] for s in DRAFT_SLOTS if s in head_files), (None, None))
     target_config, target_source = target_checkpoint.config, target_checkpoint.config_source
     del target_checkpoint  # the raw (uncast, unsanitized) weights are no longer needed
 
