@@ -20,7 +20,7 @@ from mlx_dspark.api import (
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.loading.load import LoadedModel, load
 from mlx_dspark.engine.options import GenerationOptions, OptionError, SamplingOptions, SpeculationOptions
-from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.costs.curve import CostCurve
 
 __version__ = "0.1.0"
 __all__ = [

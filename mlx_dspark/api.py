@@ -18,16 +18,16 @@ import mlx.core as mx
 from mlx_dspark.chat_format.prompt import encode_prompt  # noqa: F401  (re-exported)
 from mlx_dspark.chat_format.tools import ToolChoice
 from mlx_dspark.chat_format.turn import OutputCollector, ToolSetup
-from mlx_dspark.engine.context import ContextLengthError, context_length, fit_max_tokens  # noqa: F401  (re-exported)
-from mlx_dspark.engine.decode import GenerationCancelled, Round, plain_steps, speculative_steps  # noqa: F401  (re-exported)
-from mlx_dspark.engine.grammar import GrammarState
+from mlx_dspark.engine.context_length import ContextLengthError, context_length, fit_max_tokens  # noqa: F401  (re-exported)
+from mlx_dspark.engine.round.decode import GenerationCancelled, Round, plain_steps, speculative_steps  # noqa: F401  (re-exported)
+from mlx_dspark.engine.logits.grammar import GrammarState
 from mlx_dspark.engine.options import DEFAULT_OPTIONS, GenerationOptions, keyword_fields
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.propose import Proposer
-from mlx_dspark.engine.results import GenerationResult, ResultCollector, StepResponse, length_histogram  # noqa: F401  (re-exported)
-from mlx_dspark.engine.stops import StopReader
-from mlx_dspark.engine.token_origins import TextOrigins, token_origins
-from mlx_dspark.engine.steps import compile_request, make_steps
+from mlx_dspark.engine.proposers.dspark import Proposer
+from mlx_dspark.engine.round.results import GenerationResult, ResultCollector, StepResponse, length_histogram  # noqa: F401  (re-exported)
+from mlx_dspark.engine.round.stops import StopReader
+from mlx_dspark.engine.round.token_origins import TextOrigins, token_origins
+from mlx_dspark.engine.round.request import compile_request, make_steps
 
 
 def _with_option_keywords(function: Callable) -> Callable:
@@ -81,7 +81,7 @@ def stream_generate(
     `GenerationCancelled`.
     `max_draft_tokens="auto"` (the default) chooses each round's draft length from `cost_curve`, or else
     this machine's curve for the pair (measured once, cached on disk), and the acceptance seen so far,
-    drafting nothing while no length pays (engine/draft_length.py); an integer is a fixed cap.
+    drafting nothing while no length pays (engine/policy/draft_length.py); an integer is a fixed cap.
     `verify_schedule="confidence"` needs a draft with a confidence head (an error otherwise) and uses
     `cost_curve`, or else this machine's curve for the pair (schedule.py: measured once, cached on disk).
     `tools` (OpenAI function tools) are rendered by the chat template; the last step of a chat prompt
@@ -89,12 +89,12 @@ def stream_generate(
     `tool_choice` "required" or {"type": "function", "function": {"name": ...}} forces a call
     (constrained decoding), "none" offers no tools.
     `lookup` "on" adds prompt-lookup drafts beside the draft, "only" without it; `fast_forward` verifies
-    a constraint's forced runs in the round's block (engine/choose.py).
+    a constraint's forced runs in the round's block (engine/policy/proposal_choice.py).
     `tree_nodes` > 0 verifies a best-first tree of that many draft nodes per round instead of a chain
-    (engine/tree_steps.py), "auto" the chain or tree size that pays most on this machine's cost curve
-    (engine/tree_budget.py): greedy or sampled (lossless), with `lookup="off"`, a DSpark draft, an
+    (engine/tree/rounds.py), "auto" the chain or tree size that pays most on this machine's cost curve
+    (engine/tree/budget.py): greedy or sampled (lossless), with `lookup="off"`, a DSpark draft, an
     attention-only full-KV target and no logits processing; otherwise chain rounds run, with one
-    `tree_fallback.EngineNote` warning naming why (engine/tree_fallback.py).
+    `tree_fallback.EngineNote` warning naming why (engine/tree/fallback.py).
     """
     built = GenerationOptions.from_keywords(**option_keywords)  # a TypeError naming a keyword that is no option
     if options is None:
@@ -115,7 +115,7 @@ def stream_rounds(
     model: Any, prompt_ids: Sequence[int], rounds: Iterator[Round], *, options: GenerationOptions,
     prompt_cache: PromptCache | None = None, tools: ToolSetup | None = None, started: float | None = None,
 ) -> Iterator[StepResponse]:
-    """StepResponses of rounds that another driver runs (the server's batch, `engine/batch.py`): the same
+    """StepResponses of rounds that another driver runs (the server's batch, `engine/batch/round.py`): the same
     stop tokens, stop strings, max_tokens and statistics as `stream_generate`. `options` are the row's;
     `tools` the request's (a single call allowed ends the answer on the token that completes it);
     `started` (a `time.perf_counter()`) is when the driver began its prompt, for `prompt_tps` (default: now)."""

@@ -36,14 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_dspark.bench.controlled import AcceptanceSchedule, greedy_reference, reference_block  # noqa: E402
 from mlx_dspark.bench.stats import loadavg, median  # noqa: E402
-from mlx_dspark.engine.decode import plain_steps, speculative_steps  # noqa: E402
-from mlx_dspark.engine.sample import Sampler  # noqa: E402
-from mlx_dspark.engine.batch import BatchRow, batch_round  # noqa: E402
-from mlx_dspark.engine.batch_length import measure_batch_cost  # noqa: E402
-from mlx_dspark.engine.cost_probe import measure_cost_curve  # noqa: E402
+from mlx_dspark.engine.round.decode import plain_steps, speculative_steps  # noqa: E402
+from mlx_dspark.engine.logits.sample import Sampler  # noqa: E402
+from mlx_dspark.engine.batch.round import BatchRow, batch_round  # noqa: E402
+from mlx_dspark.engine.batch.length import measure_batch_cost  # noqa: E402
+from mlx_dspark.engine.costs.probe import measure_cost_curve  # noqa: E402
 from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions  # noqa: E402
 from mlx_dspark.engine.prompt_cache import PromptCache  # noqa: E402
-from mlx_dspark.engine.propose import DraftProposer, Proposal  # noqa: E402
+from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposal  # noqa: E402
 from mlx_dspark.loading.load import load  # noqa: E402
 
 

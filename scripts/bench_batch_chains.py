@@ -24,10 +24,10 @@ import typer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_dspark  # noqa: E402
-from mlx_dspark.engine.batch_chain import chains_packable, propose_chains  # noqa: E402
-from mlx_dspark.engine.cost_probe import default_head  # noqa: E402
+from mlx_dspark.engine.batch.chains import chains_packable, propose_chains  # noqa: E402
+from mlx_dspark.engine.costs.probe import default_head  # noqa: E402
 from mlx_dspark.engine.options import GenerationOptions  # noqa: E402
-from mlx_dspark.engine.steps import _chain_proposer  # noqa: E402
+from mlx_dspark.engine.round.request import _chain_proposer  # noqa: E402
 
 
 def make_rows(pair, n: int) -> list[SimpleNamespace]:

@@ -1,4 +1,4 @@
-"""bench_lookup.py's agent workloads through continuous batching (engine/batch.py): target forwards per
+"""bench_lookup.py's agent workloads through continuous batching (engine/batch/round.py): target forwards per
 100 tokens of a row alone in the batch and of rows sharing it, beside the single request's.
 
     LD_PRELOAD=libopenblas.so.0 OPENBLAS_NUM_THREADS=1 python scripts/bench_batch_lookup.py \\
@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_dspark.api import encode_prompt, generate, stream_rounds  # noqa: E402
 from mlx_dspark.chat_format.turn import ToolSetup  # noqa: E402
-from mlx_dspark.engine.batch import BatchRow, batch_round  # noqa: E402
-from mlx_dspark.engine.batch_length import row_budget_cap  # noqa: E402
-from mlx_dspark.engine.context import context_length, fit_max_tokens  # noqa: E402
+from mlx_dspark.engine.batch.round import BatchRow, batch_round  # noqa: E402
+from mlx_dspark.engine.batch.length import row_budget_cap  # noqa: E402
+from mlx_dspark.engine.context_length import context_length, fit_max_tokens  # noqa: E402
 from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions  # noqa: E402
-from mlx_dspark.engine.steps import compile_request  # noqa: E402
+from mlx_dspark.engine.round.request import compile_request  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_lookup", Path(__file__).with_name("bench_lookup.py"))
 bench_lookup = importlib.util.module_from_spec(_spec)

@@ -31,7 +31,7 @@ from mlx_dspark.bench.stats import loadavg, median  # noqa: E402
 from mlx_dspark.loading.load import load  # noqa: E402
 from mlx_dspark.loading.precision import quant_predicate  # noqa: E402
 from mlx_dspark.loading.rank_vocab import rank_vocabulary, read_ranked_ids  # noqa: E402
-from mlx_dspark.models.draft_vocab import DraftVocabulary  # noqa: E402
+from mlx_dspark.models.heads.draft_vocab import DraftVocabulary  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "mlx_dspark" / "demo"
 KEEP = {

@@ -68,7 +68,9 @@ def main() -> None:
     from mlx_dspark import load
     from mlx_dspark.api import generate
     from mlx_dspark.cli.demo import demo_pair
-    from mlx_dspark.engine import cost_probe, head_choice, steps
+    from mlx_dspark.engine.costs import probe as cost_probe
+    from mlx_dspark.engine.policy import head_choice
+    from mlx_dspark.engine.round import request as steps
 
     chosen: list = []
 

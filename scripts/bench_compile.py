@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx_dspark  # noqa: E402
 from mlx_dspark.bench.cost import CostProbe  # noqa: E402
 from mlx_dspark.bench.stats import loadavg, median  # noqa: E402
-from mlx_dspark.engine.accept import accept_greedy  # noqa: E402
-from mlx_dspark.models.dspark_heads import draft_tokens  # noqa: E402
+from mlx_dspark.engine.round.accept import accept_greedy  # noqa: E402
+from mlx_dspark.models.heads.dspark.markov import draft_tokens  # noqa: E402
 
 
 def main() -> None:

@@ -17,9 +17,9 @@ import statistics
 import time
 
 from mlx_dspark.api import encode_prompt
-from mlx_dspark.engine.constraints import Constraint
+from mlx_dspark.engine.logits.constraints import Constraint
 from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions
-from mlx_dspark.engine.steps import compile_request, make_steps
+from mlx_dspark.engine.round.request import compile_request, make_steps
 from mlx_dspark.loading.load import load
 
 SCHEMA = {

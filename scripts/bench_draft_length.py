@@ -27,11 +27,11 @@ from mlx_dspark.api import generate  # noqa: E402
 from mlx_dspark.bench.controlled import ControlledProposer, greedy_reference, tiled_prompt  # noqa: E402
 from mlx_dspark.bench.runner import RunSettings, prepare_model  # noqa: E402
 from mlx_dspark.bench.stats import loadavg  # noqa: E402
-from mlx_dspark.engine.cost_probe import measure_cost_curve  # noqa: E402
-from mlx_dspark.engine.draft_length import AutoLength, break_even  # noqa: E402
+from mlx_dspark.engine.costs.probe import measure_cost_curve  # noqa: E402
+from mlx_dspark.engine.policy.draft_length import AutoLength, break_even  # noqa: E402
 from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions  # noqa: E402
-from mlx_dspark.engine.propose import DraftProposer  # noqa: E402
-from mlx_dspark.engine.schedule import CostCurve  # noqa: E402
+from mlx_dspark.engine.proposers.dspark import DraftProposer  # noqa: E402
+from mlx_dspark.engine.costs.curve import CostCurve  # noqa: E402
 
 app = typer.Typer(add_completion=False)
 

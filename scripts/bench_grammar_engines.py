@@ -82,7 +82,7 @@ def greedy_tokenize(text: bytes, vocab: list[bytes]) -> list[int]:
 
 def bench_llguidance(vocab: list[bytes], tokens: list[int]) -> dict:
     import llguidance
-    from mlx_dspark.engine.constraints import JSON_OPTIONS  # what mlx_dspark compiles with
+    from mlx_dspark.engine.logits.constraints import JSON_OPTIONS  # what mlx_dspark compiles with
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
     start = time.perf_counter()

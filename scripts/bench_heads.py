@@ -48,7 +48,7 @@ class SegmentControlled:
     def propose(self, anchor, *, position: int, num_tokens: int, logits_hook=None):
         import mlx.core as mx
 
-        from mlx_dspark.engine.propose import Proposal
+        from mlx_dspark.engine.proposers.dspark import Proposal
 
         real = self.inner.propose(anchor, position=position, num_tokens=num_tokens)
         start = position - self.prompt_len + 1
@@ -83,13 +83,13 @@ def main() -> None:
     import mlx.core as mx
 
     import mlx_dspark
-    from mlx_dspark.engine.cost_probe import measure_chain_curve, measure_cost_curve
-    from mlx_dspark.engine.decode import plain_steps, speculative_steps
-    from mlx_dspark.engine.draft_length import AutoLength
-    from mlx_dspark.engine.eagle3_propose import Eagle3Proposer
-    from mlx_dspark.engine.head_choice import HeadChoice
-    from mlx_dspark.engine.propose import DraftProposer
-    from mlx_dspark.engine.sample import Sampler
+    from mlx_dspark.engine.costs.probe import measure_chain_curve, measure_cost_curve
+    from mlx_dspark.engine.round.decode import plain_steps, speculative_steps
+    from mlx_dspark.engine.policy.draft_length import AutoLength
+    from mlx_dspark.engine.proposers.eagle3 import Eagle3Proposer
+    from mlx_dspark.engine.policy.head_choice import HeadChoice
+    from mlx_dspark.engine.proposers.dspark import DraftProposer
+    from mlx_dspark.engine.logits.sample import Sampler
     from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
 
     eagle_dir = Path(args.eagle3 or Path(args.draft).parent / "eagle3")

@@ -2,7 +2,7 @@
 
     LD_PRELOAD=libopenblas.so.0 OPENBLAS_NUM_THREADS=1 python scripts/bench_hybrid_controlled.py OUT [--repeats 3]
 
-OUT/hybrid: a qwen3_5 target (mlx-lm's own model behind `models/mlx_lm_target.py`) with the scaled Spark
+OUT/hybrid: a qwen3_5 target (mlx-lm's own model behind `models/target/mlx_lm.py`) with the scaled Spark
 pair's sizes (36 layers, hidden 512, 8 x 64 query heads, 2 KV heads, intermediate 1024, vocab 32000, tied),
 3 GatedDeltaNet layers per full-attention layer (27 + 9), and a random 5-layer windowed DSpark draft
 (qwen3 layers, 8 x 64 heads, taps [2, 10, 18, 25, 33], block 7, Markov rank 32). OUT/spark: the scaled
@@ -34,7 +34,7 @@ from mlx_dspark.bench.controlled import format_controlled, run_controlled, tiled
 from mlx_dspark.bench.cost import CostProbe  # noqa: E402
 from mlx_dspark.bench.runner import RunSettings, prepare_model  # noqa: E402
 from mlx_dspark.bench.stats import median  # noqa: E402
-from mlx_dspark.models import rollback as rollback_module  # noqa: E402
+from mlx_dspark.models.caches import rollback as rollback_module  # noqa: E402
 from mlx_dspark.testing.mlx_lm_tiny import tiny_mlx_lm_config, tiny_mlx_lm_weights, write_draft_for  # noqa: E402
 from mlx_dspark.testing.tiny import save_hf_weights  # noqa: E402
 from mlx_dspark.testing.tiny_tokenizer import _write_json, write_tokenizer  # noqa: E402

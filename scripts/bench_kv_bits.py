@@ -26,7 +26,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_dspark.models.cache import make_target_cache  # noqa: E402
+from mlx_dspark.models.caches.kv import make_target_cache  # noqa: E402
 
 LAYER_TYPES = (["sliding_attention"] * 3 + ["full_attention"]) * 9
 KV_HEADS, HEAD_DIM, WINDOW = 4, 256, 512

@@ -26,11 +26,11 @@ import mlx.core as mx
 from mlx_dspark.api import generate
 from mlx_dspark.chat_format.turn import ToolSetup
 from mlx_dspark.cli.common import demo_pair
-from mlx_dspark.engine.constraints import Constraint, ToolCallShape
-from mlx_dspark.engine.decode import prefill
-from mlx_dspark.engine.propose import DraftProposer
+from mlx_dspark.engine.logits.constraints import Constraint, ToolCallShape
+from mlx_dspark.engine.round.decode import prefill
+from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.loading.load import load
-from mlx_dspark.models.cache import trim_caches
+from mlx_dspark.models.caches.kv import trim_caches
 
 WORKLOADS = Path(__file__).resolve().parents[1] / "benchmarks" / "workloads"
 VARIANTS = {

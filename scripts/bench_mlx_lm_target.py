@@ -1,4 +1,4 @@
-"""Issue 25: what running a target through mlx-lm's own model class (models/mlx_lm_target.py) costs,
+"""Issue 25: what running a target through mlx-lm's own model class (models/target/mlx_lm.py) costs,
 beside mlx-lm's bare `__call__` and our own qwen3 module, on one scaled random qwen3 checkpoint.
 
     LD_PRELOAD=libopenblas.so.0 OPENBLAS_NUM_THREADS=1 python scripts/bench_mlx_lm_target.py [--repeats 30] [--scale tiny]
@@ -28,7 +28,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_dspark  # noqa: E402
-from mlx_dspark.models.mlx_lm_target import from_config, probe_target  # noqa: E402
+from mlx_dspark.models.target.mlx_lm import from_config, probe_target  # noqa: E402
 from mlx_dspark.testing.tiny import save_hf_weights, tiny_target_config, tiny_target_weights, write_tokenizer  # noqa: E402
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,

@@ -58,7 +58,7 @@ def run_blas(pairs: list[Path], *, max_tokens: int, repeats: int, blas: str, mod
     from mlx_dspark import load
     from mlx_dspark.api import generate
     from mlx_dspark.bench.runner import RunSettings, prepare_model
-    from mlx_dspark.engine.cost_probe import cost_curve_for
+    from mlx_dspark.engine.costs.probe import cost_curve_for
 
     results: dict = {"blas": blas, "loadavg_before": Path("/proc/loadavg").read_text().split()[:3], "cells": []}
     for pair in pairs:

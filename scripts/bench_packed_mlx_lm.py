@@ -3,10 +3,10 @@
     LD_PRELOAD=libopenblas.so.0 OPENBLAS_NUM_THREADS=1 python scripts/bench_packed_mlx_lm.py [--family qwen3_5]
 
 A random float32 llama, or qwen3_5 hybrid (its recurrent layers run once per sequence inside the packed
-forward), behind models/mlx_lm_target.py (sizes below), and W sequences
+forward), behind models/target/mlx_lm.py (sizes below), and W sequences
 (W = 1, 2, 4, 8) at a context of --context tokens each verify a block of --block rows:
 - solo: W forwards, one per sequence (what a queue of single requests runs);
-- packed: one `packed_target_forward` over the W x block rows (models/packed_mlx_lm.py).
+- packed: one `packed_target_forward` over the W x block rows (models/packed/mlx_lm.py).
 Both with the draft's taps, every cache rolled back after the forward (so each repeat sees the same
 context). Variants interleaved per repeat, medians over repeats; the ratio solo / packed is printed with
 the cost curve (a single sequence's forward of n rows) beside it, and the largest |packed - solo| logit.
@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlx.utils import tree_map  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 
-from mlx_dspark.models.cache import trim_caches  # noqa: E402
-from mlx_dspark.models.mlx_lm_target import probe_target, target_class  # noqa: E402
-from mlx_dspark.models.packed import packed_target_forward  # noqa: E402
-from mlx_dspark.models.packed_mlx_lm import packing_problem  # noqa: E402
+from mlx_dspark.models.caches.kv import trim_caches  # noqa: E402
+from mlx_dspark.models.target.mlx_lm import probe_target, target_class  # noqa: E402
+from mlx_dspark.models.packed.forward import packed_target_forward  # noqa: E402
+from mlx_dspark.models.packed.mlx_lm import packing_problem  # noqa: E402
 
 
 def build(family: str, hidden: int, layers: int, vocab: int):

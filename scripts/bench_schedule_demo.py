@@ -17,7 +17,7 @@ from pathlib import Path
 
 import mlx_dspark
 from mlx_dspark.cli.common import demo_pair
-from mlx_dspark.engine.cost_probe import cost_curve_for
+from mlx_dspark.engine.costs.probe import cost_curve_for
 
 
 def held_out_prompts(count: int, chars: int) -> list[str]:

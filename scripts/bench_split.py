@@ -71,7 +71,7 @@ def forwards_per_token(pair, tokens: int) -> dict:
 
 
 def measure(target_dir: str, pipeline: bool, repeats: int, *, draft_dir: str | None = None, tokens: int = 64) -> dict:
-    from mlx_dspark.engine.cost_probe import undo_timed_forward
+    from mlx_dspark.engine.costs.probe import undo_timed_forward
     from mlx_dspark.loading.load import load
 
     pair = load(target_dir, draft_dir)
@@ -81,7 +81,7 @@ def measure(target_dir: str, pipeline: bool, repeats: int, *, draft_dir: str | N
     ranks = 1 if group is None else group.size()
     mode, latency = "one process", None
     if ranks > 1:
-        from mlx_dspark.models.split_target import PIPELINE, follow, lead, split_target
+        from mlx_dspark.models.distributed.split_target import PIPELINE, follow, lead, split_target
 
         mode = split_target(target, group, mode=PIPELINE if pipeline else None)
         latency = collective_ms(group)  # every rank, before rank 0 leads

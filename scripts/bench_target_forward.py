@@ -28,7 +28,7 @@ def main() -> None:
     import mlx.core as mx
 
     import mlx_dspark
-    from mlx_dspark.models.cache import trim_caches
+    from mlx_dspark.models.caches.kv import trim_caches
 
     target = mlx_dspark.load(args.model).target
     taps = tuple(int(t) for t in args.taps.split(",") if t)

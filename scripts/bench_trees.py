@@ -34,16 +34,16 @@ from mlx_dspark.bench.controlled_tree import RankedProposer  # noqa: E402
 from mlx_dspark.bench.cost import format_cost_curve, measure_cost_curve  # noqa: E402
 from mlx_dspark.bench.stats import loadavg  # noqa: E402
 from mlx_dspark.cli.common import demo_pair  # noqa: E402
-from mlx_dspark.engine.decode import plain_steps, speculative_steps  # noqa: E402
+from mlx_dspark.engine.round.decode import plain_steps, speculative_steps  # noqa: E402
 from mlx_dspark.engine.options import SpeculationOptions  # noqa: E402
-from mlx_dspark.engine.propose import DraftProposer  # noqa: E402
-from mlx_dspark.engine.sample import Sampler  # noqa: E402
-from mlx_dspark.engine.schedule import CostCurve  # noqa: E402
-from mlx_dspark.engine.tree import Tree  # noqa: E402
-from mlx_dspark.engine.tree_budget import AutoTree  # noqa: E402
-from mlx_dspark.engine.tree_steps import tree_steps  # noqa: E402
-from mlx_dspark.models.cache import trim_caches  # noqa: E402
-from mlx_dspark.models.tree_verify import keep_path, tree_target_forward  # noqa: E402
+from mlx_dspark.engine.proposers.dspark import DraftProposer  # noqa: E402
+from mlx_dspark.engine.logits.sample import Sampler  # noqa: E402
+from mlx_dspark.engine.costs.curve import CostCurve  # noqa: E402
+from mlx_dspark.engine.tree.grow import Tree  # noqa: E402
+from mlx_dspark.engine.tree.budget import AutoTree  # noqa: E402
+from mlx_dspark.engine.tree.rounds import tree_steps  # noqa: E402
+from mlx_dspark.models.caches.kv import trim_caches  # noqa: E402
+from mlx_dspark.models.target.tree_verify import keep_path, tree_target_forward  # noqa: E402
 
 PROMPT_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
 

@@ -45,9 +45,9 @@ def run(step: str, pair_dir: str, dtype: str) -> None:
     if step == "ops":
         return ops(getattr(mx, dtype))
     import mlx_dspark
-    from mlx_dspark.engine.decode import prefill, speculative_steps
-    from mlx_dspark.engine.propose import DraftProposer
-    from mlx_dspark.engine.sample import Sampler
+    from mlx_dspark.engine.round.decode import prefill, speculative_steps
+    from mlx_dspark.engine.proposers.dspark import DraftProposer
+    from mlx_dspark.engine.logits.sample import Sampler
 
     pair = mlx_dspark.load(f"{pair_dir}/target", f"{pair_dir}/draft", dtype=dtype)
     target = pair.target

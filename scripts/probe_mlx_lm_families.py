@@ -1,4 +1,4 @@
-"""Issue 25: which of mlx-lm's model types our target adapter (models/mlx_lm_target.py) takes, by its
+"""Issue 25: which of mlx-lm's model types our target adapter (models/target/mlx_lm.py) takes, by its
 load-time probe, on random weights from one generic small config.
 
     python scripts/probe_mlx_lm_families.py
@@ -23,8 +23,8 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_dspark.models.mlx_lm_target import from_config, probe_target  # noqa: E402
-from mlx_dspark.models.packed_mlx_lm import packing_problem  # noqa: E402
+from mlx_dspark.models.target.mlx_lm import from_config, probe_target  # noqa: E402
+from mlx_dspark.models.packed.mlx_lm import packing_problem  # noqa: E402
 
 GENERIC = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -23,9 +23,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from mlx_dspark.engine import draft_length
-from mlx_dspark.engine.draft_length import AutoLength
-from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.policy import draft_length
+from mlx_dspark.engine.policy.draft_length import AutoLength
+from mlx_dspark.engine.costs.curve import CostCurve
 
 SEGMENT = 64  # tokens per stretch of a changing text
 CURVES = {

@@ -4,7 +4,7 @@ with a real chained head beside the demo's DSpark draft (issue 35.4).
     LD_PRELOAD=libopenblas.so.0 OPENBLAS_NUM_THREADS=1 python scripts/train_demo_eagle3.py --out /tmp/bench/demo-eagle3
 
 Corpus: the demo pair's own (scripts/train_demo_pair.py: the stdlib's .py files, every 20th held out). The
-draft is speculators' EAGLE-3 layout (models/eagle3.py): one qwen3 decoder layer at the target's width, `fc`
+draft is speculators' EAGLE-3 layout (models/heads/eagle3/model.py): one qwen3 decoder layer at the target's width, `fc`
 over three tapped target states, its own LM head over the full vocabulary (started from the target's tied
 embedding), the target's embedding shared (`embed_requires_grad: false`).
 
@@ -12,7 +12,7 @@ Training is EAGLE-3's training-time test, restated from the paper and speculator
 target's fused states g_t and the embedding of token t+1 under a causal mask and predicts token t+2; step j
 feeds step j-1's own pre-norm output at t with the embedding of token t+1+j, at position t+j, attending to
 step 0's keys at positions <= t and to the same chain's keys of steps 1..j (the cache a chained proposal
-sees at inference: engine/chain_propose.py). Each step's loss is the cross-entropy against the target's own
+sees at inference: engine/proposers/chain.py). Each step's loss is the cross-entropy against the target's own
 distribution at that position (soft labels), weighted 0.8^j. The teacher inputs are the corpus' tokens.
 Held-out acceptance is measured with `mlx_dspark.generate` on prefixes of held-out files at the end.
 """
@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from train_demo_pair import corpus_files, read  # noqa: E402  (the demo pair's own corpus split)
 
 from mlx_dspark import load  # noqa: E402
-from mlx_dspark.models.eagle3 import Eagle3Draft  # noqa: E402
-from mlx_dspark.models.eagle3_args import Eagle3Args  # noqa: E402
+from mlx_dspark.models.heads.eagle3.model import Eagle3Draft  # noqa: E402
+from mlx_dspark.models.heads.eagle3.args import Eagle3Args  # noqa: E402
 from mlx_dspark.testing.eagle3_tiny import eagle3_config  # noqa: E402
 
 DEMO_TARGET = ROOT / "mlx_dspark" / "demo" / "target"

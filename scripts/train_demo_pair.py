@@ -131,7 +131,7 @@ def token_stream(tokenizer, files: list[Path], eos: int) -> np.ndarray:
 
 
 def train_target(stream: np.ndarray, *, steps: int, batch: int, seq_len: int, lr: float, seed: int):
-    from mlx_dspark.models import qwen3
+    from mlx_dspark.models.layers import qwen3
 
     mx.random.seed(seed)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(TARGET_CONFIG))

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from mlx_dspark.api import stream_rounds
-from mlx_dspark.engine.batch import BatchRow, batch_round
-from mlx_dspark.engine.steps import compile_request
+from mlx_dspark.engine.batch.round import BatchRow, batch_round
+from mlx_dspark.engine.round.request import compile_request
 
 
 def drive_batch(

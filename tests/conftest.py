@@ -77,8 +77,10 @@ def synthetic_cost_curves(tmp_path_factory, monkeypatch):
     which inherit $MLX_DSPARK_COST_DIR but measure the pairs for real). The synthetic curves live in a
     subdirectory of their own: a real curve a subprocess cached (the demo pair's, where auto parks on a slow
     CPU) must not reach a later in-process test that expects the flat one (an order-dependent failure)."""
-    from mlx_dspark.engine import batch_length, cost_heal, cost_probe
-    from mlx_dspark.engine.schedule import CostCurve
+    from mlx_dspark.engine.batch import length as batch_length
+    from mlx_dspark.engine.costs import heal as cost_heal
+    from mlx_dspark.engine.costs import probe as cost_probe
+    from mlx_dspark.engine.costs.curve import CostCurve
 
     monkeypatch.setattr(cost_heal, "ENABLED", False)  # nor do their round times correct the synthetic curves
 

@@ -1,6 +1,6 @@
 """A naive NumPy (float64) DSpark draft written from DSPARK.md section 3, for tests only.
 
-Independent of `mlx_dspark.models.dspark`: no caches (the context is recomputed from every feature
+Independent of `mlx_dspark.models.heads.dspark.model`: no caches (the context is recomputed from every feature
 each call), dense visibility masks spelled out position by position, loops over heads, weights read
 by their checkpoint names. Slow, but obviously the spec.
 """

@@ -7,11 +7,11 @@ from typing import Any, Iterable, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.engine.decode import plain_steps
+from mlx_dspark.engine.round.decode import plain_steps
 from mlx_dspark.models import target_model_class
-from mlx_dspark.models.mlx_lm_target import from_config as target_from_config, probe_target
-from mlx_dspark.engine.propose import Proposal
-from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.models.target.mlx_lm import from_config as target_from_config, probe_target
+from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.logits.sample import Sampler
 
 
 def spark_config(*, vocab_size: int = 96, window: int = 16, tie: bool = True, layers: int = 4) -> dict:
@@ -122,8 +122,8 @@ def make_draft(
 
     Its layers are all sliding unless `layer_types` says otherwise.
     """
-    from mlx_dspark.models.dflash2 import draft_class
-    from mlx_dspark.models.dspark import DraftArgs
+    from mlx_dspark.models.heads.dspark.dflash2 import draft_class
+    from mlx_dspark.models.heads.dspark.model import DraftArgs
 
     family = "spark2_5" if target.args.model_type == "spark2_5" else "qwen3"
     config = spark_config() if family == "spark2_5" else qwen3_config()
@@ -142,7 +142,7 @@ def make_draft(
         enable_confidence_head=True,
         confidence_head_with_markov=True,
     )
-    if dflash2 is not None:  # a DFlash 2 draft (models/dflash2.py): its fields, no DSpark heads
+    if dflash2 is not None:  # a DFlash 2 draft (models/heads/dspark/dflash2.py): its fields, no DSpark heads
         config.update(dflash_config=dict(dflash2), markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False)
         config.pop("markov_head_type")
     mx.random.seed(seed)
@@ -182,7 +182,7 @@ def assert_chain_sampling_is_exact(target, make_proposer, *, sampler: Sampler, s
     """`runs` sampled speculative generations of 3 tokens after test_lossless_sampling's PROMPT, each with a fresh
     `make_proposer()`, against the target's exact joint distribution: chi-square on the joint and every marginal,
     with some drafts accepted and some rejected (both paths of the acceptance ran)."""
-    from mlx_dspark.engine.decode import speculative_steps
+    from mlx_dspark.engine.round.decode import speculative_steps
     from tests.test_lossless_sampling import PROMPT, chi_square_p_value, exact_distribution, marginals, to_array
 
     exact = exact_distribution(target, sampler, 3)

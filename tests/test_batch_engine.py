@@ -1,9 +1,9 @@
-"""Continuous batching with speculation (engine/batch.py): every row equals its request run alone.
+"""Continuous batching with speculation (engine/batch/round.py): every row equals its request run alone.
 
 Rows of different prompt lengths and max_tokens join the batch at different rounds (so newcomers'
 prefill chunks share forwards with running verify blocks), plain and speculative rows share forwards,
 and a seeded sampled row does not depend on its neighbours. The bundled BLAS computes a packed row
-bitwise as the row's own forward (models/packed.py), so greedy rows are compared token for token.
+bitwise as the row's own forward (models/packed/forward.py), so greedy rows are compared token for token.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark
-from mlx_dspark.engine.batch import BatchRow, batch_round
+from mlx_dspark.engine.batch.round import BatchRow, batch_round
 from tests.batch_helpers import drive_batch
-from mlx_dspark.engine.batch_length import PROBE_EVERY, PROBE_LENGTH, BatchCost, row_budget_cap
-from mlx_dspark.engine.constraints import Constraint
+from mlx_dspark.engine.batch.length import PROBE_EVERY, PROBE_LENGTH, BatchCost, row_budget_cap
+from mlx_dspark.engine.logits.constraints import Constraint
 from mlx_dspark.engine.options import GenerationOptions, SamplingOptions, SpeculationOptions
-from mlx_dspark.engine.schedule import CostCurve
-from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward
+from mlx_dspark.engine.costs.curve import CostCurve
+from mlx_dspark.models.packed.forward import packed_block_hidden, packed_target_forward
 
 
 @pytest.fixture(scope="module", params=["qwen3", "spark2_5"])

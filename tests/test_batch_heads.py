@@ -1,4 +1,4 @@
-"""Continuous batching (engine/batch.py) with the new draft heads (issue 35): a DFlash 2 draft's packed
+"""Continuous batching (engine/batch/round.py) with the new draft heads (issue 35): a DFlash 2 draft's packed
 block forward (its convolutions along each sequence's own block rows) is bitwise each sequence's own;
 for DFlash 2, the target's own MTP layers and an EAGLE-3 draft, batched greedy rows of different prompts,
 lengths and join rounds (a fixed length, a plain row, a penalised row) are token-identical to each request
@@ -15,19 +15,19 @@ import numpy as np
 import pytest
 
 import mlx_dspark
-from mlx_dspark.engine import batch_propose
-from mlx_dspark.engine.batch import BatchRow
-from mlx_dspark.engine.batch_chain import chains_packable, propose_chains
-from mlx_dspark.engine.batch_length import row_budget_cap
-from mlx_dspark.engine.chain_propose import ChainProposer
-from mlx_dspark.engine.cost_probe import default_head
-from mlx_dspark.engine.gemma4_assistant_propose import AssistantProposer
+from mlx_dspark.engine.batch import propose as batch_propose
+from mlx_dspark.engine.batch.round import BatchRow
+from mlx_dspark.engine.batch.chains import chains_packable, propose_chains
+from mlx_dspark.engine.batch.length import row_budget_cap
+from mlx_dspark.engine.proposers.chain import ChainProposer
+from mlx_dspark.engine.costs.probe import default_head
+from mlx_dspark.engine.proposers.gemma4_assistant import AssistantProposer
 from mlx_dspark.engine.options import GenerationOptions, SamplingOptions, SpeculationOptions
-from mlx_dspark.engine.propose import Proposal
-from mlx_dspark.engine.steps import _chain_proposer
-from mlx_dspark.models.dflash2 import DFlash2Draft
-from mlx_dspark.models.eagle3 import Eagle3Draft
-from mlx_dspark.models.packed import packed_block_hidden, packing_problem
+from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.round.request import _chain_proposer
+from mlx_dspark.models.heads.dspark.dflash2 import DFlash2Draft
+from mlx_dspark.models.heads.eagle3.model import Eagle3Draft
+from mlx_dspark.models.packed.forward import packed_block_hidden, packing_problem
 from mlx_dspark.testing.dflash2_tiny import write_dflash2_draft
 from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
 from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant
@@ -118,7 +118,7 @@ def _inject(monkeypatch, sequences: list[list[int]], vocab: int, drafted: list) 
 
 
 def _count_packed_chains(monkeypatch) -> list[int]:
-    """The number of rows of every packed chain proposal (engine/batch_chain.py) the batch makes."""
+    """The number of rows of every packed chain proposal (engine/batch/chains.py) the batch makes."""
     together: list[int] = []
     real = batch_propose.propose_chains
 
@@ -285,7 +285,7 @@ def test_a_batching_server_runs_mtp_rows_together_each_equal_its_solo_run(tmp_pa
 
 
 def test_a_pair_with_several_heads_is_not_batched(mtp_pair):
-    """The choice between heads (engine/head_choice.py) is a single request's: one line naming the heads."""
+    """The choice between heads (engine/policy/head_choice.py) is a single request's: one line naming the heads."""
     pair = SimpleNamespace(target=mtp_pair.target, draft=object(), mtp=mtp_pair.mtp)
     assert packing_problem(pair) == ("a pair with several draft heads (draft, mtp) chooses its head per round, "
                                      "which batched rows do not; load one head")

@@ -1,4 +1,4 @@
-"""The draft lengths of a batched round (engine/batch_length.py): the joint plan over this machine's
+"""The draft lengths of a batched round (engine/batch/length.py): the joint plan over this machine's
 packed-forward costs, the probes of parked rows, the cost's measurement and its cache."""
 
 import itertools
@@ -8,7 +8,7 @@ import random
 import pytest
 
 import mlx_dspark
-from mlx_dspark.engine.batch_length import (
+from mlx_dspark.engine.batch.length import (
     MAX_PROBE_EVERY,
     PROBE_EVERY,
     PROBE_LENGTH,
@@ -21,7 +21,7 @@ from mlx_dspark.engine.batch_length import (
     measured_widths,
     plan_lengths,
 )
-from mlx_dspark.engine.draft_length import expected_tokens
+from mlx_dspark.engine.policy.draft_length import expected_tokens
 
 WIDTHS = (1, 2, 4, 8)
 
@@ -182,15 +182,15 @@ class _LookupChooser:
     def plan(self, *, num_tokens, room):
         import mlx.core as mx
 
-        from mlx_dspark.engine.choose import Plan
-        from mlx_dspark.engine.propose import Proposal
+        from mlx_dspark.engine.policy.proposal_choice import Plan
+        from mlx_dspark.engine.proposers.dspark import Proposal
 
         self.asked.append(num_tokens)
         return Plan(proposal=Proposal(tokens=mx.zeros((1, 32), mx.int32)), expected=20.0)
 
 
 def test_plan_round_counts_a_row_s_lookup_block_before_planning_the_drafts():
-    from mlx_dspark.engine.batch_plan import plan_round
+    from mlx_dspark.engine.batch.plan import plan_round
 
     auto = _Row(RowDemand(acceptance=[0.8] * 7, cap=7))
     lookup = _Row(RowDemand(floor=0, acceptance=[0.8] * 7, cap=7), chooser=_LookupChooser())

@@ -1,4 +1,4 @@
-"""Batched rows propose as single requests do (engine/batch.py over engine/choose.py): lookup blocks and
+"""Batched rows propose as single requests do (engine/batch/round.py over engine/policy/proposal_choice.py): lookup blocks and
 a grammar's forced runs beside the DSpark block of the batch's one packed draft forward.
 
 Greedy rows with lookup on / off / only and a JSON-schema row with fast-forward equal their solo runs
@@ -18,15 +18,15 @@ import pytest
 
 import mlx_dspark
 from mlx_dspark.cli.demo import demo_pair
-from mlx_dspark.engine.batch import BatchRow, batch_round
+from mlx_dspark.engine.batch.round import BatchRow, batch_round
 from tests.batch_helpers import drive_batch
-from mlx_dspark.engine.batch_length import BatchCost, row_budget_cap
-from mlx_dspark.engine.choose import Chooser, RoundCost
-from mlx_dspark.engine.constraints import Constraint
-from mlx_dspark.engine.lookup import ContextIndex
+from mlx_dspark.engine.batch.length import BatchCost, row_budget_cap
+from mlx_dspark.engine.policy.proposal_choice import Chooser, RoundCost
+from mlx_dspark.engine.logits.constraints import Constraint
+from mlx_dspark.engine.proposers.lookup import ContextIndex
 from mlx_dspark.engine.options import GenerationOptions, SamplingOptions, SpeculationOptions
-from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.logits.sample import Sampler
+from mlx_dspark.engine.costs.curve import CostCurve
 from tests.engine_helpers import count_round, greedy_reference, make_target
 from tests.test_lookup import PROMPT, REPEATING, SCHEMA, VOCAB, exact_distribution
 from tests.test_lossless_sampling import chi_square_p_value, marginals

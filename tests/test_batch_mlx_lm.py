@@ -1,4 +1,4 @@
-"""Continuous batching over targets run through mlx-lm's own model class (models/packed_mlx_lm.py).
+"""Continuous batching over targets run through mlx-lm's own model class (models/packed/mlx_lm.py).
 
 Every packed row must be bitwise its sequence's own forward (logits and tapped features), also after a
 rollback of a packed verify (rotating sliding-window caches past their wrap, recurrent states restored
@@ -23,14 +23,14 @@ from mlx_lm.models import qwen3 as mlx_lm_qwen3
 import mlx_dspark
 from mlx_dspark.bench.controlled import reference_block
 from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.engine.batch import BatchRow, batch_round
-from mlx_dspark.engine.batch_length import row_budget_cap
+from mlx_dspark.engine.batch.round import BatchRow, batch_round
+from mlx_dspark.engine.batch.length import row_budget_cap
 from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.propose import DraftProposer, Proposal
-from mlx_dspark.models import mlx_lm_target
-from mlx_dspark.models.cache import trim_caches
-from mlx_dspark.models.packed import packed_block_hidden, packed_target_forward, packing_problem
+from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposal
+from mlx_dspark.models.target import mlx_lm as mlx_lm_target
+from mlx_dspark.models.caches.kv import trim_caches
+from mlx_dspark.models.packed.forward import packed_block_hidden, packed_target_forward, packing_problem
 from mlx_dspark.testing.draft_layouts import write_gemma4_draft
 from mlx_dspark.testing.mlx_lm_tiny import HYBRID_FAMILIES, tiny_mlx_lm_config, tiny_mlx_lm_weights, write_draft_for, write_tiny_mlx_lm_target
 from mlx_dspark.testing.mtp_deepseek_tiny import write_tiny_nextn_target

@@ -18,7 +18,7 @@ from mlx_dspark.bench.prompts import builtin_prompts, load_jsonl, parse_dataset_
 from mlx_dspark.bench.runner import RunSettings, prepare_model
 from mlx_dspark.bench.stats import acceptance_histogram, position_acceptance
 from mlx_dspark.cli.benchmark import app
-from mlx_dspark.engine.propose import DraftProposer
+from mlx_dspark.engine.proposers.dspark import DraftProposer
 
 MODEL_CARD_ROWS = ["AIME25", "GSM8K", "MATH500", "HumanEval", "MBPP", "Arena-Hard-v2"]
 
@@ -289,7 +289,7 @@ def test_run_settings_give_each_run_its_mode_and_seed_over_the_shared_options():
 def test_card_columns_run_both_schedules_through_the_template_switches(request, tmp_path, pair_name, columns):
     from mlx_dspark.api import encode_prompt
     from mlx_dspark.bench.card import THINKING_SWITCHES
-    from mlx_dspark.engine.schedule import CostCurve
+    from mlx_dspark.engine.costs.curve import CostCurve
 
     target, draft = request.getfixturevalue(pair_name)
     loaded = mlx_dspark.load(str(target), draft=str(draft))
@@ -322,7 +322,7 @@ def test_card_columns_run_both_schedules_through_the_template_switches(request, 
 
 
 def test_schedule_ab_runs_on_the_tiny_pair_and_flat_curve_matches_fixed(tiny_spark_pair, tmp_path):
-    from mlx_dspark.engine.schedule import CostCurve
+    from mlx_dspark.engine.costs.curve import CostCurve
 
     target, draft = tiny_spark_pair
     curve_file = tmp_path / "steep.json"
@@ -344,7 +344,7 @@ def test_schedule_ab_runs_on_the_tiny_pair_and_flat_curve_matches_fixed(tiny_spa
 
 def test_a_lookup_round_longer_than_the_draft_block_gets_its_histogram_bin():
     from mlx_dspark.bench.runner import _acceptance_summary
-    from mlx_dspark.engine.results import GenerationResult
+    from mlx_dspark.engine.round.results import GenerationResult
 
     run = GenerationResult(text="", tokens=list(range(40)), finish_reason="length", prompt_tokens=3, prompt_tps=1.0,
                            generation_tps=1.0, peak_memory_gb=0.0, acceptance_lengths=[23, 1, 4, 8],
@@ -362,7 +362,7 @@ def test_the_top2_margin_runs_on_a_split_targets_rank_0(tiny_qwen3_pair):
 
     from mlx_dspark.bench.lossless import top2_margin
     from mlx_dspark.loading.load import load
-    from mlx_dspark.models.split_target import lead
+    from mlx_dspark.models.distributed.split_target import lead
 
     target = load(str(tiny_qwen3_pair[0])).target
     prompt, prefix = [5, 9, 2, 7], [3, 3]

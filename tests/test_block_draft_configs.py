@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mlx_dspark
-from mlx_dspark.models.heads import target_head
+from mlx_dspark.models.target.lm_head import target_head
 from mlx_dspark.testing.draft_layouts import repackage
 from mlx_dspark.testing.tiny import write_tiny_draft
 from tests.dspark_reference import ReferenceDraft

@@ -13,8 +13,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.cache import RotatingKVCache
 
 from mlx_dspark.models import target_model_class
-from mlx_dspark.models.cache import trim_caches
-from mlx_dspark.models.mlx_lm_target import from_config
+from mlx_dspark.models.caches.kv import trim_caches
+from mlx_dspark.models.target.mlx_lm import from_config
 
 WINDOW, ROLLBACK = 16, 8
 

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 import mlx_dspark
-from mlx_dspark.engine.constraints import Constraint, ConstraintError, ToolCallShape
+from mlx_dspark.engine.logits.constraints import Constraint, ConstraintError, ToolCallShape
 
 SCHEMA = {
     "type": "object",

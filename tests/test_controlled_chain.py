@@ -18,10 +18,10 @@ from mlx_dspark.api import generate
 from mlx_dspark.bench.controlled import AcceptanceSchedule, ControlledProposer, format_controlled, greedy_reference, run_controlled
 from mlx_dspark.bench.controlled_chain import chain_head, chain_proposer, chain_steps
 from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.engine import cost_probe
-from mlx_dspark.engine.decode import prefill
+from mlx_dspark.engine.costs import probe as cost_probe
+from mlx_dspark.engine.round.decode import prefill
 from mlx_dspark.engine.options import GenerationOptions
-from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.costs.curve import CostCurve
 from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
 from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant
 from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target

@@ -13,11 +13,12 @@ import pytest
 
 import mlx_dspark
 from mlx_dspark.cli.demo import demo_pair
-from mlx_dspark.engine import cost_heal, cost_probe
-from mlx_dspark.engine.cost_heal import CurveHealer
-from mlx_dspark.engine.cost_probe import measure_cost_curve  # the real one (the autouse fixture patches the module's)
+from mlx_dspark.engine.costs import heal as cost_heal
+from mlx_dspark.engine.costs import probe as cost_probe
+from mlx_dspark.engine.costs.heal import CurveHealer
+from mlx_dspark.engine.costs.probe import measure_cost_curve  # the real one (the autouse fixture patches the module's)
 from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions  # noqa: F401
-from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.costs.curve import CostCurve
 
 
 def _ten_times_slower_draft(curve: CostCurve) -> CostCurve:

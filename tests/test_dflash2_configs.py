@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import mlx_dspark
-from mlx_dspark.models.dflash2 import DFlash2Draft
-from mlx_dspark.models.heads import target_head
+from mlx_dspark.models.heads.dspark.dflash2 import DFlash2Draft
+from mlx_dspark.models.target.lm_head import target_head
 from mlx_dspark.testing.dflash2_tiny import write_dflash2_draft
 from mlx_dspark.testing.tiny import write_tiny_draft
 from tests.dflash2_reference import DFlash2Reference

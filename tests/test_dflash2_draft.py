@@ -14,8 +14,8 @@ from safetensors.numpy import load_file
 
 import mlx_dspark
 from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.models.dflash2 import DFlash2Draft
-from mlx_dspark.models.heads import target_head
+from mlx_dspark.models.heads.dspark.dflash2 import DFlash2Draft
+from mlx_dspark.models.target.lm_head import target_head
 from mlx_dspark.testing.dflash2_tiny import write_dflash2_draft
 from mlx_dspark.testing.tiny import write_tiny_draft
 from tests.dflash2_reference import DFlash2Reference
@@ -90,7 +90,7 @@ def test_speculative_greedy_with_a_dflash2_draft_is_plain_decoding(dflash2_pair)
 def test_penalties_inside_the_round_keep_a_dflash2_pair_lossless(dflash2_pair):
     """The engine's logits processing reaches the selector (its candidates are taken from the processed
     logits), so a penalised greedy run is plain decoding's; the pair batches (tests/test_batch_heads.py)."""
-    from mlx_dspark.models.packed import packing_problem
+    from mlx_dspark.models.packed.forward import packing_problem
 
     pair = prepare_model(dflash2_pair[2], RunSettings(ignore_eos=True))
     penalties = dict(repetition_penalty=1.7, presence_penalty=0.8, penalty_last_n=4)
@@ -107,7 +107,7 @@ def test_sampled_rounds_with_a_dflash2_draft_keep_the_target_distribution(drafti
     from tests.engine_helpers import make_target
     from tests.test_lossless_sampling import SAMPLERS, VOCAB, chi_square_p_value, exact_distribution, marginals, sample_runs, to_array
 
-    from mlx_dspark.engine.propose import DraftProposer
+    from mlx_dspark.engine.proposers.dspark import DraftProposer
 
     target = make_target("qwen3", seed=5, vocab_size=VOCAB, layers=4, embedding_scale=0.5)
     fields = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=4)
@@ -167,7 +167,7 @@ def test_a_dflash2_gguf_is_the_same_draft_as_its_hugging_face_files(tiny_qwen3_t
 def test_constrained_generation_with_a_dflash2_draft_is_plain_constrained_decoding(dflash2_pair, fast_forward):
     """A JSON schema and a regex with forced runs: the grammar's mask reaches the selector's candidates
     (masked draft) or not (unmasked), the forced runs ride the block or not; the tokens are plain decoding's."""
-    from mlx_dspark.engine.constraints import Constraint
+    from mlx_dspark.engine.logits.constraints import Constraint
 
     pair = dflash2_pair[2]
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},

@@ -14,7 +14,7 @@ import pytest
 import mlx_dspark
 from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint
 from mlx_dspark.loading.load import build_draft, build_target
-from mlx_dspark.models.base import gelu
+from mlx_dspark.models.layers.base import gelu
 from mlx_dspark.testing.tiny import write_tiny_draft
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 2, "1 2 3 4 5 6 7 8 9 10"]

@@ -1,4 +1,4 @@
-"""The draft length policy (engine/draft_length.py): `auto` on synthetic cost curves and synthetic
+"""The draft length policy (engine/policy/draft_length.py): `auto` on synthetic cost curves and synthetic
 acceptance (nothing is timed), and the lossless property when the length changes between rounds."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark
-from mlx_dspark.engine.cost_probe import measure_cost_curve  # bound at import: the real one (conftest patches the module's)
-from mlx_dspark.engine.decode import plain_steps, speculative_steps
-from mlx_dspark.engine.draft_length import AutoLength, FixedLength, break_even, expected_tokens, make_draft_length, rates
+from mlx_dspark.engine.costs.probe import measure_cost_curve  # bound at import: the real one (conftest patches the module's)
+from mlx_dspark.engine.round.decode import plain_steps, speculative_steps
+from mlx_dspark.engine.policy.draft_length import AutoLength, FixedLength, break_even, expected_tokens, make_draft_length, rates
 from mlx_dspark.engine.options import OptionError, SpeculationOptions
-from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.logits.sample import Sampler
+from mlx_dspark.engine.costs.curve import CostCurve
 from tests.test_lossless_sampling import (
     MIN_P_VALUE,
     PROMPT,
@@ -171,7 +171,7 @@ def test_greedy_output_is_the_same_whatever_lengths_auto_picks(tiny_spark_pair):
     assert set(mlx_dspark.generate(pair, prompt, max_tokens=40, cost_curve=LINEAR).proposal_lengths) == {0}
     target, draft = pair.target, pair.draft
     ids = pair.tokenizer.encode(prompt)
-    from mlx_dspark.engine.propose import DraftProposer
+    from mlx_dspark.engine.proposers.dspark import DraftProposer
 
     steps = speculative_steps(
         target, DraftProposer(draft, target, greedy=True, temperature=1.0), ids, sampler=Sampler(),
@@ -229,7 +229,7 @@ def test_calibrate_prints_the_curve_break_even_and_auto_s_start(tiny_spark_pair,
     from typer.testing import CliRunner
 
     from mlx_dspark.cli.calibrate import app
-    from mlx_dspark.engine import cost_probe
+    from mlx_dspark.engine.costs import probe as cost_probe
 
     monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(tmp_path))
     target, draft = tiny_spark_pair
@@ -299,7 +299,7 @@ def test_calibrate_shows_the_packed_costs_and_the_batch_plan(tiny_spark_pair, tm
     from typer.testing import CliRunner
 
     from mlx_dspark.cli.calibrate import app
-    from mlx_dspark.engine import cost_probe
+    from mlx_dspark.engine.costs import probe as cost_probe
 
     monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(tmp_path))
     target, draft = tiny_spark_pair

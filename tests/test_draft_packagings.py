@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mlx_dspark
-from mlx_dspark.models.dspark_heads import draft_tokens
+from mlx_dspark.models.heads.dspark.markov import draft_tokens
 from mlx_dspark.testing.gguf_writer import write_gguf_draft
 
 PROMPT = "The quick brown fox jumps over the lazy dog. def add(a, b): return a + b"

@@ -24,7 +24,7 @@ from mlx_dspark.cli.generate import app as generate_app
 from mlx_dspark.loading.convert import convert
 from mlx_dspark.loading.load import load
 from mlx_dspark.loading.precision import DRAFT_SOURCE_PRECISION
-from mlx_dspark.models.cache import trim_caches
+from mlx_dspark.models.caches.kv import trim_caches
 
 PROMPT = [5, 17, 42, 99, 300, 7, 11, 200, 3, 64, 128, 250]
 

@@ -1,4 +1,4 @@
-"""The reduced-vocabulary draft head (models/draft_vocab.py, FR-Spec) and its rankings (loading/rank_vocab.py).
+"""The reduced-vocabulary draft head (models/heads/draft_vocab.py, FR-Spec) and its rankings (loading/rank_vocab.py).
 
 Lossless by construction: greedy output equals plain greedy decoding, and with sampled drafting the
 acceptance test uses exactly the distribution the draft drew from (its K-id softmax scattered onto
@@ -17,12 +17,12 @@ from typer.testing import CliRunner
 
 import mlx_dspark
 from mlx_dspark.cli.rank_vocab import app as rank_app
-from mlx_dspark.engine.decode import speculative_steps
-from mlx_dspark.engine.propose import DraftProposer
-from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.round.decode import speculative_steps
+from mlx_dspark.engine.proposers.dspark import DraftProposer
+from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.loading.load import load
 from mlx_dspark.loading.rank_vocab import RANK_FILE, count_tokens, ranking, read_ranked_ids
-from mlx_dspark.models.draft_vocab import DraftVocabulary
+from mlx_dspark.models.heads.draft_vocab import DraftVocabulary
 from tests.engine_helpers import greedy_reference, make_draft, make_target
 from tests.test_lossless_sampling import PROMPT, RUNS, VOCAB, MIN_P_VALUE, chi_square_p_value, exact_distribution, marginals, to_array
 

@@ -15,9 +15,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint
-from mlx_dspark.models.draft_cache import ContextCache
+from mlx_dspark.models.caches.draft_context import ContextCache
 from mlx_dspark.loading.load import build_draft
-from mlx_dspark.models.dspark import DraftArgs, DSparkDraft
+from mlx_dspark.models.heads.dspark.model import DraftArgs, DSparkDraft
 from tests.dspark_reference import ReferenceDraft, log_softmax
 
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 import mlx_dspark
-from mlx_dspark.engine.decode import speculative_steps
-from mlx_dspark.engine.eagle3_propose import Eagle3Proposer
+from mlx_dspark.engine.round.decode import speculative_steps
+from mlx_dspark.engine.proposers.eagle3 import Eagle3Proposer
 from mlx_dspark.engine.options import SpeculationOptions
-from mlx_dspark.engine.propose import Proposal
-from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.models.eagle3 import Eagle3Draft
-from mlx_dspark.models.eagle3_args import Eagle3Args
+from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.logits.sample import Sampler
+from mlx_dspark.models.heads.eagle3.model import Eagle3Draft
+from mlx_dspark.models.heads.eagle3.args import Eagle3Args
 from mlx_dspark.testing.eagle3_tiny import eagle3_config, write_eagle3_draft
 from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
 from tests.eagle3_reference import Eagle3Reference, LlamaTarget
@@ -277,7 +277,7 @@ def test_a_malformed_config_is_refused_naming_the_file_and_field(change, message
 def test_what_an_eagle3_draft_cannot_do_is_one_clear_line(llama, tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    from mlx_dspark.models.packed import packing_problem
+    from mlx_dspark.models.packed.forward import packing_problem
 
     draft = write_eagle3_draft(tmp_path / "draft", target_path=llama, seed=3)
     with pytest.raises(ValueError, match=r"draft_vocab applies to DSpark drafts; this is an EAGLE-3 draft"):

@@ -157,7 +157,7 @@ def test_a_draft_that_drafts_from_row_1_keeps_doing_so_when_exported(packaging, 
 
 def test_a_drafts_packaging_scales_are_carried_by_both_formats(tiny_qwen3_pair, dflash2_drafts, tmp_path):
     """attention_value_scale, attention_scale, input_embedding_scale and markov_w2_scale (a published
-    packaging's, models/dspark_packaging.py) become the GGUF's keys and `markov_w2.scale` tensor; a DFlash 2
+    packaging's, models/heads/dspark/packaging.py) become the GGUF's keys and `markov_w2.scale` tensor; a DFlash 2
     draft's input_embedding_scale goes under z-lab's dflash_config."""
     import shutil
 
@@ -191,7 +191,7 @@ def llama_target(tmp_path_factory) -> Path:
 
 
 def _chain(pair) -> list[int]:
-    from mlx_dspark.engine.eagle3_propose import Eagle3Proposer
+    from mlx_dspark.engine.proposers.eagle3 import Eagle3Proposer
 
     proposer = Eagle3Proposer(pair.eagle3, pair.target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
     _, features = pair.target(mx.array([PROMPT]), tap_ids=proposer.tap_ids)

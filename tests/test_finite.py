@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_dspark.api import generate
-from mlx_dspark.models.finite import NonFiniteError, check_finite_logits, check_finite_weights, nonfinite_parameters
+from mlx_dspark.models.target.finite import NonFiniteError, check_finite_logits, check_finite_weights, nonfinite_parameters
 from mlx_dspark.loading.load import load
 
 

@@ -19,13 +19,13 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 import mlx_dspark
-from mlx_dspark.engine.decode import prefill, speculative_steps
-from mlx_dspark.engine.gemma4_assistant_propose import AssistantProposer
+from mlx_dspark.engine.round.decode import prefill, speculative_steps
+from mlx_dspark.engine.proposers.gemma4_assistant import AssistantProposer
 from mlx_dspark.engine.options import SpeculationOptions
-from mlx_dspark.engine.propose import Proposal
-from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.models.gemma4_assistant import AssistantArgs, Gemma4AssistantDraft
-from mlx_dspark.models.mlx_lm_target import from_config, probe_target
+from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.logits.sample import Sampler
+from mlx_dspark.models.heads.gemma4_assistant.model import AssistantArgs, Gemma4AssistantDraft
+from mlx_dspark.models.target.mlx_lm import from_config, probe_target
 from mlx_dspark.testing.gemma4_assistant_tiny import assistant_config, assistant_weights, write_assistant
 from mlx_dspark.testing.mlx_lm_tiny import tiny_mlx_lm_config, tiny_mlx_lm_weights, write_tiny_mlx_lm_target
 from tests.engine_helpers import assert_chain_sampling_is_exact, sampled_prefix

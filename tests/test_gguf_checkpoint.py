@@ -16,9 +16,9 @@ from gguf.quants import dequantize
 from mlx_dspark.loading.checkpoint import resolve_path
 from mlx_dspark.loading.gguf_checkpoint import read_gguf
 from mlx_dspark.models import target_model_class
-from mlx_dspark.models.mlx_lm_target import from_config as target_from_config, mlx_lm_classes
-from mlx_dspark.models.dspark import DraftArgs
-from mlx_dspark.models.dspark_args import layer_family
+from mlx_dspark.models.target.mlx_lm import from_config as target_from_config, mlx_lm_classes
+from mlx_dspark.models.heads.dspark.model import DraftArgs
+from mlx_dspark.models.heads.dspark.args import layer_family
 from mlx_dspark.testing.gguf_writer import write_gguf_draft, write_gguf_target
 from mlx_dspark.testing.tiny import write_tiny_draft, write_tiny_target
 

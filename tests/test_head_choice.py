@@ -1,4 +1,4 @@
-"""Several draft heads, one round's proposal (issue 35.4, engine/head_choice.py): each round the head with
+"""Several draft heads, one round's proposal (issue 35.4, engine/policy/head_choice.py): each round the head with
 the most expected tokens per millisecond proposes (its own acceptance so far and its own costs), every
 head sees every committed position, and the output stays plain decoding's token for token."""
 
@@ -12,11 +12,11 @@ import pytest
 
 import mlx_dspark
 from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.engine.decode import speculative_steps
-from mlx_dspark.engine.draft_length import FixedLength
-from mlx_dspark.engine.head_choice import HeadChoice
-from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.round.decode import speculative_steps
+from mlx_dspark.engine.policy.draft_length import FixedLength
+from mlx_dspark.engine.policy.head_choice import HeadChoice
+from mlx_dspark.engine.logits.sample import Sampler
+from mlx_dspark.engine.costs.curve import CostCurve
 from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target
 from mlx_dspark.testing.tiny import write_tiny_draft
 from tests.engine_helpers import OracleProposer, greedy_reference, make_target
@@ -139,7 +139,7 @@ def test_a_dspark_draft_and_the_targets_mtp_layers_load_together_and_stay_lossle
 
 def test_the_mtp_heads_curve_charges_each_chained_draft(dspark_and_mtp, monkeypatch):
     """`measure_mtp_curve` for real on the chain (its verify widths stubbed: tests time no target forwards)."""
-    from mlx_dspark.engine import cost_probe
+    from mlx_dspark.engine.costs import probe as cost_probe
 
     monkeypatch.undo()  # conftest's synthetic curves: this test measures the chain itself
     monkeypatch.setattr(cost_probe, "measure_cost_curve", lambda target, draft, **kw: CostCurve.flat(max_width=8).with_context(32))
@@ -164,7 +164,7 @@ def test_an_eagle3_draft_and_the_targets_mtp_layers_are_two_heads_too(dspark_and
 def test_a_block_draft_an_eagle3_draft_and_the_mtp_layers_are_three_heads(dspark_and_mtp, tmp_path, monkeypatch):
     """Two draft files and the MTP layers: three heads, each with its own cached curve (the EAGLE-3 head's keyed
     by its own file), greedy output plain decoding's; the block draft's options apply to the block draft."""
-    from mlx_dspark.engine.cost_probe import cache_key, head_names
+    from mlx_dspark.engine.costs.probe import cache_key, head_names
     from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
 
     monkeypatch.setenv("MLX_DSPARK_COST_DIR", str(tmp_path / "cost"))
@@ -195,7 +195,7 @@ def test_calibrate_shows_each_heads_own_curve(dspark_and_mtp, tmp_path, monkeypa
     from typer.testing import CliRunner
 
     from mlx_dspark.cli.calibrate import app
-    from mlx_dspark.engine import cost_probe
+    from mlx_dspark.engine.costs import probe as cost_probe
 
     monkeypatch.undo()  # conftest's synthetic curves: the chain is measured here
     monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(tmp_path))
@@ -220,8 +220,8 @@ class _Estimating:
 def test_lookup_is_weighed_against_the_round_heads_own_estimate():
     """choose.Chooser: a lookup block of a repeated context against the draft head's own (expected tokens, ms):
     a cheap, well-accepted head's block wins the round, a dear or poorly accepted one loses it to lookup."""
-    from mlx_dspark.engine.choose import Chooser, RoundCost
-    from mlx_dspark.engine.lookup import ContextIndex
+    from mlx_dspark.engine.policy.proposal_choice import Chooser, RoundCost
+    from mlx_dspark.engine.proposers.lookup import ContextIndex
 
     cost = RoundCost(draft=5.0, verify=(10.0, 10.5, 11.0, 11.5, 12.0))  # the pair's first head: a dear block
     context = list(range(30)) + list(range(4))  # a 4-token match: lookup's block of 5 scores 0.22 tokens per ms
@@ -252,8 +252,8 @@ def test_the_round_estimate_is_the_chosen_heads_acceptance_and_cost():
 def test_a_chained_heads_steps_are_charged_when_lookup_is_weighed_against_it():
     """One chained head beside lookup (no HeadChoice): its curve's cost per draft counts against its block (the
     chooser took a chain for free: RoundCost read the curve's draft_ms alone, 0 for a chain)."""
-    from mlx_dspark.engine.choose import Acceptance, Chooser, RoundCost
-    from mlx_dspark.engine.lookup import ContextIndex
+    from mlx_dspark.engine.policy.proposal_choice import Acceptance, Chooser, RoundCost
+    from mlx_dspark.engine.proposers.lookup import ContextIndex
 
     context = list(range(30)) + list(range(4))
     sizes = {}

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import mlx_dspark
-from mlx_dspark.engine.decode import speculative_steps
-from mlx_dspark.engine.logits_processing import LogitsProcessor
+from mlx_dspark.engine.round.decode import speculative_steps
+from mlx_dspark.engine.logits.processing import LogitsProcessor
 from mlx_dspark.engine.options import OptionError, SamplingOptions
-from mlx_dspark.engine.propose import DraftProposer
+from mlx_dspark.engine.proposers.dspark import DraftProposer
 from tests.engine_helpers import make_draft, make_target
 from tests.test_lossless_sampling import MIN_P_VALUE, PROMPT, RUNS, VOCAB, chi_square_p_value, marginals
 

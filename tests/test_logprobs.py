@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mlx_dspark
-from mlx_dspark.engine.constraints import Constraint
+from mlx_dspark.engine.logits.constraints import Constraint
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Lookup drafts and grammar fast-forward (engine/lookup.py, engine/choose.py): lossless in every mode.
+"""Lookup drafts and grammar fast-forward (engine/proposers/lookup.py, engine/policy/proposal_choice.py): lossless in every mode.
 
 Greedy: lookup off / on (beside the DSpark draft) / only (no draft), with and without a grammar's forced
 runs, must give exactly the tokens of plain greedy decoding. Sampled: a lookup proposal is a deterministic
@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 import mlx_dspark
-from mlx_dspark.engine.choose import Chooser, RoundCost, expected_tokens
-from mlx_dspark.engine.constraints import Constraint, ToolCallShape
-from mlx_dspark.engine.decode import speculative_steps
+from mlx_dspark.engine.policy.proposal_choice import Chooser, RoundCost, expected_tokens
+from mlx_dspark.engine.logits.constraints import Constraint, ToolCallShape
+from mlx_dspark.engine.round.decode import speculative_steps
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.lookup import LOOKUP_MAX_TOKENS, ContextIndex, LookupProposer
-from mlx_dspark.engine.mask_choice import MaskChoice
-from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.proposers.lookup import LOOKUP_MAX_TOKENS, ContextIndex, LookupProposer
+from mlx_dspark.engine.policy.mask_choice import MaskChoice
+from mlx_dspark.engine.logits.sample import Sampler
 from tests.engine_helpers import greedy_reference, make_target, sampled_prefix
 from tests.test_lossless_sampling import chi_square_p_value, marginals
 

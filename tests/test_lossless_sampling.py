@@ -14,10 +14,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dspark.engine.decode import plain_steps, speculative_steps
-from mlx_dspark.engine.propose import Proposal
-from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.engine.propose import DraftProposer
+from mlx_dspark.engine.round.decode import plain_steps, speculative_steps
+from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.logits.sample import Sampler
+from mlx_dspark.engine.proposers.dspark import DraftProposer
 from tests.engine_helpers import make_draft, make_target
 
 VOCAB = 8

@@ -19,12 +19,12 @@ from mlx_lm.models.cache import RotatingKVCache
 
 import mlx_dspark
 from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.engine.cost_probe import measure_cost_curve as REAL_MEASURE_COST_CURVE  # bound before conftest's patch
-from mlx_dspark.engine.decode import speculative_steps
-from mlx_dspark.engine.propose import DraftProposer
-from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.models import mlx_lm_target
-from mlx_dspark.models.rollback import REPLAY, ROTATING, RollbackCaches
+from mlx_dspark.engine.costs.probe import measure_cost_curve as REAL_MEASURE_COST_CURVE  # bound before conftest's patch
+from mlx_dspark.engine.round.decode import speculative_steps
+from mlx_dspark.engine.proposers.dspark import DraftProposer
+from mlx_dspark.engine.logits.sample import Sampler
+from mlx_dspark.models.target import mlx_lm as mlx_lm_target
+from mlx_dspark.models.caches.rollback import REPLAY, ROTATING, RollbackCaches
 from mlx_dspark.testing.draft_layouts import write_gemma4_draft
 from mlx_dspark.testing.mlx_lm_tiny import tiny_mlx_lm_config, write_draft_for, write_tiny_mlx_lm_target
 from tests.engine_helpers import sampled_prefix
@@ -84,7 +84,7 @@ def test_the_windowed_caches_wrap_and_a_rollback_across_the_wrap_is_exact(tmp_pa
     target(verify, cache=cache)
     rotating = [c for c in cache if isinstance(c, RotatingKVCache)]
     assert rotating and all(c.offset > WINDOW for c in rotating)
-    from mlx_dspark.models.cache import trim_caches
+    from mlx_dspark.models.caches.kv import trim_caches
 
     trim_caches(cache, 4)  # keep 5, 6
     logits, _ = target(mx.array([[11]]), cache=cache)
@@ -164,7 +164,7 @@ def test_sampled_speculation_on_a_hybrid_matches_the_exact_target_distribution(t
 def test_the_chi_square_catches_a_recurrent_state_left_unreplayed(tiny_vocab_hybrid, monkeypatch):
     """The check above can fail on this target: a rollback that restores the GatedDeltaNet state from
     before the verify without replaying the kept positions is caught."""
-    from mlx_dspark.models import rollback
+    from mlx_dspark.models.caches import rollback
     from tests.test_lossless_sampling import exact_distribution
 
     def restore_only(self, i, kept):

@@ -1,4 +1,4 @@
-"""Targets run by mlx-lm's own model classes (models/mlx_lm_target.py): llama (MiniCPM5's architecture),
+"""Targets run by mlx-lm's own model classes (models/target/mlx_lm.py): llama (MiniCPM5's architecture),
 gemma4_text and a MoE (qwen3_moe), each with a random qwen3-layer DSpark draft. The oracle is mlx-lm's
 own `stream_generate` (what `mlx_lm.generate` runs) on the same checkpoint, loaded by `mlx_lm.load`."""
 
@@ -15,8 +15,8 @@ from mlx_lm.models.cache import QuantizedKVCache
 import mlx_dspark
 from mlx_dspark.bench.controlled import reference_block
 from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.engine.propose import DraftProposer, Proposal
-from mlx_dspark.models import mlx_lm_target
+from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposal
+from mlx_dspark.models.target import mlx_lm as mlx_lm_target
 from mlx_dspark.testing.mlx_lm_tiny import HYBRID_FAMILIES, MLX_LM_FAMILIES, write_tiny_mlx_lm_target
 from mlx_dspark.testing.tiny import write_tiny_draft
 

@@ -20,12 +20,12 @@ import pytest
 
 import mlx_dspark
 from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.engine.decode import speculative_steps
-from mlx_dspark.engine.mtp_propose import MTPProposer
+from mlx_dspark.engine.round.decode import speculative_steps
+from mlx_dspark.engine.proposers.mtp import MTPProposer
 from mlx_dspark.engine.options import SpeculationOptions
-from mlx_dspark.engine.propose import Proposal
-from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.models.base import FINAL_TAP
+from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.logits.sample import Sampler
+from mlx_dspark.models.layers.base import FINAL_TAP
 from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target
 from tests.engine_helpers import assert_chain_sampling_is_exact, sampled_prefix
 from tests.mtp_reference import MTPReference
@@ -200,8 +200,8 @@ def tiny_vocab_pair():
     """An 8-token qwen3_5 target and its MTP layers, random weights (embeddings large so the context matters)."""
     from mlx.utils import tree_flatten, tree_unflatten
 
-    from mlx_dspark.models import mlx_lm_target
-    from mlx_dspark.models.mtp_qwen3_5 import MTP, MTPArgs
+    from mlx_dspark.models.target import mlx_lm as mlx_lm_target
+    from mlx_dspark.models.heads.mtp.qwen3_5 import MTP, MTPArgs
     from mlx_dspark.testing.mlx_lm_tiny import _random
     from mlx_dspark.testing.mtp_tiny import tiny_qwen3_5_mtp_config
 
@@ -342,7 +342,9 @@ def test_a_single_chained_head_is_not_healed_as_a_block_draft(loaded, monkeypatc
     step charged to its draft block."""
     import json
 
-    from mlx_dspark.engine import cost_heal, cost_probe
+    from mlx_dspark.engine.costs import heal as cost_heal
+
+    from mlx_dspark.engine.costs import probe as cost_probe
 
     monkeypatch.setattr(cost_heal, "ENABLED", True)
     monkeypatch.setenv(cost_probe.COST_DIR_ENV, str(tmp_path))  # a cost cache of its own (nothing reaches later tests)

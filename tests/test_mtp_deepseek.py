@@ -14,14 +14,14 @@ import pytest
 
 import mlx_dspark
 from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.engine.mtp_propose import MTPProposer
+from mlx_dspark.engine.proposers.mtp import MTPProposer
 from mlx_dspark.engine.options import SpeculationOptions
-from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.loading.checkpoint import read_checkpoint
 from mlx_dspark.loading.load import build_target
-from mlx_dspark.loading.mtp import build_mtp, mtp_skeleton
-from mlx_dspark.models.base import FINAL_TAP
-from mlx_dspark.models.mlx_lm_target import probe_target
+from mlx_dspark.loading.heads.mtp import build_mtp, mtp_skeleton
+from mlx_dspark.models.layers.base import FINAL_TAP
+from mlx_dspark.models.target.mlx_lm import probe_target
 from mlx_dspark.testing.mtp_deepseek_tiny import FAMILIES, write_tiny_nextn_target
 from tests.engine_helpers import assert_chain_sampling_is_exact
 from tests.mtp_deepseek_reference import NextNReference

@@ -108,7 +108,7 @@ def test_refusals_name_the_field(tmp_path):
 
 
 def test_the_older_pattern_field_builds_the_same_block(tmp_path):
-    from mlx_dspark.models.mtp_nemotron_h import block_pattern
+    from mlx_dspark.models.heads.mtp.nemotron_h import block_pattern
 
     assert block_pattern({"mtp_hybrid_override_pattern": "*E"}) == "*E"
     assert block_pattern({"mtp_layers_block_type": ["moe", "attention"], "mtp_hybrid_override_pattern": "*E"}) == "E*"

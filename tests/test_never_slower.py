@@ -9,13 +9,13 @@ import random
 import mlx.core as mx
 
 import mlx_dspark
-from mlx_dspark.engine import decode
-from mlx_dspark.engine.decode import plain_steps, speculative_steps
-from mlx_dspark.engine.draft_length import AutoLength
+from mlx_dspark.engine.round import decode
+from mlx_dspark.engine.round.decode import plain_steps, speculative_steps
+from mlx_dspark.engine.policy.draft_length import AutoLength
 from mlx_dspark.engine.options import SpeculationOptions
-from mlx_dspark.engine.propose import DraftProposer
-from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.proposers.dspark import DraftProposer
+from mlx_dspark.engine.logits.sample import Sampler
+from mlx_dspark.engine.costs.curve import CostCurve
 
 # Verify widths nearly free (OpenBLAS here, a GPU): a long block pays as soon as it is accepted.
 CHEAP_WIDTH = CostCurve(draft_ms=2.0, verify_ms=[4.0, 4.6, 5.6, 6.6, 7.6, 8.6, 9.6, 10.6])
@@ -119,7 +119,7 @@ def test_a_never_checked_curve_gets_one_probe_at_the_start_not_a_check_and_a_fre
 
 
 def test_a_catch_up_and_the_rounds_the_policy_does_not_observe_are_not_timed_as_the_draft_block(monkeypatch):
-    from mlx_dspark.engine import draft_length
+    from mlx_dspark.engine.policy import draft_length
 
     clock = [0.0]
     monkeypatch.setattr(draft_length.time, "perf_counter", lambda: clock[0])
@@ -163,7 +163,7 @@ _CLOCK: dict = {}  # monkeypatch (one per test) -> its simulated clock
 def _timed_drive(policy: AutoLength, monkeypatch, rounds: int, *, accepted: int = 0) -> list[int]:
     """Plain steps of 4.5 ms; a probe 27 ms (6 steps, its catch-up 9 ms of them). The clock goes on from
     where an earlier drive of the same test left it."""
-    from mlx_dspark.engine import draft_length
+    from mlx_dspark.engine.policy import draft_length
 
     clock = _CLOCK.setdefault(monkeypatch, [0.0])
     monkeypatch.setattr(draft_length.time, "perf_counter", lambda: clock[0])
@@ -220,7 +220,9 @@ def test_a_pair_whose_draft_paid_last_time_drafts_from_the_first_round_and_a_bad
 def test_a_generation_leaves_its_acceptance_beside_the_cached_curve(tiny_spark_pair, monkeypatch, tmp_path):
     import json
 
-    from mlx_dspark.engine import cost_heal, cost_probe
+    from mlx_dspark.engine.costs import heal as cost_heal
+
+    from mlx_dspark.engine.costs import probe as cost_probe
 
     monkeypatch.setattr(cost_heal, "ENABLED", True)  # the cached curve heals, and so remembers
     # in a cost cache of its own: the healed curve must not reach later tests of this worker (their flat one)

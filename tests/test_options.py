@@ -16,7 +16,7 @@ from mlx_dspark.engine.options import (
     SamplingOptions,
     SpeculationOptions,
 )
-from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.logits.sample import Sampler
 
 BAD_VALUES = [
     (SamplingOptions, "temperature", -1.0),

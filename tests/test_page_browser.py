@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import mlx_dspark
-from mlx_dspark.engine.constraints import Constraint
+from mlx_dspark.engine.logits.constraints import Constraint
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.loading.load import load
 from tests.cdp_browser import find_chromium

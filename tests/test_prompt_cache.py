@@ -16,10 +16,10 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import mlx_dspark
-from mlx_dspark.engine.decode import plain_steps, speculative_steps
+from mlx_dspark.engine.round.decode import plain_steps, speculative_steps
 from mlx_dspark.engine.prompt_cache import PromptCache, common_prefix
-from mlx_dspark.engine.propose import DraftProposer
-from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.proposers.dspark import DraftProposer
+from mlx_dspark.engine.logits.sample import Sampler
 from tests.engine_helpers import make_draft, make_target, qwen3_config
 
 OUT = 16  # tokens generated per turn

@@ -16,14 +16,14 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark
-from mlx_dspark.engine.cost_probe import head_names
-from mlx_dspark.engine.decode import speculative_steps
-from mlx_dspark.engine.eagle3_propose import Eagle3Proposer
-from mlx_dspark.engine.gemma4_assistant_propose import AssistantProposer
-from mlx_dspark.engine.mtp_propose import MTPProposer
+from mlx_dspark.engine.costs.probe import head_names
+from mlx_dspark.engine.round.decode import speculative_steps
+from mlx_dspark.engine.proposers.eagle3 import Eagle3Proposer
+from mlx_dspark.engine.proposers.gemma4_assistant import AssistantProposer
+from mlx_dspark.engine.proposers.mtp import MTPProposer
 from mlx_dspark.engine.options import SpeculationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
 from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant
 from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
@@ -295,7 +295,7 @@ def test_the_servers_second_turn_with_mtp_reports_cached_tokens_and_the_cold_ser
 @pytest.mark.parametrize("pair", ["mtp-mimo", "eagle3"])
 def test_batched_rows_resume_their_chains_and_draft_as_cold_rows(pairs, pair, monkeypatch):
     """As the server's batch worker runs them (`--max-batch`): each row over its own prompt cache."""
-    from mlx_dspark.engine.chain_propose import ChainProposer
+    from mlx_dspark.engine.proposers.chain import ChainProposer
     from mlx_dspark.engine.options import GenerationOptions
     from tests.batch_helpers import drive_batch
 

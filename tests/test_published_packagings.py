@@ -193,7 +193,7 @@ def test_speculators_layers_copied_from_a_hybrid_verifiers_text_config(tiny_qwen
 
 def test_zlab_dflash_without_taps_reads_them_as_zlab_derives_them(deepspec, tmp_path):
     # dflash/model.py: target_layer_ids default to build_target_layer_ids(num_target_layers, num_hidden_layers)
-    from mlx_dspark.models.dspark_args import zlab_tap_ids
+    from mlx_dspark.models.heads.dspark.args import zlab_tap_ids
 
     assert zlab_tap_ids({"num_target_layers": 36, "num_hidden_layers": 5}, source="c") == [1, 9, 17, 25, 33]
     assert zlab_tap_ids({"num_target_layers": 28, "num_hidden_layers": 1}, source="c") == [14]

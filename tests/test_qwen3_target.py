@@ -12,8 +12,8 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import qwen3 as mlx_lm_qwen3
 
-from mlx_dspark.models import qwen3
-from mlx_dspark.models.mlx_lm_target import from_config, probe_target
+from mlx_dspark.models.layers import qwen3
+from mlx_dspark.models.target.mlx_lm import from_config, probe_target
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TOL = 1e-4
@@ -105,7 +105,7 @@ def test_a_sliding_window_qwen3_target_is_refused_not_run_without_its_window():
         from_config(config, source="cfg.json")
 
 
-# --- qwen3-style draft layers: their args (models/qwen3.py) ---
+# --- qwen3-style draft layers: their args (models/layers/qwen3.py) ---
 
 
 def test_rope_theta_may_come_from_rope_parameters():

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlx_dspark.models.cache import trim_caches
-from mlx_dspark.models.rollback import REPLAY, ROTATING, TRIM, RollbackCaches, cache_kind, recording
+from mlx_dspark.models.caches.kv import trim_caches
+from mlx_dspark.models.caches.rollback import REPLAY, ROTATING, TRIM, RollbackCaches, cache_kind, recording
 from mlx_dspark.testing.tiny_mlx_lm import FACTORIES, VOCAB, make_mlx_lm_cache, tiny_mlx_lm_model
 
 
@@ -225,7 +225,7 @@ def test_mlx_lm_rotating_trim_is_not_exact_after_the_wrap():
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "lfm2", "nemotron_h", "falcon_h1"])
 def test_replay_with_the_verify_projections_equals_recomputing_them(kind, monkeypatch):
     # The replay takes its projections' rows from the verify; recomputing them gives the same bits here.
-    from mlx_dspark.models import rollback
+    from mlx_dspark.models.caches import rollback
 
     model = tiny_mlx_lm_model(kind)
     rng = np.random.default_rng(5)

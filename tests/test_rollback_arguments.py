@@ -10,7 +10,7 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import ArraysCache
 
-from mlx_dspark.models.rollback import RollbackCaches, recording
+from mlx_dspark.models.caches.rollback import RollbackCaches, recording
 
 HIDDEN, HEADS, WIDTH = 16, 4, 4  # the extra tensor is (B, L, HEADS, HIDDEN): its last two axes look like (L, S)
 

@@ -30,7 +30,7 @@ HISTORY = QUESTION + [
      "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
 ]
-HAS_CONSTRAINTS = importlib.util.find_spec("mlx_dspark.engine.constraints") is not None
+HAS_CONSTRAINTS = importlib.util.find_spec("mlx_dspark.engine.logits.constraints") is not None
 # A forced call of the random tiny model ends only when the schema bounds it (an enum, no extra keys).
 CITY = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},

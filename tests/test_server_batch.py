@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlx_dspark.api import generate
-from mlx_dspark.engine.constraints import Constraint
+from mlx_dspark.engine.logits.constraints import Constraint
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.serve.batch_worker import BatchWorker
 from tests.test_server import call, pair_loader, running_server, sse_events, stream, wait_for
@@ -182,7 +182,8 @@ def test_the_command_line_rejects_batch_flags_below_one():
 
 
 def test_the_batch_plans_over_this_machine_s_costs_and_serves_without_them(tiny_spark_pair, monkeypatch, tmp_path):
-    from mlx_dspark.engine import batch_length, cost_probe
+    from mlx_dspark.engine.batch import length as batch_length
+    from mlx_dspark.engine.costs import probe as cost_probe
 
     with running_server(pair_loader(tiny_spark_pair), defaults=GenerationOptions(max_tokens=6), max_batch=2) as srv:
         assert srv.worker.cost is not None and srv.worker.cost.source == "flat (tests)"  # measured at load (conftest's)
@@ -280,7 +281,7 @@ def test_requests_past_the_token_budget_wait_their_turn(tiny_spark_pair):
 def test_the_default_token_budget_follows_the_memory(tiny_spark_pair):
     from mlx.utils import tree_flatten
 
-    from mlx_dspark.engine.batch_length import BatchCost
+    from mlx_dspark.engine.batch.length import BatchCost
     from mlx_dspark.serve.batch_worker import MEMORY_SHARE, memory_token_budget
 
     model = pair_loader(tiny_spark_pair)()
@@ -292,7 +293,8 @@ def test_the_default_token_budget_follows_the_memory(tiny_spark_pair):
 
 
 def test_a_bug_in_the_cost_measurement_fails_the_load_on_health_instead_of_hanging(tiny_spark_pair, monkeypatch, tmp_path):
-    from mlx_dspark.engine import batch_length, cost_probe
+    from mlx_dspark.engine.batch import length as batch_length
+    from mlx_dspark.engine.costs import probe as cost_probe
 
     def buggy(target, draft, *, max_batch):
         raise TypeError("unsupported operand")

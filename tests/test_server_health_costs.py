@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from mlx_dspark.engine.cost_probe import cost_curve_path
+from mlx_dspark.engine.costs.probe import cost_curve_path
 from mlx_dspark.engine.options import GenerationOptions
 from tests.test_server import MESSAGES, call, pair_loader, running_server
 

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlx_dspark.models import base, target_model_class
-from mlx_dspark.models.mlx_lm_target import from_config, probe_target
+from mlx_dspark.models import target_model_class
+
+from mlx_dspark.models.layers import base
+from mlx_dspark.models.target.mlx_lm import from_config, probe_target
 from tests import spark_reference
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -48,7 +50,7 @@ def tiny_config(**overrides) -> dict:
 
 
 def build(config: dict):
-    """The target as `load` builds it: mlx-lm's spark2_5 class (ours over it: models/mlx_lm_spark2_5.py)."""
+    """The target as `load` builds it: mlx-lm's spark2_5 class (ours over it: models/target/spark2_5.py)."""
     return from_config(config, model_class=target_model_class(config))
 
 
@@ -88,7 +90,7 @@ def decode_in_chunks(model, ids: mx.array, sizes) -> mx.array:
     return mx.concatenate(outs, axis=1)
 
 
-# --- shared pieces (models/base.py) ---
+# --- shared pieces (models/layers/base.py) ---
 
 
 @pytest.mark.parametrize("head_dim,factor,theta,offset", [(32, 1.0, 10000.0, 0), (32, 0.25, 5e6, 37), (24, 0.5, 1e6, 5)])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_dspark.engine.decode import speculative_steps
+from mlx_dspark.engine.round.decode import speculative_steps
 from mlx_dspark.engine.options import OptionError, SpeculationOptions
-from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.logits.sample import Sampler
 from tests.engine_helpers import OracleProposer, greedy_reference, make_target
 
 FAMILIES = ["spark2_5", "qwen3"]

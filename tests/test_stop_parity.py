@@ -22,8 +22,8 @@ import mlx_dspark
 from mlx_dspark.api import GenerationCancelled, encode_prompt, make_prompt_cache, stream_generate
 from mlx_dspark.chat_format.turn import ToolSetup
 from mlx_dspark.cli.demo import demo_pair
-from mlx_dspark.engine.constraints import Constraint
-from mlx_dspark.engine.lookup import LOOKUP_MAX_TOKENS
+from mlx_dspark.engine.logits.constraints import Constraint
+from mlx_dspark.engine.proposers.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions
 from tests.batch_helpers import drive_batch
 

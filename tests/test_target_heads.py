@@ -15,7 +15,7 @@ import pytest
 import mlx_dspark
 from mlx_dspark.bench.runner import RunSettings, prepare_model
 from mlx_dspark.loading.pair import check_shared_tensors
-from mlx_dspark.models.heads import head_is_tied, target_head
+from mlx_dspark.models.target.lm_head import head_is_tied, target_head
 from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
 from mlx_dspark.testing.tiny import write_tiny_draft
 

@@ -1,4 +1,4 @@
-"""Who wrote each streamed character (engine/token_origins.py): the marks the server's page shows.
+"""Who wrote each streamed character (engine/round/token_origins.py): the marks the server's page shows.
 
 The oracle is independent of the streaming detokenizer: each committed token's characters are the
 growth of `tokenizer.decode(tokens[: i + 1])`, and its origin is the round's block source for its
@@ -12,7 +12,7 @@ import pytest
 
 import mlx_dspark
 from mlx_dspark.api import stream_generate
-from mlx_dspark.engine.token_origins import TextOrigins, token_origins
+from mlx_dspark.engine.round.token_origins import TextOrigins, token_origins
 
 DEMO = Path(mlx_dspark.__file__).parent / "demo"
 

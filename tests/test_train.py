@@ -291,8 +291,8 @@ def test_greedy_with_a_trained_draft_is_token_identical_to_plain_greedy(trained,
 
 
 def test_sampling_with_a_trained_draft_matches_the_exact_target_distribution(monkeypatch):
-    from mlx_dspark.engine.propose import DraftProposer
-    from mlx_dspark.engine.sample import Sampler
+    from mlx_dspark.engine.proposers.dspark import DraftProposer
+    from mlx_dspark.engine.logits.sample import Sampler
     from tests import test_lossless_sampling as harness
     from tests.engine_helpers import make_draft, make_target
 

@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 
 from mlx_dspark.bench.controlled_tree import RankedProposer
 from mlx_dspark.cli.generate import app
-from mlx_dspark.engine.schedule import CostCurve
-from mlx_dspark.engine.tree import Tree, grow_tree
-from mlx_dspark.engine.tree_budget import AutoTree
-from mlx_dspark.engine.tree_steps import tree_steps
+from mlx_dspark.engine.costs.curve import CostCurve
+from mlx_dspark.engine.tree.grow import Tree, grow_tree
+from mlx_dspark.engine.tree.budget import AutoTree
+from mlx_dspark.engine.tree.rounds import tree_steps
 from tests.engine_helpers import greedy_reference, make_target
 
 VOCAB, DEPTH, CAP = 8, 4, 12

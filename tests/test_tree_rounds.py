@@ -13,11 +13,11 @@ import pytest
 from mlx_dspark.bench.controlled_tree import RankedProposer
 from mlx_dspark.engine.options import GenerationOptions, OptionError, SamplingOptions, SpeculationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.propose import DraftProposer
-from mlx_dspark.engine.steps import make_steps
-from mlx_dspark.engine.tree import Tree, grow_chain, grow_tree, with_chain
-from mlx_dspark.engine.tree_accept import accept_tree_greedy
-from mlx_dspark.engine.tree_steps import tree_steps
+from mlx_dspark.engine.proposers.dspark import DraftProposer
+from mlx_dspark.engine.round.request import make_steps
+from mlx_dspark.engine.tree.grow import Tree, grow_chain, grow_tree, with_chain
+from mlx_dspark.engine.tree.accept import accept_tree_greedy
+from mlx_dspark.engine.tree.rounds import tree_steps
 from tests.engine_helpers import greedy_reference, make_draft, make_target
 
 PROMPT = [3, 14, 15, 9, 26, 5]
@@ -238,7 +238,7 @@ def test_a_dflash2_draft_asked_for_trees_runs_chain_rounds_as_plain_decoding_and
 )
 def test_a_request_trees_cannot_run_gets_chain_rounds_equal_to_plain_decoding_and_one_note(loaded_pair, keywords, named):
     import mlx_dspark
-    from mlx_dspark.engine.constraints import Constraint
+    from mlx_dspark.engine.logits.constraints import Constraint
 
     pair = loaded_pair
     keywords = dict(keywords)

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.propose import DraftProposer
-from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.engine.tree import Tree
-from mlx_dspark.engine.tree_accept import accept_tree_sampled
-from mlx_dspark.engine.tree_steps import tree_steps
+from mlx_dspark.engine.proposers.dspark import DraftProposer
+from mlx_dspark.engine.logits.sample import Sampler
+from mlx_dspark.engine.tree.grow import Tree
+from mlx_dspark.engine.tree.accept import accept_tree_sampled
+from mlx_dspark.engine.tree.rounds import tree_steps
 from tests.test_lossless_sampling import PROMPT, chi_square_p_value, exact_distribution
 
 VOCAB = 5

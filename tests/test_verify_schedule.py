@@ -18,12 +18,12 @@ from typer.testing import CliRunner
 
 import mlx_dspark
 from mlx_dspark.cli.generate import app as generate_app
-from mlx_dspark.engine.decode import speculative_steps
+from mlx_dspark.engine.round.decode import speculative_steps
 from mlx_dspark.engine.options import OptionError, SpeculationOptions
-from mlx_dspark.engine.propose import DraftProposer, Proposal
-from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.engine.cost_probe import cost_curve_for, measure_cost_curve
-from mlx_dspark.engine.schedule import CostCurve, scheduled_length
+from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposal
+from mlx_dspark.engine.logits.sample import Sampler
+from mlx_dspark.engine.costs.probe import cost_curve_for, measure_cost_curve
+from mlx_dspark.engine.costs.curve import CostCurve, scheduled_length
 from mlx_dspark.testing.tiny import write_tiny_draft
 from tests.engine_helpers import OracleProposer, make_draft, make_target
 from tests.test_lossless_sampling import (

@@ -17,7 +17,7 @@ from mlx_dspark.api import GenerationResult, encode_prompt, generate
 from mlx_dspark.bench.prompts import BenchPrompt
 from mlx_dspark.bench.runner import RunSettings
 from mlx_dspark.bench.stats import mean, median
-from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.costs.curve import CostCurve
 
 CARD_MAX_TOKENS = 4096
 SCHEDULES = ("fixed", "confidence")

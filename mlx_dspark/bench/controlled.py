@@ -24,10 +24,10 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from mlx_dspark.api import generate
-from mlx_dspark.engine.decode import plain_steps
+from mlx_dspark.engine.round.decode import plain_steps
 from mlx_dspark.engine.options import GenerationOptions
-from mlx_dspark.engine.propose import DraftProposer, Proposal
-from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposal
+from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.bench.controlled_chain import ChainProbe, chain_head, chain_proposer, chain_steps, step_ms
 from mlx_dspark.bench.cost import CostProbe, ideal_speedup
 from mlx_dspark.bench.profile import format_profile, profile_rounds

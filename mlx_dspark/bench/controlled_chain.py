@@ -19,12 +19,12 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.engine import cost_probe
-from mlx_dspark.engine.cost_probe import default_head, head_block
-from mlx_dspark.engine.decode import prefill
-from mlx_dspark.engine.eagle3_propose import Eagle3Proposer
-from mlx_dspark.engine.gemma4_assistant_propose import AssistantProposer
-from mlx_dspark.engine.mtp_propose import MTPProposer
+from mlx_dspark.engine.costs import probe as cost_probe
+from mlx_dspark.engine.costs.probe import default_head, head_block
+from mlx_dspark.engine.round.decode import prefill
+from mlx_dspark.engine.proposers.eagle3 import Eagle3Proposer
+from mlx_dspark.engine.proposers.gemma4_assistant import AssistantProposer
+from mlx_dspark.engine.proposers.mtp import MTPProposer
 from mlx_dspark.bench.cost import CostProbe, _timed, random_prompt
 from mlx_dspark.bench.stats import loadavg
 

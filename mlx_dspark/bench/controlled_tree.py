@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.engine.propose import Proposal
+from mlx_dspark.engine.proposers.dspark import Proposal
 
 GOLDEN = (math.sqrt(5) - 1) / 2
 

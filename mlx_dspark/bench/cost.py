@@ -15,11 +15,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_dspark.engine.accept import accept_greedy
-from mlx_dspark.engine.cost_probe import undo_timed_forward
-from mlx_dspark.engine.decode import plain_steps, prefill
-from mlx_dspark.engine.propose import DraftProposer
-from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.round.accept import accept_greedy
+from mlx_dspark.engine.costs.probe import undo_timed_forward
+from mlx_dspark.engine.round.decode import plain_steps, prefill
+from mlx_dspark.engine.proposers.dspark import DraftProposer
+from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.bench.stats import loadavg, median
 
 

@@ -1,7 +1,7 @@
 """mlx-lm's own plain generation on the same weights: the baseline that keeps ours honest.
 
 qwen3 and spark2_5 targets (mlx-lm 0.32 ships both models) and targets of any other family (which we
-run through mlx-lm's own model class, `models/mlx_lm_target.py`) are loaded by `mlx_lm.load` with mlx-lm's own
+run through mlx-lm's own model class, `models/target/mlx_lm.py`) are loaded by `mlx_lm.load` with mlx-lm's own
 model, cast to `--dtype` and, for `--quantize`, quantized by mlx-lm's own `quantize_model` (the same layers as our
 loader uses); a checkpoint stored quantized, a GGUF file (mlx-lm's loader reads directories) or another
 family runs our target module under mlx-lm's `generate_step` through `LogitsOnly`, so the loop is mlx-lm's
@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.options import SamplingOptions
-from mlx_dspark.models.mlx_lm_target import is_mlx_lm_target
+from mlx_dspark.models.target.mlx_lm import is_mlx_lm_target
 
 
 class LogitsOnly:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from mlx_dspark.engine.decode import PREFILL_STEP_SIZE, speculative_steps
-from mlx_dspark.engine.sample import Sampler
+from mlx_dspark.engine.round.decode import PREFILL_STEP_SIZE, speculative_steps
+from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.bench.stats import median
 
 class _TimedTarget:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from mlx_dspark.api import GenerationResult, encode_prompt, generate
-from mlx_dspark.engine.cost_probe import default_head, head_block, head_names
+from mlx_dspark.engine.costs.probe import default_head, head_block, head_names
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.bench.lossless import compare_greedy
 from mlx_dspark.bench.mlx_lm_baseline import MlxLmBaseline, run_mlx_lm

@@ -21,8 +21,8 @@ from mlx_dspark.api import generate
 from mlx_dspark.bench.controlled import greedy_reference, reference_block
 from mlx_dspark.bench.stats import loadavg, mean, median
 from mlx_dspark.engine.options import GenerationOptions
-from mlx_dspark.engine.propose import DraftProposer, Proposal
-from mlx_dspark.engine.schedule import CostCurve, scheduled_length
+from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposal
+from mlx_dspark.engine.costs.curve import CostCurve, scheduled_length
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from mlx_dspark.bench import card, controlled, controlled_chain, cost, plots, re
 from mlx_dspark.bench.mlx_lm_baseline import make_mlx_lm_baseline
 from mlx_dspark.bench.prompts import select_prompts
 from mlx_dspark.bench.stats import loadavg
-from mlx_dspark.engine.cost_probe import head_block
+from mlx_dspark.engine.costs.probe import head_block
 
 
 @dataclass
@@ -122,8 +122,8 @@ def run(options: Options, *, meta: dict, loaded: Any = None) -> dict:
     for section in sections:
         print(section)
     if options.card_columns:
-        from mlx_dspark.engine.cost_probe import cost_curve_for
-        from mlx_dspark.engine.schedule import require_confidence_head
+        from mlx_dspark.engine.costs.probe import cost_curve_for
+        from mlx_dspark.engine.costs.curve import require_confidence_head
 
         require_confidence_head(loaded.draft, source=loaded.draft_path)
         curve = settings.generation.speculation.cost_curve or cost_curve_for(loaded)
@@ -160,7 +160,7 @@ def run(options: Options, *, meta: dict, loaded: Any = None) -> dict:
             print(sections[-1])
 
     if options.schedule_ab:
-        from mlx_dspark.engine.cost_probe import cost_curve_for
+        from mlx_dspark.engine.costs.probe import cost_curve_for
 
         no_stop = runner.prepare_model(loaded, runner.RunSettings(ignore_eos=True))
         curve = settings.generation.speculation.cost_curve or cost_curve_for(loaded)

@@ -3,7 +3,7 @@ forces a call (`tool_choice` "required" or a named function) in the template's t
 
 Tools travel in OpenAI's chat format (`{"type": "function", "function": {"name", "description",
 "parameters"}}`), which is what chat templates render; the Anthropic and Responses surfaces convert
-theirs to it. Forcing a call needs the engine's constrained decoding (`engine/constraints.py`) and a
+theirs to it. Forcing a call needs the engine's constrained decoding (`engine/logits/constraints.py`) and a
 template whose call body is JSON (mlx-lm's `json_tools` parser: `<tool_call>{"name", "arguments"}</tool_call>`,
 the Qwen3 format); anything else is a `ToolError` rather than an unforced answer.
 """
@@ -156,7 +156,7 @@ def forced_call_constraint(tokenizer: Any, tools: Sequence[dict], choice: ToolCh
     """The engine `Constraint` under which the output is one call (or, with `parallel`, several) of the
     chosen tools in the template's syntax; a ToolError when that cannot be built here."""
     try:
-        from mlx_dspark.engine.constraints import Constraint, ToolCallShape
+        from mlx_dspark.engine.logits.constraints import Constraint, ToolCallShape
     except ImportError:
         raise ToolError(field, f"{choice.mode!r} forces a tool call, which needs constrained decoding; this build "
                                "has none (use 'auto')") from None

@@ -21,8 +21,8 @@ app = typer.Typer(add_completion=False, help="This machine's draft and verify co
 def report(pair, curve, path, *, head: str = "draft") -> dict:
     """What the command prints for one draft head: the machine, the curve at each depth, break-even
     acceptances, auto's start."""
-    from mlx_dspark.engine.cost_probe import head_block, machine
-    from mlx_dspark.engine.draft_length import AutoLength, break_even
+    from mlx_dspark.engine.costs.probe import head_block, machine
+    from mlx_dspark.engine.policy.draft_length import AutoLength, break_even
 
     block = head_block(pair, head)
     depths = [curve] + ([curve.deep] if curve.deep is not None else [])
@@ -68,7 +68,7 @@ PLAN_ACCEPTANCES = (0.5, 0.7, 0.9)  # per-position acceptances the batch table s
 
 def batch_report(cost, block: int) -> dict:
     """The packed costs and, per width and acceptance, the drafts per request the server's plan takes."""
-    from mlx_dspark.engine.batch_length import RowDemand, measured_widths, plan_lengths
+    from mlx_dspark.engine.batch.length import RowDemand, measured_widths, plan_lengths
 
     widths = sorted({*measured_widths(cost.max_width), cost.max_width})
     plans = {str(q): {str(w): plan_lengths(cost, [RowDemand(acceptance=[q] * block, cap=block)] * w) for w in widths}
@@ -127,7 +127,7 @@ def cli(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ) -> None:
-    from mlx_dspark.engine.cost_probe import cost_curve_for, cost_curve_path, head_names, measure_chain_curve, measure_cost_curve
+    from mlx_dspark.engine.costs.probe import cost_curve_for, cost_curve_path, head_names, measure_chain_curve, measure_cost_curve
     from mlx_dspark.loading.load import load
 
     if model is None:
@@ -167,8 +167,8 @@ def cli(
 
 
 def _batch(pair, max_batch: int, *, remeasure: bool) -> dict:
-    from mlx_dspark.engine.batch_length import batch_cost_for, batch_cost_path
-    from mlx_dspark.models.packed import packing_problem
+    from mlx_dspark.engine.batch.length import batch_cost_for, batch_cost_path
+    from mlx_dspark.models.packed.forward import packing_problem
 
     problem = packing_problem(pair)
     if problem is not None:

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 import typer
 
 from mlx_dspark.cli import common as flags
-from mlx_dspark.engine.lookup import LOOKUP_MAX_TOKENS
+from mlx_dspark.engine.proposers.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.api import GenerationResult, ResultCollector, StepResponse, encode_prompt, make_prompt_cache, stream_generate
 from mlx_dspark.chat_format.turn import OutputCollector, ToolSetup
 from mlx_dspark.cli.common import fail, flag_errors

@@ -20,8 +20,8 @@ from typing import Annotated, Any, Iterator, Mapping, Optional
 import typer
 
 from mlx_dspark.cli.demo import DEMO_PROMPT, demo_pair  # noqa: F401  (re-exported: the commands' default)
-from mlx_dspark.engine.constraints import Constraint, ConstraintError
-from mlx_dspark.engine.draft_length import AUTO
+from mlx_dspark.engine.logits.constraints import Constraint, ConstraintError
+from mlx_dspark.engine.policy.draft_length import AUTO
 from mlx_dspark.engine.options import (
     DEFAULT_OPTIONS,
     DRAFT_SAMPLING_MODES,
@@ -31,7 +31,7 @@ from mlx_dspark.engine.options import (
     OptionError,
 )
 from mlx_dspark.loading.precision import Q_BITS
-from mlx_dspark.engine.schedule import CostCurve
+from mlx_dspark.engine.costs.curve import CostCurve
 from mlx_dspark.cli.errors import exit_on_interrupt, fail, load_errors  # noqa: F401  (re-exported)
 
 # The flags' defaults are the options' own.
@@ -379,8 +379,8 @@ def resolve_cost_curve(pair: Any, options: GenerationOptions) -> GenerationOptio
     """For auto draft lengths or --verify-schedule confidence: fix the cost curve now (the --cost-curve-file
     one, else this machine's: cached, or measured once here rather than in a request); the confidence
     schedule also checks that the draft has a confidence head."""
-    from mlx_dspark.engine.cost_probe import cost_curve_for
-    from mlx_dspark.engine.schedule import require_confidence_head
+    from mlx_dspark.engine.costs.probe import cost_curve_for
+    from mlx_dspark.engine.costs.curve import require_confidence_head
 
     speculation = options.speculation
     if speculation.verify_schedule == "confidence":
@@ -424,7 +424,7 @@ def draft_load_options(flags: Mapping[str, Any], *, speculative: bool = True) ->
 
     Without a draft (`speculative=False`) the draft's flags are dropped: --no-draft runs the target alone."""
     from mlx_dspark.loading.precision import DTYPES
-    from mlx_dspark.models.cache import KV_BITS
+    from mlx_dspark.models.caches.kv import KV_BITS
 
     quantize, dtype = flags.get("draft_quantize"), flags.get("draft_dtype")
     vocab, vocab_file, kv_bits = flags.get("draft_vocab"), flags.get("draft_vocab_file"), flags.get("kv_bits")

@@ -9,7 +9,7 @@ from typing import Iterator, NoReturn
 
 import typer
 
-from mlx_dspark.engine.tree_fallback import EngineNote
+from mlx_dspark.engine.tree.fallback import EngineNote
 
 
 def fail(message: str) -> NoReturn:

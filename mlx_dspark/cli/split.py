@@ -1,4 +1,4 @@
-"""A command started by `mlx.launch` over several ranks: the target split over them (models/split_target.py).
+"""A command started by `mlx.launch` over several ranks: the target split over them (models/distributed/split_target.py).
 
 Rank 0 runs the command as on one machine and is the only one that writes; the other ranks load the
 same files, take their slice and follow rank 0's target forwards until it is done (its exit releases
@@ -45,7 +45,7 @@ def target_splitter(group: Optional[Any], *, pipeline: bool = False, serving: bo
         return None
     from mlx_dspark.cli.rank_watch import watch_ranks
     from mlx_dspark.loading.fingerprint import target_fingerprint
-    from mlx_dspark.models.split_target import PIPELINE, SplitTargetError, agree, split_target
+    from mlx_dspark.models.distributed.split_target import PIPELINE, SplitTargetError, agree, split_target
 
     def split(target: Any, path: Path) -> None:
         rank = group.rank()
@@ -63,7 +63,7 @@ def split_or_follow(pair: Any, group: Any) -> None:
     """After a load split over `group` (`target_splitter`): on rank 0 make the target lead and return,
     elsewhere follow rank 0's forwards and exit."""
     from mlx_dspark.cli.rank_watch import lost
-    from mlx_dspark.models.split_target import follow, lead
+    from mlx_dspark.models.distributed.split_target import follow, lead
 
     on_lost = functools.partial(lost, group.rank())
     mode = pair.target._split_mode

@@ -16,10 +16,10 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from mlx_dspark.engine.constraints import Constraint
-from mlx_dspark.engine.draft_length import AUTO
-from mlx_dspark.engine.sample import Sampler
-from mlx_dspark.engine.schedule import VERIFY_SCHEDULES, CostCurve
+from mlx_dspark.engine.logits.constraints import Constraint
+from mlx_dspark.engine.policy.draft_length import AUTO
+from mlx_dspark.engine.logits.sample import Sampler
+from mlx_dspark.engine.costs.curve import VERIFY_SCHEDULES, CostCurve
 
 DRAFT_SAMPLING_MODES = ("greedy", "sample")
 # "off"; "on": lookup continuations beside the DSpark draft (alone when the model has none), the round

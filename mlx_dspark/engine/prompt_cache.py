@@ -38,7 +38,7 @@ Draft context. The draft proposer must read and extend this cache's `draft_conte
 so switching between plain and speculative generations on one cache restarts it cold.
 
 Chained heads (issue 35.5). An MTP / EAGLE-3 proposer drafts over this cache's `chain_context(name,
-make_cache)` (`context=`; engine/chain_context.py): the drafter's KV cache (full attention: trimmed to any
+make_cache)` (`context=`; engine/proposers/chain_context.py): the drafter's KV cache (full attention: trimmed to any
 position, so snapshots copy nothing of it), its entries, the tokens they pair with, the waiting features and
 the newest entry's features. Entry t pairs the target's features at t with the token at t + 1, so a resume
 also stops where a chain can no longer serve exactly (`ChainContext.reach`): the entry before the resumed
@@ -58,10 +58,10 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.models.cache import trim_caches
-from mlx_dspark.models.rollback import TRIM, LayerState, RollbackCaches, layer_state, restore_layer
-from mlx_dspark.engine.chain_context import ChainContext, common_prefix
-from mlx_dspark.engine.propose import Proposer
+from mlx_dspark.models.caches.kv import trim_caches
+from mlx_dspark.models.caches.rollback import TRIM, LayerState, RollbackCaches, layer_state, restore_layer
+from mlx_dspark.engine.proposers.chain_context import ChainContext, common_prefix
+from mlx_dspark.engine.proposers.dspark import Proposer
 
 __all__ = ["PromptCache", "Snapshot", "common_prefix"]
 

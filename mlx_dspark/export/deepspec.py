@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from mlx_dspark.export.hf_files import draft_fields, weights_dtype, write_checkpoint
 from mlx_dspark.export.source import EMBED, HEAD, ExportDraft
-from mlx_dspark.models.dspark_args import DSPARK_FIELDS, NESTED_FIELDS
+from mlx_dspark.models.heads.dspark.args import DSPARK_FIELDS, NESTED_FIELDS
 
 ARCHITECTURES = {"qwen3": "Qwen3DSparkModel", "spark2_5": "Spark2_5DSparkModel", "gemma4": "Gemma4DSparkModel"}
 _DROPPED = ("quantization", "quantization_config", NESTED_FIELDS, "auto_map")

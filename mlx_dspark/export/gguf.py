@@ -203,7 +203,7 @@ def _add_keys(writer: Any, draft: ExportDraft) -> None:
     writer.add_bool(p + "sample_from_anchor", args.packaging.sample_from_anchor)
     writer.add_bool(p + "has_confidence_head", bool(args.enable_confidence_head))
     writer.add_string(p + "hidden_activation", layers.hidden_act)  # "silu" / "gelu", as upstream reads it
-    packaging = args.packaging  # the scales a published packaging carries (models/dspark_packaging.py)
+    packaging = args.packaging  # the scales a published packaging carries (models/heads/dspark/packaging.py)
     for key, value in (
         ("attention.value_scale", packaging.value_scale),
         ("attention.scale", packaging.attention_scale),

@@ -5,7 +5,7 @@ and the tensors `blk.N.{attn,ffn}_conv_base`, `blk.N.{attn,ffn}_conv_proj.weight
 `selector_{predecessor,successor,hidden}.weight`, named by the reader's own table (loading/gguf_dflash2.py)
 turned around. No tensor is permuted: a (2, K, C) base is ggml {C, K, 2}, as upstream reads it.
 
-Upstream's loader checks C % G == 0 (our loader refuses such a draft already: models/dflash2_args.py) and
+Upstream's loader checks C % G == 0 (our loader refuses such a draft already: models/heads/dspark/dflash2_args.py) and
 C >= top_k * (top_k + 1); a draft that fails the second is refused here by name rather than written into a
 file llama.cpp would reject.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from mlx_dspark.export.source import ExportDraft
 from mlx_dspark.loading import gguf_dflash2
-from mlx_dspark.models.dflash2_args import FIELDS
+from mlx_dspark.models.heads.dspark.dflash2_args import FIELDS
 
 
 def check(draft: ExportDraft) -> None:

@@ -30,13 +30,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint, resolve_path
-from mlx_dspark.loading.eagle3 import build_eagle3
+from mlx_dspark.loading.heads.eagle3 import build_eagle3
 from mlx_dspark.loading.load import build_draft, build_target, split_draft
-from mlx_dspark.loading.mtp import MTP_DRAFT, supports_mtp
-from mlx_dspark.models.dspark_args import DraftArgs, is_draft_config
-from mlx_dspark.models.eagle3_args import Eagle3Args, is_eagle3_config
-from mlx_dspark.models.gemma4_assistant import is_assistant_config
-from mlx_dspark.models.heads import target_head
+from mlx_dspark.loading.heads.mtp import MTP_DRAFT, supports_mtp
+from mlx_dspark.models.heads.dspark.args import DraftArgs, is_draft_config
+from mlx_dspark.models.heads.eagle3.args import Eagle3Args, is_eagle3_config
+from mlx_dspark.models.heads.gemma4_assistant.model import is_assistant_config
+from mlx_dspark.models.target.lm_head import target_head
 
 EMBED, HEAD = "embed_tokens.weight", "lm_head.weight"
 MTP_LAYERS = (

@@ -1,5 +1,5 @@
 """Write an EAGLE-3 draft in vLLM speculators' layout (`speculators_model_type: eagle3`; ../shared/DRAFTERS.md
-section 3), the layout vLLM reads EAGLE-3 drafts from and our loader (loading/eagle3.py) reads.
+section 3), the layout vLLM reads EAGLE-3 drafts from and our loader (loading/heads/eagle3.py) reads.
 
 - `config.json`: the draft's own speculators config (`transformer_layer_config`, `draft_vocab_size`,
   `target_hidden_size`, `norm_before_residual`, `norm_before_fc`, `embed_requires_grad`,
@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from mlx_dspark.export.hf_files import dtype_name, weights_dtype, write_checkpoint
 from mlx_dspark.export.source import EMBED, ExportDraft
-from mlx_dspark.models.d2t import CHECKPOINT_NAME, DROPPED, PARAMETER_NAME
+from mlx_dspark.models.heads.d2t import CHECKPOINT_NAME, DROPPED, PARAMETER_NAME
 
 _INVERSE = DROPPED[0]  # "t2d"
 

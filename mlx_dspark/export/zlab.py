@@ -25,8 +25,8 @@ import mlx.core as mx
 
 from mlx_dspark.export.hf_files import draft_fields, weights_dtype, write_checkpoint
 from mlx_dspark.export.source import ExportDraft
-from mlx_dspark.models.dflash2_args import ARCHITECTURE, FIELDS
-from mlx_dspark.models.dspark_args import DSPARK_FIELDS, NESTED_FIELDS
+from mlx_dspark.models.heads.dspark.dflash2_args import ARCHITECTURE, FIELDS
+from mlx_dspark.models.heads.dspark.args import DSPARK_FIELDS, NESTED_FIELDS
 
 _DROPPED = ("quantization", "quantization_config", "auto_map", "sample_from_anchor", "use_cache", *DSPARK_FIELDS, *FIELDS)
 

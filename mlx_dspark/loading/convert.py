@@ -32,17 +32,17 @@ from mlx_dspark.loading.checkpoint import (
     weight_files,
 )
 from mlx_dspark.models import target_model_class
-from mlx_dspark.models.mlx_lm_target import from_config as mlx_lm_target_from_config
-from mlx_dspark.models.dflash2 import draft_class
-from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
-from mlx_dspark.models.eagle3_args import is_eagle3_config
-from mlx_dspark.models.gemma4_assistant import is_assistant_config
-from mlx_dspark.models.dspark_args import DraftArgs, canonical_name, canonical_names, is_draft_config, layer_family, with_tensor_fields
+from mlx_dspark.models.target.mlx_lm import from_config as mlx_lm_target_from_config
+from mlx_dspark.models.heads.dspark.dflash2 import draft_class
+from mlx_dspark.models.heads.dspark.model import SHARED_PREFIXES, DSparkDraft
+from mlx_dspark.models.heads.eagle3.args import is_eagle3_config
+from mlx_dspark.models.heads.gemma4_assistant.model import is_assistant_config
+from mlx_dspark.models.heads.dspark.args import DraftArgs, canonical_name, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.precision import DRAFT_SOURCE_PRECISION, check_quantize_options, parse_dtype, quant_predicate
 from mlx_dspark.loading.weights import check_tensors
 from mlx_dspark.loading.gguf_convert import convert_gguf
 from mlx_dspark.loading.mlx_output import AUX_FILES, check_destination, clear_outputs, write_config
-from mlx_dspark.loading.mtp import is_mtp_tensor, mtp_skeleton, target_weights
+from mlx_dspark.loading.heads.mtp import is_mtp_tensor, mtp_skeleton, target_weights
 
 
 

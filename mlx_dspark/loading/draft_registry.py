@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
-from mlx_dspark.loading.mtp import MTP_DRAFT, declares_mtp, has_mtp_tensors, mtp_layer_count, runs_mtp
+from mlx_dspark.loading.heads.mtp import MTP_DRAFT, declares_mtp, has_mtp_tensors, mtp_layer_count, runs_mtp
 
 AUTO = "auto"
 HUB_CONNECT_TIMEOUT_S = 5.0

@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 from mlx_dspark.loading.mlx_output import AUX_FILES, clear_outputs, write_config
 from mlx_dspark.loading.checkpoint import Checkpoint, ShardWriter, read_checkpoint, read_json
 from mlx_dspark.loading.load import build_draft, build_target
-from mlx_dspark.models.dspark_args import is_draft_config
+from mlx_dspark.models.heads.dspark.args import is_draft_config
 from mlx_dspark.loading.pair import FLOAT_STORAGE
 from mlx_dspark.loading.precision import DTYPES, quant_predicate
 from mlx_dspark.loading.tokenizer import tokenizer_directory

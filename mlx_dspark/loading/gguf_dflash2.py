@@ -4,9 +4,9 @@
 A DFlash 2 file has the architecture name of a DFlash / DSpark draft; the selector tells it apart
 (`selector_hidden.weight` present, or `dflash.selector_top_k` > 0, as upstream decides). Its keys
 `dflash.{conv_kernel_size, conv_group_size, selector_rank, selector_top_k}` become the config's DFlash 2
-fields (models/dflash2_args.py), `dflash.logit_scale` / `dflash.final_logit_softcapping` its
+fields (models/heads/dspark/dflash2_args.py), `dflash.logit_scale` / `dflash.final_logit_softcapping` its
 `output_multiplier` / `final_logit_softcapping` (read by the selector only); the tensors take z-lab's
-Hugging Face names (models/dflash2.py). The conv bases are ggml {C, K, 2}: (2, K, C) as read, z-lab's
+Hugging Face names (models/heads/dspark/dflash2.py). The conv bases are ggml {C, K, 2}: (2, K, C) as read, z-lab's
 `base_kernel` layout; no tensor is permuted.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlx_dspark.loading.gguf_metadata import Metadata
-from mlx_dspark.models.dflash2_args import FIELDS
+from mlx_dspark.models.heads.dspark.dflash2_args import FIELDS
 
 LAYER_TENSORS = {
     "attn_conv_base": "attention_conv.base_kernel",

@@ -341,7 +341,7 @@ def _refuse_other_drafts(meta: Metadata, p: str, *, dflash2: bool) -> None:
 
 
 def _packaging(meta: Metadata, p: str, family: str, *, dflash2: bool = False) -> dict[str, Any]:
-    """The draft keys beyond DeepSpec's layout, as config fields (models/dspark_packaging.py)."""
+    """The draft keys beyond DeepSpec's layout, as config fields (models/heads/dspark/packaging.py)."""
     fields: dict[str, Any] = {"sample_from_anchor": meta.flag(p + "sample_from_anchor", True)}
     act = meta.get(p + "hidden_activation")
     if act is not None:

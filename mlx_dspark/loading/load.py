@@ -20,16 +20,16 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint, resolve_path
-from mlx_dspark.models.finite import check_finite_weights
+from mlx_dspark.models.target.finite import check_finite_weights
 from mlx_dspark.models import target_model_class
-from mlx_dspark.models.mlx_lm_target import check_quantized_caches, from_config as mlx_lm_target_from_config, probe_target
-from mlx_dspark.models.dflash2 import draft_class
-from mlx_dspark.models.dspark import SHARED_PREFIXES, DSparkDraft
-from mlx_dspark.models.dspark_args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
-from mlx_dspark.models.dspark_packaging import BONUS_ANCHOR_ARCHITECTURES
-from mlx_dspark.loading.eagle3 import build_eagle3, check_options as check_eagle3_options, quantize_eagle3
-from mlx_dspark.loading.gemma4_assistant import build_assistant, check_options as check_assistant_options, quantize_assistant
-from mlx_dspark.loading.mtp import MTP_DRAFT, build_mtp, quantize_mtp, target_weights
+from mlx_dspark.models.target.mlx_lm import check_quantized_caches, from_config as mlx_lm_target_from_config, probe_target
+from mlx_dspark.models.heads.dspark.dflash2 import draft_class
+from mlx_dspark.models.heads.dspark.model import SHARED_PREFIXES, DSparkDraft
+from mlx_dspark.models.heads.dspark.args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
+from mlx_dspark.models.heads.dspark.packaging import BONUS_ANCHOR_ARCHITECTURES
+from mlx_dspark.loading.heads.eagle3 import build_eagle3, check_options as check_eagle3_options, quantize_eagle3
+from mlx_dspark.loading.heads.gemma4_assistant import build_assistant, check_options as check_assistant_options, quantize_assistant
+from mlx_dspark.loading.heads.mtp import MTP_DRAFT, build_mtp, quantize_mtp, target_weights
 from mlx_dspark.loading.pair import check_shared_tensors, check_zlab_block_embedding, validate_pair
 from mlx_dspark.loading.precision import (
     DRAFT_SOURCE_PRECISION,
@@ -40,10 +40,10 @@ from mlx_dspark.loading.precision import (
 )
 from mlx_dspark.loading.rank_vocab import find_rank_file, read_ranked_ids
 from mlx_dspark.loading.tokenizer import load_tokenizer
-from mlx_dspark.models.cache import check_kv_bits
-from mlx_dspark.models.draft_vocab import DraftVocabulary
-from mlx_dspark.models.eagle3_args import is_eagle3_config
-from mlx_dspark.models.gemma4_assistant import is_assistant_config
+from mlx_dspark.models.caches.kv import check_kv_bits
+from mlx_dspark.models.heads.draft_vocab import DraftVocabulary
+from mlx_dspark.models.heads.eagle3.args import is_eagle3_config
+from mlx_dspark.models.heads.gemma4_assistant.model import is_assistant_config
 from mlx_dspark.loading.weights import fill_model
 
 
@@ -210,20 +210,20 @@ def load(
       names for that width stay in float), 0 to keep it in float beside a `quantize`d target; None: as `quantize`.
     draft_dtype: the draft's floating dtype, replacing `dtype` for it.
     draft may also be an EAGLE-3 draft (vLLM speculators layout, `speculators_model_type: eagle3`): it is
-      built into `LoadedModel.eagle3` (models/eagle3.py) and drafts k chained steps; draft_tap_ids /
+      built into `LoadedModel.eagle3` (models/heads/eagle3/model.py) and drafts k chained steps; draft_tap_ids /
       draft_vocab do not apply to it (refused).
     draft may also be a Gemma 4 assistant drafter (`google/gemma-4-*-it-assistant`, `Gemma4AssistantForCausalLM`)
-      beside a Gemma 4 target: built into `LoadedModel.assistant` (models/gemma4_assistant.py); it reads the
+      beside a Gemma 4 target: built into `LoadedModel.assistant` (models/heads/gemma4_assistant/model.py); it reads the
       target's final state and K/V and drafts k chained steps; draft_tap_ids / draft_vocab / kv_bits are refused.
     draft "mtp": no separate draft: the target's own multi-token-prediction layers propose (`LoadedModel.mtp`):
       `mtp.*` in a Qwen3.5 / 3.6 / 3.8 Hugging Face checkpoint, the next-n layer `model.layers.<num_hidden_layers>.*`
       in a DeepSeek-V3 or GLM-4.5+ one, `model.mtp_layers.*` in a MiMo one, `mtp.*` in a Qwen3-Next one,
       `mtp.layers.*` in a Nemotron-H one, or any in our own conversion of one.
       "PATH,mtp" (or a list [PATH, "mtp"]): both heads; each round proposes from the one that pays more
-      (engine/head_choice.py). Likewise several draft files, one of each kind: "DSPARK_PATH,EAGLE3_PATH[,mtp]"
+      (engine/policy/head_choice.py). Likewise several draft files, one of each kind: "DSPARK_PATH,EAGLE3_PATH[,mtp]"
       (a block draft, an EAGLE-3 draft or a Gemma 4 assistant, the MTP layers); draft_tap_ids / draft_vocab
       then apply to the block draft.
-    draft_vocab: draft over the K most frequent target tokens only (FR-Spec; `models/draft_vocab.py`),
+    draft_vocab: draft over the K most frequent target tokens only (FR-Spec; `models/heads/draft_vocab.py`),
       ranked by `draft_vocab_file` (from `python -m mlx_dspark.rank_vocab`), by default the
       `vocab_rank.json` beside the draft. Lossless: the target still verifies over its full vocabulary.
     kv_bits: 4 or 8: the target's full-attention KV caches quantized (mlx-lm's QuantizedKVCache);

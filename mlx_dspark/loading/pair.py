@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
 
-from mlx_dspark.models.heads import target_head
-from mlx_dspark.models.dspark_args import DraftArgs
+from mlx_dspark.models.target.lm_head import target_head
+from mlx_dspark.models.heads.dspark.args import DraftArgs
 
 
 # mlx-lm families whose model multiplies the input embedding by sqrt(hidden_size) (Gemma's scaled embedding)

@@ -16,7 +16,7 @@ from typing import Any
 from mlx_dspark.chat_format.prompt import is_template_error
 from mlx_dspark.chat_format.tools import ToolChoice
 
-from mlx_dspark.engine.context import ContextLengthError, context_length, fit_max_tokens
+from mlx_dspark.engine.context_length import ContextLengthError, context_length, fit_max_tokens
 from mlx_dspark.serve.errors import APIError
 from mlx_dspark.serve.protocol import GenerationRequest
 from mlx_dspark.serve.worker import READY

@@ -18,8 +18,8 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from mlx_dspark.engine.options import GenerationOptions
-from mlx_dspark.engine.batch import PREFILL_CHUNK
-from mlx_dspark.engine.context import context_length
+from mlx_dspark.engine.batch.round import PREFILL_CHUNK
+from mlx_dspark.engine.context_length import context_length
 from mlx_dspark.serve.batch_worker import BatchWorker
 from mlx_dspark.serve.cache_pool import PromptCacheBudget
 from mlx_dspark.serve.protocol import (

@@ -1,4 +1,4 @@
-"""Many requests at once: the model's thread runs continuous batching rounds (engine/batch.py).
+"""Many requests at once: the model's thread runs continuous batching rounds (engine/batch/round.py).
 
 `BatchWorker` is a `ModelWorker` (same jobs, events, loading, prompt-cache pool) whose `serve_jobs`
 keeps up to `max_batch` jobs active. Between rounds it admits queued jobs in order (a newcomer's prompt
@@ -28,14 +28,14 @@ from mlx.utils import tree_flatten
 
 from mlx_dspark.api import StepResponse, context_length, fit_max_tokens, stream_rounds
 from mlx_dspark.chat_format.turn import OutputCollector
-from mlx_dspark.engine.batch import PREFILL_CHUNK, BatchRow, batch_round
-from mlx_dspark.engine.batch_length import BatchCost, batch_cost_for
+from mlx_dspark.engine.batch.round import PREFILL_CHUNK, BatchRow, batch_round
+from mlx_dspark.engine.batch.length import BatchCost, batch_cost_for
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.steps import compile_request
+from mlx_dspark.engine.round.request import compile_request
 from mlx_dspark.serve.cache_pool import PromptCacheBudget
 from mlx_dspark.serve.progress import LOG_EVERY_S
 from mlx_dspark.serve.protocol import APIError
-from mlx_dspark.models.packed import packing_problem
+from mlx_dspark.models.packed.forward import packing_problem
 from mlx_dspark.serve.worker import _IDLE_POLL_S, Job, ModelWorker, fail_job
 
 log = logging.getLogger("mlx_dspark.server")

@@ -3,7 +3,7 @@ tools and the tool choice, reasoning effort, penalties and logit bias, logprobs,
 fields (`response_format`, the `regex` / `grammar` extensions).
 
 The penalties, logprobs and constraints are the engine's (`SamplingOptions` / `GenerationOptions`
-fields, `engine/constraints.py`); a build without one of them answers a request that sets it with a
+fields, `engine/logits/constraints.py`); a build without one of them answers a request that sets it with a
 400 naming the field, never a silently different answer.
 """
 
@@ -183,7 +183,7 @@ def openai_constraint(body: dict) -> tuple[Any, str | None]:
         raise APIError(400, f"give one constraint, got {', '.join(sources)}", param=sources[1], code="invalid_value")
     field = sources[0]
     try:
-        from mlx_dspark.engine.constraints import Constraint, ConstraintError
+        from mlx_dspark.engine.logits.constraints import Constraint, ConstraintError
     except ImportError:
         raise unsupported(field, "constrained decoding is not in this build") from None
     try:

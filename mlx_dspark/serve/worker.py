@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 from mlx_dspark.api import ContextLengthError, GenerationCancelled, StepResponse, stream_generate
 from mlx_dspark.chat_format.prompt import is_template_error
 from mlx_dspark.chat_format.turn import OutputCollector
-from mlx_dspark.models.finite import NonFiniteError
+from mlx_dspark.models.target.finite import NonFiniteError
 from mlx_dspark.serve.cache_pool import PromptCacheBudget, PromptCachePool
 from mlx_dspark.serve.progress import PrefillWatch
 from mlx_dspark.serve.protocol import APIError, GenerationRequest
@@ -218,7 +218,7 @@ class ModelWorker:
         otherwise wait for its measurement (tens of seconds on a busy machine) while /health said ok."""
         if getattr(self.model, "draft", None) is None:
             return
-        from mlx_dspark.engine.cost_probe import cost_curve_for
+        from mlx_dspark.engine.costs.probe import cost_curve_for
 
         self.phase = "measuring this machine's draft and verify costs (once; cached)"
         started = time.perf_counter()

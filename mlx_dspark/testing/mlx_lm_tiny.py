@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of families we run through mlx-lm (`models/mlx_lm_target.py`), in the
+"""Tiny random checkpoints of families we run through mlx-lm (`models/target/mlx_lm.py`), in the
 Hugging Face layout: config.json in the family's HF fields, safetensors under HF names, the tiny
 byte-level tokenizer (qwen3's specials and chat template; vocabulary 384).
 

@@ -57,7 +57,7 @@ def _hf_weights(config: dict[str, Any], rng: np.random.Generator) -> dict[str, n
     from mlx.utils import tree_flatten
     from mlx_lm.models import nemotron_h
 
-    from mlx_dspark.models import mtp_nemotron_h
+    from mlx_dspark.models.heads.mtp import nemotron_h as mtp_nemotron_h
 
     modules = [("", nemotron_h.Model(nemotron_h.ModelArgs.from_dict(config)))]
     if config.get("num_nextn_predict_layers"):

@@ -63,7 +63,7 @@ def _hf_weights(config: dict[str, Any], rng: np.random.Generator) -> dict[str, n
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3_next
 
-    from mlx_dspark.models import mtp_qwen3_next
+    from mlx_dspark.models.heads.mtp import qwen3_next as mtp_qwen3_next
 
     target = qwen3_next.Model(qwen3_next.ModelArgs.from_dict(config))
     mtp = mtp_qwen3_next.MTP(mtp_qwen3_next.mtp_args({**config, "num_nextn_predict_layers": config.get("num_nextn_predict_layers") or 1}))

@@ -70,7 +70,7 @@ def _target_weights(config: dict[str, Any], rng: np.random.Generator) -> dict[st
 def _mtp_weights(config: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
     from mlx.utils import tree_flatten
 
-    from mlx_dspark.models.mtp_qwen3_5 import MTP, OFFSET_NORMS, MTPArgs
+    from mlx_dspark.models.heads.mtp.qwen3_5 import MTP, OFFSET_NORMS, MTPArgs
 
     module = MTP(MTPArgs.from_dict(config))
     out = {}

@@ -20,12 +20,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_dspark.loading.checkpoint import ShardWriter, read_checkpoint
-from mlx_dspark.models.finite import check_finite_weights
+from mlx_dspark.models.target.finite import check_finite_weights
 from mlx_dspark.loading.load import build_draft
-from mlx_dspark.models.dspark import DSparkDraft
-from mlx_dspark.models.dspark_args import DraftArgs
+from mlx_dspark.models.heads.dspark.model import DSparkDraft
+from mlx_dspark.models.heads.dspark.args import DraftArgs
 from mlx_dspark.loading.pair import check_shared_tensors
-from mlx_dspark.models.dspark_packaging import Packaging
+from mlx_dspark.models.heads.dspark.packaging import Packaging
 
 DRAFT_ARCHITECTURE = {"qwen3": "Qwen3DSparkModel", "spark2_5": "Spark2_5DSparkModel"}
 # Target config fields that describe its files, not its layers.

@@ -1,0 +1,1 @@
+"""Continuous batching with speculation: the batched round (`round`), its proposals (`propose`, chained rows packed in `chains`), the rows' draft lengths (`length`) and what every row verifies (`plan`)."""

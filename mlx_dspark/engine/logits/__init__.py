@@ -1,0 +1,1 @@
+"""What happens to a forward's logits: sampling (`sample`), penalties, bias and grammar masks (`processing`), constraints and the grammar state (`constraints`, `grammar`), log-probabilities of committed tokens (`logprobs`)."""

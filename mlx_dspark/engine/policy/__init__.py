@@ -1,0 +1,1 @@
+"""Policy around the round, never inside it: the draft length per round (`draft_length`), the proposal a round verifies (`proposal_choice`: a draft block, lookup or a forced run), the head a round asks (`head_choice`), masked or unmasked drafting under a grammar (`mask_choice`), what earlier generations showed (`acceptance_memory`)."""

@@ -1,0 +1,1 @@
+"""Proposers: the declared interface every draft head implements (`base`), one module per head named as in `models/heads/` (found by name through `models.heads.HEADS`), the chained drafters' shared loop and state (`chain`, `chain_context`), prompt lookup (`lookup`)."""

@@ -1,0 +1,1 @@
+"""The speculative round and its request: prefill and the step generators (`decode`), acceptance (`accept`), stops read one plain step at a time (`stops`), per-forward results (`results`), plain steps while parked (`parked`), which generator a request runs (`request`), which text a block wrote (`token_origins`)."""

@@ -1,0 +1,1 @@
+"""Tree rounds: a best-first token tree grown from the draft's distributions (`grow`), its greedy and sampled acceptance (`accept`), how many nodes a round verifies (`budget`), why a request runs chains instead (`fallback`) and the tree round's step generator (`rounds`)."""

@@ -1,0 +1,1 @@
+"""Block drafts: DSpark / DFlash (`model`, `args`), DFlash 2 (`dflash2`, `dflash2_args`), the Markov and confidence heads (`markov`), how a published draft is packaged (`packaging`) and a block's tree distributions (`tree`)."""

@@ -1,0 +1,1 @@
+"""The target: any mlx-lm text model behind one adapter that records tapped features and the final hidden state (`mlx_lm`), our spark2_5 class (`spark2_5`), the one way to its LM head (`lm_head`), one forward over a token tree (`tree_verify`), non-finite checks (`finite`)."""
