@@ -23,7 +23,7 @@ from mlx_dspark.engine.round.decode import GenerationCancelled, Round, plain_ste
 from mlx_dspark.engine.logits.grammar import GrammarState
 from mlx_dspark.engine.options import DEFAULT_OPTIONS, GenerationOptions, keyword_fields
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.proposers.dspark import Proposer
+from mlx_dspark.engine.proposers.base import Proposer
 from mlx_dspark.engine.round.results import GenerationResult, ResultCollector, StepResponse, length_histogram  # noqa: F401  (re-exported)
 from mlx_dspark.engine.round.stops import StopReader
 from mlx_dspark.engine.round.token_origins import TextOrigins, token_origins

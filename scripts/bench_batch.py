@@ -43,7 +43,8 @@ from mlx_dspark.engine.batch.length import measure_batch_cost  # noqa: E402
 from mlx_dspark.engine.costs.probe import measure_cost_curve  # noqa: E402
 from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions  # noqa: E402
 from mlx_dspark.engine.prompt_cache import PromptCache  # noqa: E402
-from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposal  # noqa: E402
+from mlx_dspark.engine.proposers.base import Proposal
+from mlx_dspark.engine.proposers.dspark import DraftProposer  # noqa: E402
 from mlx_dspark.loading.load import load  # noqa: E402
 
 

@@ -25,16 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_dspark  # noqa: E402
 from mlx_dspark.engine.batch.chains import chains_packable, propose_chains  # noqa: E402
-from mlx_dspark.engine.costs.probe import default_head  # noqa: E402
+from mlx_dspark.engine.proposers import default_head  # noqa: E402
 from mlx_dspark.engine.options import GenerationOptions  # noqa: E402
-from mlx_dspark.engine.round.request import _chain_proposer  # noqa: E402
+from mlx_dspark.engine.round.request import head_proposer  # noqa: E402
 
 
 def make_rows(pair, n: int) -> list[SimpleNamespace]:
     vocab, rows = pair.target.args.vocab_size, []
     for i in range(n):
         committed = [(7 + 13 * i + 31 * j) % vocab for j in range(40 + 23 * i)]
-        proposer = _chain_proposer(pair, default_head(pair), committed[:-1], GenerationOptions())
+        proposer = head_proposer(pair, default_head(pair), committed[:-1], GenerationOptions())
         _, features = pair.target(mx.array([committed[:-1]]), cache=pair.target.make_cache(), tap_ids=proposer.tap_ids)
         proposer.extend(features)
         proposer.commit([committed[-1]])

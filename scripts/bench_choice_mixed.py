@@ -115,7 +115,7 @@ def main() -> None:
                         heads[name][head] = heads[name].get(head, 0) + n
         loads.append(os.getloadavg()[0])
     curves = {}
-    for head in cost_probe.head_names(pairs["choice"]):
+    for head in cost_probe.loaded_heads(pairs["choice"]):
         curve = cost_probe.cost_curve_for(pairs["choice"], head=head)
         curves[head] = {"draft_ms": round(curve.draft_ms, 2), "draft_step_ms": round(getattr(curve, "draft_step_ms", 0.0), 3),
                         "verify_ms": [round(v, 2) for v in curve.verify_ms[:9]]}  # fmt: skip

@@ -48,7 +48,7 @@ class SegmentControlled:
     def propose(self, anchor, *, position: int, num_tokens: int, logits_hook=None):
         import mlx.core as mx
 
-        from mlx_dspark.engine.proposers.dspark import Proposal
+        from mlx_dspark.engine.proposers.base import Proposal
 
         real = self.inner.propose(anchor, position=position, num_tokens=num_tokens)
         start = position - self.prompt_len + 1
@@ -96,7 +96,7 @@ def main() -> None:
     if not (eagle_dir / "config.json").is_file():
         write_eagle3_draft(eagle_dir, target_path=args.model, seed=5, include_embedding=False, speculative_tokens=4)
     pair = mlx_dspark.load(args.model, draft=args.draft)
-    eagle = mlx_dspark.load(args.model, draft=str(eagle_dir)).eagle3
+    eagle = mlx_dspark.load(args.model, draft=str(eagle_dir)).heads["eagle3"]
     target, vocab = pair.target, pair.target.args.vocab_size
     prompt = [(7 + 31 * i) % vocab for i in range(256)]
     reference = []

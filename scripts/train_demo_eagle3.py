@@ -137,7 +137,7 @@ def measure(out: Path, files: list[Path], *, prompt_tokens: int, max_tokens: int
     lengths = []
     for path in files:
         ids = pair.tokenizer.encode(read(path), add_special_tokens=False)[:prompt_tokens]
-        result = mlx_dspark.generate(pair, ids, max_tokens=max_tokens, temperature=0.0, max_draft_tokens=pair.eagle3.args.speculative_tokens, lookup="off")
+        result = mlx_dspark.generate(pair, ids, max_tokens=max_tokens, temperature=0.0, max_draft_tokens=pair.heads["eagle3"].args.speculative_tokens, lookup="off")
         lengths.extend(result.acceptance_lengths)
     return {"greedy_mean_acceptance_length": round(sum(lengths) / max(len(lengths), 1), 3), "rounds": len(lengths), "files": len(files)}
 

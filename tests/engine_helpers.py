@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx_dspark.engine.round.decode import plain_steps
 from mlx_dspark.models import target_model_class
 from mlx_dspark.models.target.mlx_lm import from_config as target_from_config, probe_target
-from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.proposers.base import Proposal, Proposer
 from mlx_dspark.engine.logits.sample import Sampler
 
 
@@ -82,7 +82,7 @@ def greedy_reference(target, prompt: Sequence[int], length: int) -> list[int]:
     raise AssertionError("unreachable")
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Proposes the target's own greedy continuation, with errors injected at chosen draft positions.
 
     `errors(round_index)` returns the 1-based draft positions to corrupt in that round. It also records

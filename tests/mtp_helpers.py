@@ -42,7 +42,7 @@ def close(ours: np.ndarray, expected: np.ndarray) -> bool:
 
 def greedy_chain_of(loaded: Any, *, anchor: int = 77, steps: int = 4) -> tuple[Any, MTPProposer]:
     """A greedy proposal of `steps` chained drafts after PROMPT and `anchor`, and the proposer it left."""
-    proposer = MTPProposer(loaded.mtp, loaded.target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=steps)
+    proposer = MTPProposer(loaded.heads["mtp"], loaded.target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=steps)
     proposer.extend(final_hidden(loaded.target, PROMPT))
     proposer.commit([anchor])
     return proposer.propose(mx.array([anchor]), position=len(PROMPT), num_tokens=steps), proposer
@@ -57,7 +57,7 @@ def assert_greedy_speculation_is_mlx_lms_generate(target_dir: Path, loaded: Any,
 
 def assert_conversion_loads_the_same_layers(loaded: Any, out: Path) -> Any:
     converted = mlx_dspark.load(str(out), draft="mtp")
-    ours, theirs = dict(tree_flatten(loaded.mtp.parameters())), dict(tree_flatten(converted.mtp.parameters()))
+    ours, theirs = dict(tree_flatten(loaded.heads["mtp"].parameters())), dict(tree_flatten(converted.heads["mtp"].parameters()))
     assert ours.keys() == theirs.keys() and all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
     return converted
 

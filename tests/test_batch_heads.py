@@ -20,11 +20,11 @@ from mlx_dspark.engine.batch.round import BatchRow
 from mlx_dspark.engine.batch.chains import chains_packable, propose_chains
 from mlx_dspark.engine.batch.length import row_budget_cap
 from mlx_dspark.engine.proposers.chain import ChainProposer
-from mlx_dspark.engine.costs.probe import default_head
+from mlx_dspark.engine.proposers import default_head
 from mlx_dspark.engine.proposers.gemma4_assistant import AssistantProposer
 from mlx_dspark.engine.options import GenerationOptions, SamplingOptions, SpeculationOptions
-from mlx_dspark.engine.proposers.dspark import Proposal
-from mlx_dspark.engine.round.request import _chain_proposer
+from mlx_dspark.engine.proposers.base import Proposal
+from mlx_dspark.engine.round.request import head_proposer
 from mlx_dspark.models.heads.dspark.dflash2 import DFlash2Draft
 from mlx_dspark.models.heads.eagle3.model import Eagle3Draft
 from mlx_dspark.models.packed.forward import packed_block_hidden, packing_problem
@@ -133,13 +133,13 @@ def _count_packed_chains(monkeypatch) -> list[int]:
 def _fresh_proposer(pair, committed: list[int], options=GenerationOptions()):
     """A fresh proposer of the pair's chained head after `committed` (prefilled alone) and what its
     `propose` takes besides (a Gemma 4 assistant: the prefill's target caches)."""
-    proposer = _chain_proposer(pair, default_head(pair), committed[:-1], options)
+    proposer = head_proposer(pair, default_head(pair), committed[:-1], options)
     cache = pair.target.make_cache()
     _, features = pair.target(mx.array([committed[:-1]]), cache=cache, tap_ids=proposer.tap_ids)
     proposer.extend(features)
     if hasattr(proposer, "commit"):
         proposer.commit([committed[-1]])
-    return proposer, ({"target_cache": cache} if getattr(proposer, "takes_target_cache", False) else {})
+    return proposer, ({"target_cache": cache} if proposer.takes_target_cache else {})
 
 
 def _fresh_chain(pair, committed: list[int], num_tokens: int) -> list[int]:
@@ -211,7 +211,7 @@ def eagle3_pair(tmp_path_factory):
 
 
 def test_mtp_greedy_rows_equal_their_solo_runs(mtp_pair, monkeypatch):
-    assert mtp_pair.mtp is not None and mtp_pair.draft is None and packing_problem(mtp_pair) is None
+    assert mtp_pair.heads["mtp"] is not None and mtp_pair.draft is None and packing_problem(mtp_pair) is None
     _greedy_rows_equal_their_solo_runs(mtp_pair, monkeypatch=monkeypatch)
 
 
@@ -234,7 +234,7 @@ def nextn_pair(request, tmp_path_factory):
 
 
 def test_nextn_and_mimo_mtp_greedy_rows_equal_their_solo_runs(nextn_pair, monkeypatch):
-    assert nextn_pair.mtp is not None and packing_problem(nextn_pair) is None
+    assert nextn_pair.heads["mtp"] is not None and packing_problem(nextn_pair) is None
     _greedy_rows_equal_their_solo_runs(nextn_pair, monkeypatch=monkeypatch)
 
 
@@ -243,7 +243,7 @@ def test_mtp_seeded_sampled_row_does_not_depend_on_its_neighbours(mtp_pair, monk
 
 
 def test_eagle3_greedy_rows_equal_their_solo_runs(eagle3_pair, monkeypatch):
-    assert eagle3_pair.eagle3 is not None and packing_problem(eagle3_pair) is None
+    assert eagle3_pair.heads["eagle3"] is not None and packing_problem(eagle3_pair) is None
     _greedy_rows_equal_their_solo_runs(eagle3_pair, monkeypatch=monkeypatch)
 
 
@@ -286,7 +286,7 @@ def test_a_batching_server_runs_mtp_rows_together_each_equal_its_solo_run(tmp_pa
 
 def test_a_pair_with_several_heads_is_not_batched(mtp_pair):
     """The choice between heads (engine/policy/head_choice.py) is a single request's: one line naming the heads."""
-    pair = SimpleNamespace(target=mtp_pair.target, draft=object(), mtp=mtp_pair.mtp)
+    pair = SimpleNamespace(target=mtp_pair.target, draft=object(), heads={"draft": object(), "mtp": mtp_pair.heads["mtp"]})
     assert packing_problem(pair) == ("a pair with several draft heads (draft, mtp) chooses its head per round, "
                                      "which batched rows do not; load one head")
 
@@ -331,10 +331,10 @@ def test_a_drafter_whose_packed_step_fails_its_probe_drafts_per_row(tmp_path, mo
     root = tmp_path / "eagle3"
     llama = write_tiny_mlx_lm_target(root / "llama", family="llama", seed=0)
     pair = mlx_dspark.load(str(llama), draft=str(write_eagle3_draft(root / "draft", target_path=llama, seed=2)))
-    pair.eagle3.__class__ = _IntOffsetEagle3
+    pair.heads["eagle3"].__class__ = _IntOffsetEagle3
     rows = [SimpleNamespace(proposer=_fresh_proposer(pair, c)[0], position=len(c) - 1) for c in PROMPTS]
     assert not chains_packable(rows)
-    assert pair.eagle3._dspark_chain_problem.startswith("the _IntOffsetEagle3 drafter: a packed chain step fails (ValueError: ")
+    assert pair.heads["eagle3"]._dspark_chain_problem.startswith("the _IntOffsetEagle3 drafter: a packed chain step fails (ValueError: ")
     together = _count_packed_chains(monkeypatch)
     requests = [(p, GenerationOptions(max_tokens=10, speculation=SpeculationOptions(max_draft_tokens=3))) for p in PROMPTS]
     out, widths, _ = _batched(pair, requests, joins=[0, 0, 0])
@@ -354,7 +354,7 @@ def assistant_pair(tmp_path_factory):
 def test_assistant_greedy_rows_equal_their_solo_runs(assistant_pair, monkeypatch):
     """Each row's assistant reads its own target caches, packed-verified with the other rows and rolled back
     on their own (wrapped sliding windows included): its chains are those a fresh prefill gives."""
-    assert assistant_pair.assistant is not None and packing_problem(assistant_pair) is None
+    assert assistant_pair.heads["assistant"] is not None and packing_problem(assistant_pair) is None
     _greedy_rows_equal_their_solo_runs(assistant_pair, monkeypatch=monkeypatch, packed=False)
 
 

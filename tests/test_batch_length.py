@@ -183,7 +183,7 @@ class _LookupChooser:
         import mlx.core as mx
 
         from mlx_dspark.engine.policy.proposal_choice import Plan
-        from mlx_dspark.engine.proposers.dspark import Proposal
+        from mlx_dspark.engine.proposers.base import Proposal
 
         self.asked.append(num_tokens)
         return Plan(proposal=Proposal(tokens=mx.zeros((1, 32), mx.int32)), expected=20.0)

@@ -108,7 +108,7 @@ def test_lookup_rows_on_a_sliding_target_verify_and_roll_back_long_blocks():
     blocks past 8 tokens are verified in the packed forward and rolled back within the rows' own caches
     (BatchRow's caches roll back 32), beside a plain row; both equal the target's own greedy decoding."""
     target = make_target("spark2_5", seed=1, embedding_scale=0.3, layers=2)
-    model = SimpleNamespace(target=target, draft=None)
+    model = SimpleNamespace(target=target, draft=None, heads={})
     prompts = [[5, 17, 33, 5, 17, 60, 2, 9, 5, 17], [7, 3, 7, 3, 40, 41]]
     options = [GenerationOptions(max_tokens=64, speculation=SpeculationOptions(cost_curve=FLAT)),
                GenerationOptions(max_tokens=30, speculation=SpeculationOptions(speculative=False))]
@@ -131,7 +131,7 @@ def test_lookup_rows_on_a_sliding_target_verify_and_roll_back_long_blocks():
 def test_sampled_rows_with_lookup_keep_the_exact_target_distribution():
     """Many seeded sampled rows with lookup on (no draft: every block a lookup block), in batches of 50."""
     target = make_target("spark2_5", seed=11, vocab_size=VOCAB, layers=2, window=4, embedding_scale=0.5)
-    model = SimpleNamespace(target=target, draft=None)
+    model = SimpleNamespace(target=target, draft=None, heads={})
     length, runs, width = 3, 1000, 50
     exact = exact_distribution(target, Sampler(temperature=1.0), length)
     counts, stats = np.zeros([VOCAB] * length), Counter()

@@ -27,7 +27,8 @@ from mlx_dspark.engine.batch.round import BatchRow, batch_round
 from mlx_dspark.engine.batch.length import row_budget_cap
 from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposal
+from mlx_dspark.engine.proposers.base import Proposal
+from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.models.target import mlx_lm as mlx_lm_target
 from mlx_dspark.models.caches.kv import trim_caches
 from mlx_dspark.models.packed.forward import packed_block_hidden, packed_target_forward, packing_problem

@@ -14,6 +14,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark
+from mlx_dspark.engine.proposers.base import Proposer
 from mlx_dspark.api import generate
 from mlx_dspark.bench.controlled import AcceptanceSchedule, ControlledProposer, format_controlled, greedy_reference, run_controlled
 from mlx_dspark.bench.controlled_chain import chain_head, chain_proposer, chain_steps
@@ -41,19 +42,19 @@ def chain_pairs(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     return {"eagle3": (llama, str(eagle)), "mtp": (mtp, "mtp"), "assistant": (gemma, str(assistant))}
 
 
-class _Recording:
+class _Recording(Proposer):
     """The chain's proposer, recording each real proposal (position, its drafts) before they are replaced."""
 
     def __init__(self, inner) -> None:
         self.inner, self.tap_ids, self.block_size = inner, inner.tap_ids, inner.block_size
-        self.takes_target_cache = getattr(inner, "takes_target_cache", False)
+        self.takes_target_cache = inner.takes_target_cache
         self.proposals: list[tuple[int, list[int]]] = []
 
     def extend(self, features) -> None:
         self.inner.extend(features)
 
     def commit(self, tokens) -> None:
-        getattr(self.inner, "commit", lambda tokens: None)(tokens)
+        self.inner.commit(tokens)
 
     def propose(self, anchor, *, position, num_tokens, target_cache=None):
         extra = {} if target_cache is None else {"target_cache": target_cache}

@@ -15,7 +15,7 @@ import pytest
 import mlx_dspark
 from mlx_dspark.engine.costs.probe import measure_cost_curve  # bound at import: the real one (conftest patches the module's)
 from mlx_dspark.engine.round.decode import plain_steps, speculative_steps
-from mlx_dspark.engine.policy.draft_length import AutoLength, FixedLength, break_even, expected_tokens, make_draft_length, rates
+from mlx_dspark.engine.policy.draft_length import AutoLength, DraftLength, FixedLength, break_even, expected_tokens, make_draft_length, rates
 from mlx_dspark.engine.options import OptionError, SpeculationOptions
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.engine.costs.curve import CostCurve
@@ -147,7 +147,7 @@ def test_max_draft_tokens_auto_is_the_default_and_bad_values_name_the_choices():
         make_draft_length("auto", 7, None)
 
 
-class Scripted:
+class Scripted(DraftLength):
     """A length policy that cycles through a script (0 = a round without drafts), from `start`."""
 
     def __init__(self, script, start=0, cap=2):

@@ -20,7 +20,7 @@ import mlx_dspark
 from mlx_dspark.engine.round.decode import speculative_steps
 from mlx_dspark.engine.proposers.eagle3 import Eagle3Proposer
 from mlx_dspark.engine.options import SpeculationOptions
-from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.proposers.base import Proposal, Proposer
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.models.heads.eagle3.model import Eagle3Draft
 from mlx_dspark.models.heads.eagle3.args import Eagle3Args
@@ -64,10 +64,10 @@ def test_the_speculators_checkpoint_loads_as_an_eagle3_draft_with_eagles_layer_n
     _, draft_dir, pair = llama_pair
     stored = load_file(str(draft_dir / "model.safetensors"))
     assert stored["d2t"].dtype == np.int64 and stored["t2d"].dtype == np.bool_ and stored["fc.weight"].shape == (128, 3 * 128)
-    assert pair.draft is None and isinstance(pair.eagle3, Eagle3Draft)
-    assert pair.eagle3.args.reduced_vocab and pair.eagle3.args.speculative_tokens == 3
+    assert pair.draft is None and isinstance(pair.heads["eagle3"], Eagle3Draft)
+    assert pair.heads["eagle3"].args.reduced_vocab and pair.heads["eagle3"].args.speculative_tokens == 3
     # EAGLE's hidden-state indices [1, 2, 3] (layer i's input) are our taps 0, 1, 2 (layer outputs)
-    proposer = Eagle3Proposer(pair.eagle3, pair.target, prompt=PROMPT, greedy=True, temperature=1.0)
+    proposer = Eagle3Proposer(pair.heads["eagle3"], pair.target, prompt=PROMPT, greedy=True, temperature=1.0)
     assert proposer.tap_ids == (0, 1, 2) and proposer.block_size == 3
     assert Eagle3Args.from_dict({**json.loads((draft_dir / "config.json").read_text()), "eagle_aux_hidden_state_layer_ids": None}).tap_ids(32) == (1, 15, 28)
 
@@ -113,13 +113,13 @@ def assert_the_restatements_chain(target_dir: Path, draft_dir: Path, pair) -> No
     target_ref = LlamaTarget(target_dir)
     reference = Eagle3Reference(draft_dir, target_ref.embed_table)
     aux = reference.aux(target_ref.hidden_states(PROMPT), target_ref.cfg["num_hidden_layers"])
-    proposer = Eagle3Proposer(pair.eagle3, pair.target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
+    proposer = Eagle3Proposer(pair.heads["eagle3"], pair.target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
     _, features = pair.target(mx.array([PROMPT]), tap_ids=proposer.tap_ids)
     assert np.abs(np.array(features[0]) - aux).max() < 1e-4 * max(1.0, np.abs(aux).max())  # the taps are EAGLE's states
     anchor = 77
     nxt = PROMPT[1:] + [anchor]
     g = reference.fuse(aux)
-    ours = np.array(pair.eagle3.logits(pair.eagle3(pair.eagle3.embed(mx.array([nxt]), pair.target), pair.eagle3.fuse(features)))[0])
+    ours = np.array(pair.heads["eagle3"].logits(pair.heads["eagle3"](pair.heads["eagle3"].embed(mx.array([nxt]), pair.target), pair.heads["eagle3"].fuse(features)))[0])
     expected = reference.logits(reference.outputs(nxt, g))
     finite = np.isfinite(expected)
     assert (np.isfinite(ours) == finite).all() and np.abs(ours[finite] - expected[finite]).max() < 1e-4 * np.abs(expected[finite]).max()
@@ -130,7 +130,7 @@ def assert_the_restatements_chain(target_dir: Path, draft_dir: Path, pair) -> No
     assert all(c.offset == len(PROMPT) for c in proposer.cache)  # the 3 chained entries were trimmed
 
 
-class Injecting:
+class Injecting(Proposer):
     """The real EAGLE-3 proposer runs every round (its chain, its trims), but the block verified is the
     reference continuation with one wrong token in most rounds: partial acceptances of every length."""
 
@@ -164,7 +164,7 @@ def test_greedy_eagle3_speculation_is_plain_decoding_and_its_cache_rolls_back_ex
     spec = mlx_dspark.generate(pair, PROMPT, max_tokens=220, max_draft_tokens=3, lookup="off")
     assert spec.tokens == plain and len(plain) == 220 and spec.rounds > 0
     # partial acceptances of every length: the draft's cache keeps exactly the committed entries
-    target, draft = pair.target, pair.eagle3
+    target, draft = pair.target, pair.heads["eagle3"]
     inner = Eagle3Proposer(draft, target, prompt=PROMPT, greedy=True, temperature=1.0)
     stats = Counter()
     proposer = Injecting(inner, plain, len(PROMPT), target.args.vocab_size)

@@ -193,7 +193,7 @@ def llama_target(tmp_path_factory) -> Path:
 def _chain(pair) -> list[int]:
     from mlx_dspark.engine.proposers.eagle3 import Eagle3Proposer
 
-    proposer = Eagle3Proposer(pair.eagle3, pair.target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
+    proposer = Eagle3Proposer(pair.heads["eagle3"], pair.target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
     _, features = pair.target(mx.array([PROMPT]), tap_ids=proposer.tap_ids)
     proposer.extend(features)
     proposer.commit([77])
@@ -223,9 +223,9 @@ def test_an_eagle3_draft_exports_to_speculators_layout_and_reads_back_the_same(n
         assert ("embed_tokens.weight" in written) == (not specforge or target is not None)
         assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "eagle3"
         b = mlx_dspark.load(str(llama_target), draft=str(out))
-        pa, pb = _params(a.eagle3), _params(b.eagle3)
+        pa, pb = _params(a.heads["eagle3"]), _params(b.heads["eagle3"])
         assert sorted(pa) == sorted(pb) and all(np.array_equal(pa[k], pb[k]) for k in pa)
-        assert a.eagle3.args == b.eagle3.args
+        assert a.heads["eagle3"].args == b.heads["eagle3"].args
         assert _chain(a) == _chain(b)
 
 

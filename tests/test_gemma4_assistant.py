@@ -22,7 +22,7 @@ import mlx_dspark
 from mlx_dspark.engine.round.decode import prefill, speculative_steps
 from mlx_dspark.engine.proposers.gemma4_assistant import AssistantProposer
 from mlx_dspark.engine.options import SpeculationOptions
-from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.proposers.base import Proposal, Proposer
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.models.heads.gemma4_assistant.model import AssistantArgs, Gemma4AssistantDraft
 from mlx_dspark.models.target.mlx_lm import from_config, probe_target
@@ -56,7 +56,7 @@ def pair(request, root, gemma):
 
 def _proposal_at(pair, sequence, anchor, n, cache=None):
     """A greedy proposal of `n` after `anchor` from a fresh prefill of `sequence` (or the given live `cache`)."""
-    proposer = AssistantProposer(pair.assistant, pair.target, greedy=True, temperature=1.0, block_size=n)
+    proposer = AssistantProposer(pair.heads["assistant"], pair.target, greedy=True, temperature=1.0, block_size=n)
     fresh = pair.target.make_cache() if cache is None else cache
     prefill(pair.target, fresh, sequence, tap_ids=proposer.tap_ids, proposer=proposer)
     return proposer, proposer.propose(mx.array([anchor]), position=len(sequence), num_tokens=n, target_cache=fresh), fresh
@@ -64,7 +64,7 @@ def _proposal_at(pair, sequence, anchor, n, cache=None):
 
 def test_a_proposal_is_the_numpy_restatement_over_the_targets_last_sliding_and_full_layers(pair):
     target_dir, draft_dir, loaded = pair
-    assert loaded.draft is None and isinstance(loaded.assistant, Gemma4AssistantDraft)
+    assert loaded.draft is None and isinstance(loaded.heads["assistant"], Gemma4AssistantDraft)
     assert GemmaTargetKV(target_dir).cfg["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"]
     assert_the_restatements_proposal(target_dir, draft_dir, loaded)
 
@@ -89,7 +89,7 @@ def test_target_variants_give_the_restatements_proposal(variant, root):
 
 
 def assert_the_restatements_proposal(target_dir: Path, draft_dir: Path, loaded) -> None:
-    target, model = loaded.target, loaded.assistant
+    target, model = loaded.target, loaded.heads["assistant"]
     kv_ref = GemmaTargetKV(target_dir)
     window, C = kv_ref.cfg["sliding_window"], kv_ref.cfg["hidden_size"]
     sliding, full = kv_ref.source("sliding_attention"), kv_ref.source("full_attention")
@@ -110,7 +110,7 @@ def assert_the_restatements_proposal(target_dir: Path, draft_dir: Path, loaded) 
     assert np.abs(ours - first_logits).max() < 1e-3 * max(1.0, np.abs(first_logits).max())
 
 
-class Injecting:
+class Injecting(Proposer):
     """The real assistant proposer runs every round over the live caches, but the block verified is the
     reference continuation with one wrong token in most rounds: partial acceptances of every length."""
 
@@ -143,7 +143,7 @@ def test_greedy_assistant_speculation_is_plain_decoding_and_reads_no_rejected_ro
     # partial acceptances of every length, the sliding caches wrapped: the live caches then give the proposal a
     # fresh prefill of the committed tokens gives
     target = loaded.target
-    inner = AssistantProposer(loaded.assistant, target, greedy=True, temperature=1.0, block_size=4)
+    inner = AssistantProposer(loaded.heads["assistant"], target, greedy=True, temperature=1.0, block_size=4)
     proposer, stats = Injecting(inner, plain, target.args.vocab_size), Counter()
     tokens = sampled_prefix(speculative_steps(target, proposer, PROMPT, sampler=Sampler(), speculation=FIXED), 60, stats)
     assert tokens == tuple(plain[:60]) and stats["rejected"] >= stats["rounds"] // 2 and stats["accepted"] > 10

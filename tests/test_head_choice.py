@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark
+from mlx_dspark.engine.proposers.base import Proposer
 from mlx_dspark.bench.runner import RunSettings, prepare_model
 from mlx_dspark.engine.round.decode import speculative_steps
 from mlx_dspark.engine.policy.draft_length import FixedLength
@@ -125,7 +126,7 @@ def test_a_dspark_draft_and_the_targets_mtp_layers_load_together_and_stay_lossle
     monkeypatch.setenv("MLX_DSPARK_COST_DIR", str(tmp_path / "cost"))
     target, draft = dspark_and_mtp
     pair = mlx_dspark.load(str(target), draft=f"{draft},mtp")
-    assert pair.draft is not None and pair.mtp is not None
+    assert pair.draft is not None and pair.heads["mtp"] is not None
     pair = prepare_model(pair, RunSettings(ignore_eos=True))
     plain = mlx_dspark.generate(pair, PROMPT, max_tokens=200, speculative=False).tokens
     assert len(plain) == 200
@@ -144,7 +145,7 @@ def test_the_mtp_heads_curve_charges_each_chained_draft(dspark_and_mtp, monkeypa
     monkeypatch.undo()  # conftest's synthetic curves: this test measures the chain itself
     monkeypatch.setattr(cost_probe, "measure_cost_curve", lambda target, draft, **kw: CostCurve.flat(max_width=8).with_context(32))
     pair = mlx_dspark.load(str(dspark_and_mtp[0]), draft="mtp")
-    curve = cost_probe.measure_chain_curve(pair.target, pair.mtp, head="mtp", repeats=2, chain=4)
+    curve = cost_probe.measure_chain_curve(pair.target, pair.heads["mtp"], head="mtp", repeats=2, chain=4)
     assert curve.draft_step_ms > 0 and curve.round_ms(3) == pytest.approx(curve.draft_ms + 3 * curve.draft_step_ms + 1.0)
 
 
@@ -154,7 +155,7 @@ def test_an_eagle3_draft_and_the_targets_mtp_layers_are_two_heads_too(dspark_and
     target = dspark_and_mtp[0]
     eagle = write_eagle3_draft(tmp_path / "eagle3", target_path=target, seed=3, include_embedding=False)
     pair = mlx_dspark.load(str(target), draft=f"{eagle},mtp")
-    assert pair.eagle3 is not None and pair.mtp is not None and pair.draft is None
+    assert pair.heads["eagle3"] is not None and pair.heads["mtp"] is not None and pair.draft is None
     pair = prepare_model(pair, RunSettings(ignore_eos=True))
     plain = mlx_dspark.generate(pair, PROMPT, max_tokens=120, speculative=False).tokens
     spec = mlx_dspark.generate(pair, PROMPT, max_tokens=120, max_draft_tokens=3, lookup="off")
@@ -164,14 +165,15 @@ def test_an_eagle3_draft_and_the_targets_mtp_layers_are_two_heads_too(dspark_and
 def test_a_block_draft_an_eagle3_draft_and_the_mtp_layers_are_three_heads(dspark_and_mtp, tmp_path, monkeypatch):
     """Two draft files and the MTP layers: three heads, each with its own cached curve (the EAGLE-3 head's keyed
     by its own file), greedy output plain decoding's; the block draft's options apply to the block draft."""
-    from mlx_dspark.engine.costs.probe import cache_key, head_names
+    from mlx_dspark.engine.costs.probe import cache_key
+    from mlx_dspark.engine.proposers import loaded_heads
     from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
 
     monkeypatch.setenv("MLX_DSPARK_COST_DIR", str(tmp_path / "cost"))
     target, draft = dspark_and_mtp
     eagle = write_eagle3_draft(tmp_path / "eagle3", target_path=target, seed=3, include_embedding=False)
     pair = mlx_dspark.load(str(target), draft=f"{draft},{eagle},mtp", draft_tap_ids=[0, 2])
-    assert head_names(pair) == ["draft", "eagle3", "mtp"]
+    assert loaded_heads(pair) == ["draft", "eagle3", "mtp"]
     assert pair.draft_path == Path(draft) and pair.head_source("eagle3")[0] == Path(eagle)
     assert pair.draft.args.target_layer_ids == (0, 2)
     alone = mlx_dspark.load(str(target), draft=str(eagle))
@@ -208,13 +210,16 @@ def test_calibrate_shows_each_heads_own_curve(dspark_and_mtp, tmp_path, monkeypa
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
-class _Estimating:
+class _Estimating(Proposer):
     """A draft that says what its round would give and cost (as HeadChoice does)."""
 
     tap_ids, block_size = (), 7
 
     def __init__(self, estimate):
-        self.round_estimate = lambda length: estimate
+        self.estimate = estimate
+
+    def round_estimate(self, length):
+        return self.estimate
 
 
 def test_lookup_is_weighed_against_the_round_heads_own_estimate():

@@ -209,3 +209,19 @@ def test_the_module_map_in_the_architecture_doc_is_the_tree():
     tree, listed = tree - rooms, listed - rooms
     assert sorted(tree - listed) == [], "modules missing from docs/ARCHITECTURE.md's module map"
     assert sorted(listed - tree) == [], "the module map lists modules that do not exist"
+
+
+def test_no_proposer_or_length_policy_ability_is_probed():
+    """A head declares what it reads and can do (engine/proposers/base.Proposer), a length policy what it hears
+    (engine/policy/draft_length.DraftLength): the engine reads the declaration, never getattr / hasattr."""
+    from mlx_dspark.engine.policy.draft_length import DraftLength
+    from mlx_dspark.engine.proposers.base import Proposer
+
+    declared = {n for cls in (Proposer, DraftLength) for n in vars(cls) if not n.startswith("__")} - {"context", "grammar", "cap"}
+    probe = re.compile(r"""(?:getattr|hasattr)\([^,()]+,\s*["'](\w+)["']""")
+    found = [
+        f"{p.relative_to(PACKAGE)}: {name}"
+        for p in PACKAGE.rglob("*.py") if room(module_name(p)) != "testing"
+        for name in probe.findall(p.read_text(encoding="utf-8")) if name in declared
+    ]
+    assert found == []

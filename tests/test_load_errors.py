@@ -188,7 +188,7 @@ def test_bad_load_options(tiny_qwen3_target, options, message):
 
 def test_draft_passed_as_target(tiny_qwen3_pair):
     _, draft = tiny_qwen3_pair
-    with _raises(ValueError, "this is a DSpark draft", "pass it as draft="):
+    with _raises(ValueError, "this is a DSpark / DFlash block draft", "pass it as draft="):
         load(draft)
 
 

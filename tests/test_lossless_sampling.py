@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mlx_dspark.engine.round.decode import plain_steps, speculative_steps
-from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.proposers.base import Proposal, Proposer
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.engine.proposers.dspark import DraftProposer
 from tests.engine_helpers import make_draft, make_target
@@ -26,7 +26,7 @@ RUNS = 1000
 MIN_P_VALUE = 1e-4  # the fixed seeds make the test deterministic; this only sets the strictness
 
 
-class RandomDraftProposer:
+class RandomDraftProposer(Proposer):
     """Draws each draft token from a fixed random distribution per position (or its argmax)."""
 
     tap_ids = (0,)

@@ -15,7 +15,8 @@ from mlx_lm.models.cache import QuantizedKVCache
 import mlx_dspark
 from mlx_dspark.bench.controlled import reference_block
 from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposal
+from mlx_dspark.engine.proposers.base import Proposal, Proposer
+from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.models.target import mlx_lm as mlx_lm_target
 from mlx_dspark.testing.mlx_lm_tiny import HYBRID_FAMILIES, MLX_LM_FAMILIES, write_tiny_mlx_lm_target
 from mlx_dspark.testing.tiny import write_tiny_draft
@@ -50,7 +51,7 @@ def mlx_lm_greedy(target: Path, prompt: list[int], max_tokens: int) -> list[int]
     return [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
 
 
-class InjectingProposer:
+class InjectingProposer(Proposer):
     """The real draft's proposal (its forward runs every round) replaced by the reference continuation
     with one wrong token at a random position in most rounds: partial acceptances of every length."""
 

@@ -23,7 +23,7 @@ from mlx_dspark.bench.runner import RunSettings, prepare_model
 from mlx_dspark.engine.round.decode import speculative_steps
 from mlx_dspark.engine.proposers.mtp import MTPProposer
 from mlx_dspark.engine.options import SpeculationOptions
-from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.proposers.base import Proposal, Proposer
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.models.layers.base import FINAL_TAP
 from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target
@@ -87,7 +87,7 @@ def test_the_checkpoint_holds_the_15_hf_mtp_tensors_and_they_load(target_dir, lo
     assert names["text_config"]["mtp_num_hidden_layers"] == 1
     reference = MTPReference(target_dir)
     assert len([k for k in reference.w if k.startswith("mtp.")]) == 15
-    assert loaded.draft is None and loaded.mtp is not None and loaded.mtp.raw_norms
+    assert loaded.draft is None and loaded.heads["mtp"] is not None and loaded.heads["mtp"].raw_norms
 
 
 def test_the_final_tap_is_the_states_mlx_lms_head_reads(loaded):
@@ -101,7 +101,7 @@ def test_the_final_tap_is_the_states_mlx_lms_head_reads(loaded):
 
 def test_one_mtp_step_gives_the_numpy_restatements_logits(variant_pair):
     target_dir, loaded = variant_pair
-    target, mtp = loaded.target, loaded.mtp
+    target, mtp = loaded.target, loaded.heads["mtp"]
     hidden = final_hidden(target, PROMPT)
     nxt = PROMPT[1:] + [77]  # entry t pairs h_t with the token at t + 1
     out = mtp(target.embed(mx.array([nxt])), hidden, mtp.make_cache())
@@ -112,7 +112,7 @@ def test_one_mtp_step_gives_the_numpy_restatements_logits(variant_pair):
 
 def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_entries(variant_pair):
     target_dir, loaded = variant_pair
-    target, mtp = loaded.target, loaded.mtp
+    target, mtp = loaded.target, loaded.heads["mtp"]
     anchor = 77
     proposer = MTPProposer(mtp, target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
     proposer.extend(final_hidden(target, PROMPT))
@@ -123,7 +123,7 @@ def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_
     assert all(c.offset == len(PROMPT) for c in proposer.cache)  # the 3 chained entries were trimmed
 
 
-class Injecting:
+class Injecting(Proposer):
     """The real MTP proposer runs every round (its chain, its trims), but the block verified is the reference
     continuation with one wrong token in most rounds: partial acceptances of every length."""
 
@@ -159,7 +159,7 @@ def mlx_lm_greedy(target: Path, prompt: list[int], max_tokens: int) -> list[int]
 def test_greedy_mtp_speculation_is_mlx_lms_generate(family_pair):
     target_dir, loaded = family_pair
     reference = mlx_lm_greedy(target_dir, PROMPT, 50)
-    steps = speculative_steps(loaded.target, MTPProposer(loaded.mtp, loaded.target, prompt=PROMPT, greedy=True, temperature=1.0),
+    steps = speculative_steps(loaded.target, MTPProposer(loaded.heads["mtp"], loaded.target, prompt=PROMPT, greedy=True, temperature=1.0),
                               PROMPT, sampler=Sampler(), speculation=FIXED)  # fmt: skip
     assert sampled_prefix(steps, 50, Counter()) == tuple(reference)
     # through the API: lookup on (the default), so the MTP proposer runs inside the Chooser
@@ -168,7 +168,7 @@ def test_greedy_mtp_speculation_is_mlx_lms_generate(family_pair):
 
 
 def test_after_partial_acceptances_the_mtp_cache_holds_exactly_the_committed_entries(target_dir, loaded):
-    target, mtp = loaded.target, loaded.mtp
+    target, mtp = loaded.target, loaded.heads["mtp"]
     reference = mlx_lm_greedy(target_dir, PROMPT, 48)
     inner = MTPProposer(mtp, target, prompt=PROMPT, greedy=True, temperature=1.0)
     proposer = Injecting(inner, reference, len(PROMPT), target.args.vocab_size)
@@ -260,8 +260,8 @@ def test_convert_keeps_the_mtp_layers_and_the_conversion_loads_the_same_layers(f
     target_dir, loaded = family_pair
     out = convert(target_dir, tmp_path / "mlx", log=lambda _: None)
     converted = mlx_dspark.load(str(out), draft="mtp")
-    assert not converted.mtp.raw_norms  # norms written in MLX form, with the conv kernels moved
-    ours, theirs = dict(tree_flatten(loaded.mtp.parameters())), dict(tree_flatten(converted.mtp.parameters()))
+    assert not converted.heads["mtp"].raw_norms  # norms written in MLX form, with the conv kernels moved
+    ours, theirs = dict(tree_flatten(loaded.heads["mtp"].parameters())), dict(tree_flatten(converted.heads["mtp"].parameters()))
     assert ours.keys() == theirs.keys() and all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
 
 

@@ -50,7 +50,7 @@ def close(ours: np.ndarray, expected: np.ndarray) -> bool:
 
 
 def test_the_next_n_layer_loads_with_its_own_embedding_head_and_moe_block(target_dir, loaded):
-    mtp = loaded.mtp
+    mtp = loaded.heads["mtp"]
     assert loaded.draft is None and mtp.num_layers == 1 and mtp.own_embedding and mtp.own_head
     assert "switch_mlp" in mtp.layers[0].block.mlp  # layer num_hidden_layers >= first_k_dense_replace: MoE
     assert not any(k.startswith("model.layers.2") for k, _ in _flat(loaded.target))  # the target holds 2 layers
@@ -63,7 +63,7 @@ def _flat(module):
 
 
 def test_one_step_gives_the_numpy_restatements_logits(target_dir, loaded):
-    target, mtp = loaded.target, loaded.mtp
+    target, mtp = loaded.target, loaded.heads["mtp"]
     hidden = final_hidden(target, PROMPT)
     nxt = PROMPT[1:] + [77]  # entry t pairs h_t with the token at t + 1
     out = mtp(mtp.embed(mx.array([nxt]), target), hidden, mtp.make_cache())
@@ -72,7 +72,7 @@ def test_one_step_gives_the_numpy_restatements_logits(target_dir, loaded):
 
 
 def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_entries(target_dir, loaded):
-    target, mtp = loaded.target, loaded.mtp
+    target, mtp = loaded.target, loaded.heads["mtp"]
     anchor = 77
     proposer = MTPProposer(mtp, target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
     proposer.extend(final_hidden(target, PROMPT))
@@ -93,7 +93,7 @@ def test_config_variants_give_the_restatements_step_and_chain(family, change, tm
     configs may set it), DeepSeek-V3's FP8 files (the next-n layer's eh_proj and head dequantized as its block's)."""
     path = write_tiny_nextn_target(tmp_path / family, family=family, seed=4, **change)
     loaded = mlx_dspark.load(str(path), draft="mtp")
-    target, mtp = loaded.target, loaded.mtp
+    target, mtp = loaded.target, loaded.heads["mtp"]
     hidden, nxt, reference = final_hidden(target, PROMPT), PROMPT[1:] + [77], NextNReference(path)
     out = mtp(mtp.embed(mx.array([nxt]), target), hidden, mtp.make_cache())
     assert close(np.array(mtp.logits(out, target)[0]), reference.step_logits(nxt, np.array(hidden[0])))
@@ -106,7 +106,7 @@ def test_config_variants_give_the_restatements_step_and_chain(family, change, tm
 def test_the_target_shared_embedding_and_head_are_used_when_the_layer_has_no_copies(tmp_path):
     path = write_tiny_nextn_target(tmp_path / "shared", family="deepseek_v3", own_embedding=False, own_head=False)
     loaded = mlx_dspark.load(str(path), draft="mtp")
-    target, mtp = loaded.target, loaded.mtp
+    target, mtp = loaded.target, loaded.heads["mtp"]
     assert not mtp.own_embedding and not mtp.own_head
     hidden = final_hidden(target, PROMPT)
     out = mtp(mtp.embed(mx.array([PROMPT[1:] + [9]]), target), hidden, mtp.make_cache())
@@ -147,7 +147,7 @@ def test_convert_keeps_the_next_n_layer_and_the_conversion_loads_the_same_layer(
 
     out = convert(target_dir, tmp_path / "mlx", log=lambda _: None)
     converted = mlx_dspark.load(str(out), draft="mtp")
-    ours, theirs = dict(_flat(loaded.mtp)), dict(_flat(converted.mtp))
+    ours, theirs = dict(_flat(loaded.heads["mtp"])), dict(_flat(converted.heads["mtp"]))
     assert ours.keys() == theirs.keys() and all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
     model = prepare_model(converted, RunSettings(ignore_eos=True))
     assert mlx_dspark.generate(model, PROMPT, max_tokens=40, max_draft_tokens=3).tokens == (
@@ -160,7 +160,7 @@ def test_a_checkpoint_without_the_next_n_tensors_is_one_clear_error(target_dir, 
     bare = write_tiny_nextn_target(tmp_path / "bare", family=family, nextn=False)
     with pytest.raises(ValueError, match=r"bare: draft 'mtp'.*no model\.layers\.2\.\* tensors.*mlx_dspark\.convert"):
         mlx_dspark.load(str(bare), draft="mtp")
-    assert mlx_dspark.load(str(bare)).mtp is None  # the target itself loads
+    assert "mtp" not in mlx_dspark.load(str(bare)).heads  # the target itself loads
 
 
 def test_draft_auto_picks_the_next_n_layer_when_the_files_hold_it(target_dir, tmp_path):

@@ -56,7 +56,7 @@ def _flat(module):
 
 
 def test_the_mtp_layer_loads_apart_from_the_target_and_reads_its_embedding_and_head(loaded):
-    mtp = loaded.mtp
+    mtp = loaded.heads["mtp"]
     assert loaded.draft is None and mtp.num_layers == 1 and not mtp.own_embedding and not mtp.own_head
     names = {k for k, _ in _flat(mtp)}
     assert "layers.0.input_proj.weight" in names and "layers.0.mtp_block.self_attn.q_proj.bias" in names
@@ -65,7 +65,7 @@ def test_the_mtp_layer_loads_apart_from_the_target_and_reads_its_embedding_and_h
 
 
 def test_one_step_gives_the_numpy_restatements_logits(target_dir, loaded):
-    target, mtp = loaded.target, loaded.mtp
+    target, mtp = loaded.target, loaded.heads["mtp"]
     hidden = final_hidden(target, PROMPT)
     nxt = PROMPT[1:] + [77]  # entry t pairs h_t with the token at t + 1
     out = mtp(mtp.embed(mx.array([nxt]), target), hidden, mtp.make_cache())
@@ -74,7 +74,7 @@ def test_one_step_gives_the_numpy_restatements_logits(target_dir, loaded):
 
 
 def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_entries(target_dir, loaded):
-    target, mtp = loaded.target, loaded.mtp
+    target, mtp = loaded.target, loaded.heads["mtp"]
     anchor = 77
     proposer = MTPProposer(mtp, target, prompt=PROMPT, greedy=True, temperature=1.0, block_size=4)
     proposer.extend(final_hidden(target, PROMPT))
@@ -89,7 +89,7 @@ def test_a_chained_proposal_is_the_restatements_chain_and_leaves_only_committed_
 def test_a_tied_embedding_target_gives_the_restatements_logits(tmp_path):
     path = write_tiny_mimo_target(tmp_path / "tied", seed=3, tie_word_embeddings=True)
     loaded = mlx_dspark.load(str(path), draft="mtp")
-    target, mtp = loaded.target, loaded.mtp
+    target, mtp = loaded.target, loaded.heads["mtp"]
     hidden = final_hidden(target, PROMPT)
     out = mtp(mtp.embed(mx.array([PROMPT[1:] + [9]]), target), hidden, mtp.make_cache())
     assert close(np.array(mtp.logits(out, target)[0]), MiMoMTPReference(path).step_logits(PROMPT[1:] + [9], np.array(hidden[0])))
@@ -135,7 +135,7 @@ def test_convert_keeps_the_mtp_layer_under_its_hf_names_and_the_conversion_loads
         k for k in read_checkpoint(target_dir).weights if k.startswith("model.mtp_layers.")
     }
     converted = mlx_dspark.load(str(out), draft="mtp")
-    ours, theirs = dict(_flat(loaded.mtp)), dict(_flat(converted.mtp))
+    ours, theirs = dict(_flat(loaded.heads["mtp"])), dict(_flat(converted.heads["mtp"]))
     assert ours.keys() == theirs.keys() and all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
     model = prepare_model(converted, RunSettings(ignore_eos=True))
     assert mlx_dspark.generate(model, PROMPT, max_tokens=40, max_draft_tokens=3).tokens == (
@@ -147,7 +147,7 @@ def test_a_checkpoint_without_the_mtp_tensors_is_one_clear_error(tmp_path):
     bare = write_tiny_mimo_target(tmp_path / "bare", mtp=False)
     with pytest.raises(ValueError, match=r"bare: draft 'mtp'.*no model\.mtp_layers\.0\.\* tensors.*mlx_dspark\.convert"):
         mlx_dspark.load(str(bare), draft="mtp")
-    assert mlx_dspark.load(str(bare)).mtp is None  # the target itself loads
+    assert "mtp" not in mlx_dspark.load(str(bare)).heads  # the target itself loads
     no_layers = write_tiny_mimo_target(tmp_path / "none", mtp_layers=0)
     with pytest.raises(ValueError, match=r"num_nextn_predict_layers is absent or 0"):
         mlx_dspark.load(str(no_layers), draft="mtp")

@@ -39,7 +39,7 @@ def loaded(target_dir):
 
 
 def test_the_mtp_block_loads_apart_from_the_target_and_reads_its_embedding_and_head(loaded):
-    mtp = loaded.mtp
+    mtp = loaded.heads["mtp"]
     assert loaded.draft is None and mtp.num_layers == 1 and [layer.block_type for layer in mtp.layers] == ["*", "E"]
     names = {k for k, _ in tree_flatten(mtp.parameters())}
     assert {"layers.0.eh_proj.weight", "layers.0.mixer.q_proj.weight", "layers.1.mixer.switch_mlp.fc1.weight",
@@ -51,7 +51,7 @@ def test_the_mtp_block_loads_apart_from_the_target_and_reads_its_embedding_and_h
 
 
 def test_one_step_gives_the_numpy_restatements_logits(target_dir, loaded):
-    target, mtp = loaded.target, loaded.mtp
+    target, mtp = loaded.target, loaded.heads["mtp"]
     hidden = final_hidden(target, PROMPT)
     nxt = PROMPT[1:] + [77]  # entry t pairs h_t with the token at t + 1
     out = mtp(mtp.embed(mx.array([nxt]), target), hidden, mtp.make_cache())
@@ -90,7 +90,7 @@ def test_draft_auto_picks_the_mtp_block_when_the_files_hold_it_and_a_bare_checkp
     assert resolve_auto_draft(str(bare))[0] is None
     with pytest.raises(ValueError, match=r"bare: draft 'mtp'.*no mtp\.layers\.0\.\* / mtp\.layers\.1\.\* tensors.*mlx_dspark\.convert"):
         mlx_dspark.load(str(bare), draft="mtp")
-    assert mlx_dspark.load(str(bare)).mtp is None  # the target itself loads
+    assert "mtp" not in mlx_dspark.load(str(bare)).heads  # the target itself loads
 
 
 def test_refusals_name_the_field(tmp_path):

@@ -39,7 +39,7 @@ def loaded(target_dir):
 
 
 def test_the_mtp_layer_loads_apart_from_the_target_with_its_moe_mlp(target_dir, loaded):
-    mtp = loaded.mtp
+    mtp = loaded.heads["mtp"]
     assert loaded.draft is None and mtp.num_layers == 1 and mtp.raw_norms
     names = {k for k, _ in tree_flatten(mtp.parameters())}
     assert {"fc.weight", "layers.0.mlp.switch_mlp.up_proj.weight", "layers.0.mlp.shared_expert_gate.weight"} <= names
@@ -49,7 +49,7 @@ def test_the_mtp_layer_loads_apart_from_the_target_with_its_moe_mlp(target_dir, 
 
 
 def test_one_step_gives_the_numpy_restatements_logits(target_dir, loaded):
-    target, mtp = loaded.target, loaded.mtp
+    target, mtp = loaded.target, loaded.heads["mtp"]
     hidden = final_hidden(target, PROMPT)
     nxt = PROMPT[1:] + [77]  # entry t pairs h_t with the token at t + 1
     out = mtp(mtp.embed(mx.array([nxt]), target), hidden, mtp.make_cache())
@@ -72,13 +72,13 @@ def test_convert_keeps_the_mtp_layer_and_the_conversion_loads_the_same_layer(tar
 
     out = convert(target_dir, tmp_path / "mlx", log=lambda _: None)
     converted = assert_conversion_loads_the_same_layers(loaded, out)
-    assert not converted.mtp.raw_norms  # experts stacked and norms moved by mlx-lm's own sanitize, written so
+    assert not converted.heads["mtp"].raw_norms  # experts stacked and norms moved by mlx-lm's own sanitize, written so
 
 
 def test_a_raw_files_norms_move_by_one_without_the_experts_beside_them(target_dir, loaded):
     """`convert` sanitizes shard by shard: a shard holding the layer's norms but not its experts still moves them."""
     norms = {k: v for k, v in read_checkpoint(target_dir).weights.items() if k.startswith("mtp.") and k.endswith("norm.weight")}
-    moved = loaded.mtp.sanitize(norms)
+    moved = loaded.heads["mtp"].sanitize(norms)
     assert len(norms) == 5 and all(mx.array_equal(moved[k.removeprefix("mtp.")], v + 1.0).item() for k, v in norms.items())
 
 

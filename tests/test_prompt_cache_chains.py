@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark
-from mlx_dspark.engine.costs.probe import head_names
+from mlx_dspark.engine.proposers import loaded_heads
 from mlx_dspark.engine.round.decode import speculative_steps
 from mlx_dspark.engine.proposers.eagle3 import Eagle3Proposer
 from mlx_dspark.engine.proposers.gemma4_assistant import AssistantProposer
@@ -58,7 +58,7 @@ def pairs(checkpoints):
 
 
 def head_of(model) -> str:
-    return next(name for name in PROPOSERS if getattr(model, name, None) is not None)
+    return next(name for name in PROPOSERS if model.heads.get(name) is not None)
 
 
 class Recording:
@@ -81,17 +81,17 @@ def run(model, prompt, *, cache=None, temperature=0.0, blocks=None, n=OUT, chain
     the proposer's chains are appended to `chains` when given. `flush`: the waiting entries go in when the
     consumer stops, as api.stream_generate's steps do (steps._flushed); else they wait in the cache."""
     head = head_of(model)
-    drafter, sampler = getattr(model, head), Sampler(temperature=temperature)
+    drafter, sampler = model.heads[head], Sampler(temperature=temperature)
     held = {} if cache is None or head == "assistant" else {"context": cache.chain_context(head, drafter.make_cache)}
     inner = PROPOSERS[head](drafter, model.target, prompt=prompt, greedy=sampler.greedy,
                             temperature=max(temperature, 1e-6), block_size=3, **held)  # fmt: skip
     proposer = Recording(inner, [] if blocks is None else blocks)
-    (chains if chains is not None else []).extend(getattr(inner, "chains", ()))
+    (chains if chains is not None else []).extend(inner.chains)
     steps = speculative_steps(model.target, proposer, prompt, sampler=sampler, speculation=FIXED, prompt_cache=cache)
     out = list(sampled_prefix(steps, n, Counter()))
     steps.close()
     if flush:
-        getattr(inner, "flush", lambda: None)()
+        inner.flush()
     return out
 
 
@@ -226,7 +226,7 @@ def test_a_chain_over_a_state_of_its_own_or_after_a_plain_turn_starts_cold_and_a
     model = pairs["mtp-mimo"]
     cache, prompt, out = first_turn(model)
     second = prompt + out + [4, 5]
-    own = MTPProposer(model.mtp, model.target, prompt=second, greedy=True, temperature=1.0, block_size=3)
+    own = MTPProposer(model.heads["mtp"], model.target, prompt=second, greedy=True, temperature=1.0, block_size=3)
     steps = speculative_steps(model.target, own, second, sampler=Sampler(), speculation=FIXED, prompt_cache=cache)
     next(steps)
     steps.close()
@@ -237,8 +237,8 @@ def test_a_chain_over_a_state_of_its_own_or_after_a_plain_turn_starts_cold_and_a
     assert run(model, fourth, cache=cache) == run(model, fourth)
     assert cache.cached_tokens == 0  # the chain did not follow the plain turn
     other = mlx_dspark.make_prompt_cache(model)
-    foreign = MTPProposer(model.mtp, model.target, prompt=fourth, greedy=True, temperature=1.0,
-                          context=cache.chain_context("mtp", model.mtp.make_cache))  # fmt: skip
+    foreign = MTPProposer(model.heads["mtp"], model.target, prompt=fourth, greedy=True, temperature=1.0,
+                          context=cache.chain_context("mtp", model.heads["mtp"].make_cache))  # fmt: skip
     with pytest.raises(ValueError, match=r"context=prompt_cache.chain_context\(name, drafter.make_cache\)"):
         next(speculative_steps(model.target, foreign, fourth, sampler=Sampler(), prompt_cache=other))
 
@@ -253,7 +253,7 @@ def test_several_heads_resume_together_and_decode_as_a_cold_run(checkpoints, hea
         files.append(write_eagle3_draft(tmp_path / "eagle3", target_path=target, seed=3, include_embedding=False))
     taps = {"draft_tap_ids": [0, 2]} if len(files) == 2 else {}  # the block draft's own layers beside EAGLE-3's
     model = mlx_dspark.load(str(target), draft=",".join([*map(str, files), "mtp"]), **taps)
-    assert len(head_names(model)) == len(files) + 1
+    assert len(loaded_heads(model)) == len(files) + 1
     cache = mlx_dspark.make_prompt_cache(model)
     options = {"max_tokens": 12, "max_draft_tokens": 3, "lookup": "off"}
     first_prompt = list(range(20, 60))
@@ -262,7 +262,7 @@ def test_several_heads_resume_together_and_decode_as_a_cold_run(checkpoints, hea
     warm = mlx_dspark.generate(model, second_prompt, prompt_cache=cache, **options)
     cold = mlx_dspark.generate(model, second_prompt, **options)
     assert warm.cached_tokens >= len(first_prompt) and cold.cached_tokens == 0
-    assert sorted(cache.chains) == [name for name in sorted(head_names(model)) if name != "draft"]  # each chain's own
+    assert sorted(cache.chains) == [name for name in sorted(loaded_heads(model)) if name != "draft"]  # each chain's own
     assert warm.tokens == cold.tokens == mlx_dspark.generate(model, second_prompt, max_tokens=12, speculative=False).tokens
     assert warm.acceptance_lengths == cold.acceptance_lengths  # each head's proposals as cold, round by round
     if "dspark" in heads:  # a cache made without the block draft holds no context for it: every turn is cold

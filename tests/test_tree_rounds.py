@@ -147,7 +147,8 @@ def test_a_dspark_drafts_tree_children_are_its_markov_heads_conditional_logits(q
 
 def test_a_dspark_draft_in_tree_rounds_through_make_steps_is_plain_decoding(qwen3):
     target, reference = qwen3
-    model = SimpleNamespace(target=target, draft=make_draft(target, layers=1), mtp=None, eagle3=None)
+    draft = make_draft(target, layers=1)
+    model = SimpleNamespace(target=target, draft=draft, heads={"draft": draft})
     options = GenerationOptions(max_tokens=60, speculation=SpeculationOptions(tree_nodes=8, lookup="off"))
     tokens, rounds = [], 0
     for step in make_steps(model, PROMPT, options, None, None, None):
@@ -206,7 +207,8 @@ def test_a_target_with_sliding_window_caches_is_refused_by_tree_steps():
 
 def test_a_sliding_window_target_asked_for_trees_runs_chain_rounds_as_plain_decoding_and_says_so_once():
     target = make_target("spark2_5", vocab_size=VOCAB, layers=2)
-    model = SimpleNamespace(target=target, draft=make_draft(target, layers=1), mtp=None, eagle3=None)
+    draft = make_draft(target, layers=1)
+    model = SimpleNamespace(target=target, draft=draft, heads={"draft": draft})
     # a fixed chain length: the SimpleNamespace pair has no cost curve to measure
     options = GenerationOptions(max_tokens=40, speculation=SpeculationOptions(tree_nodes=8, lookup="off", max_draft_tokens=4))
     tokens, notes = chain_tokens(model, options, 40)
@@ -217,7 +219,7 @@ def test_a_sliding_window_target_asked_for_trees_runs_chain_rounds_as_plain_deco
 def test_a_dflash2_draft_asked_for_trees_runs_chain_rounds_as_plain_decoding_and_says_so_once(qwen3):
     target, reference = qwen3
     draft = make_draft(target, layers=1, dflash2=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=4))
-    model = SimpleNamespace(target=target, draft=draft, mtp=None, eagle3=None)
+    model = SimpleNamespace(target=target, draft=draft, heads={"draft": draft})
     # a fixed chain length: the SimpleNamespace pair has no cost curve to measure
     options = GenerationOptions(max_tokens=40, speculation=SpeculationOptions(tree_nodes=8, lookup="off", max_draft_tokens=4))
     tokens, notes = chain_tokens(model, options, 40)

@@ -20,7 +20,8 @@ import mlx_dspark
 from mlx_dspark.cli.generate import app as generate_app
 from mlx_dspark.engine.round.decode import speculative_steps
 from mlx_dspark.engine.options import OptionError, SpeculationOptions
-from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposal
+from mlx_dspark.engine.proposers.base import Proposal
+from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.engine.costs.probe import cost_curve_for, measure_cost_curve
 from mlx_dspark.engine.costs.curve import CostCurve, scheduled_length

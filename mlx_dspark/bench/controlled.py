@@ -26,7 +26,8 @@ import mlx.core as mx
 from mlx_dspark.api import generate
 from mlx_dspark.engine.round.decode import plain_steps
 from mlx_dspark.engine.options import GenerationOptions
-from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposal
+from mlx_dspark.engine.proposers.base import Proposal, Proposer
+from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.bench.controlled_chain import ChainProbe, chain_head, chain_proposer, chain_steps, step_ms
 from mlx_dspark.bench.cost import CostProbe, ideal_speedup
@@ -53,7 +54,7 @@ class AcceptanceSchedule:
         return length
 
 
-class ControlledProposer:
+class ControlledProposer(Proposer):
     """The target's greedy continuation with one injected error per round, behind a real draft forward:
     a block draft's (DraftProposer) or a chained head's (bench/controlled_chain.py), `block_size` its drafts.
 
@@ -68,14 +69,14 @@ class ControlledProposer:
         self.vocab_size = vocab_size
         self.tap_ids = inner.tap_ids
         self.block_size = inner.block_size
-        self.takes_target_cache = getattr(inner, "takes_target_cache", False)  # a Gemma 4 assistant reads them
+        self.takes_target_cache = inner.takes_target_cache  # a Gemma 4 assistant reads them
         self.schedule = AcceptanceSchedule(acceptance_length, block_size=inner.block_size)
 
     def extend(self, features: mx.array) -> None:
         self.inner.extend(features)
 
     def commit(self, tokens: Sequence[int]) -> None:
-        getattr(self.inner, "commit", lambda tokens: None)(tokens)
+        self.inner.commit(tokens)
 
     def propose(self, anchor: mx.array, *, position: int, num_tokens: int, target_cache: Any = None) -> Proposal:
         extra = {} if target_cache is None else {"target_cache": target_cache}

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.costs import probe as cost_probe
-from mlx_dspark.engine.costs.probe import default_head, head_block
+from mlx_dspark.engine.proposers import default_head, head_block
 from mlx_dspark.engine.round.decode import prefill
 from mlx_dspark.engine.proposers.eagle3 import Eagle3Proposer
 from mlx_dspark.engine.proposers.gemma4_assistant import AssistantProposer
@@ -48,7 +48,7 @@ def chain_proposer(loaded: Any, head: str, prompt: Sequence[int], *, steps: int)
     prefill gives features for."""
     if head not in PROPOSERS:
         raise ValueError(f"chained head {head!r} is not one of {', '.join(PROPOSERS)}")
-    return PROPOSERS[head](getattr(loaded, head), loaded.target, prompt=list(prompt), greedy=True, temperature=1.0, block_size=steps)
+    return PROPOSERS[head](loaded.heads[head], loaded.target, prompt=list(prompt), greedy=True, temperature=1.0, block_size=steps)
 
 
 class ChainProbe(CostProbe):
@@ -60,7 +60,7 @@ class ChainProbe(CostProbe):
         if context < 1:
             raise ValueError(f"the cost-curve context must be >= 1 token, got {context}")
         target = loaded.target
-        self.target, self.draft, self.context, self.block_size = target, getattr(loaded, head), context, steps
+        self.target, self.draft, self.context, self.block_size = target, loaded.heads[head], context, steps
         vocab = target.args.vocab_size
         self.prompt = random_prompt(vocab, context, seed=seed)
         self.proposer = chain_proposer(loaded, head, self.prompt, steps=steps)
@@ -68,8 +68,8 @@ class ChainProbe(CostProbe):
         logits = prefill(target, self.cache, self.prompt, tap_ids=self.proposer.tap_ids, proposer=self.proposer)
         self.anchor = mx.argmax(logits).astype(mx.int32).reshape(1)
         mx.eval(self.anchor)
-        getattr(self.proposer, "commit", lambda tokens: None)([int(self.anchor.item())])  # the anchor pairs with the last entry
-        self.extra = {"target_cache": self.cache} if getattr(self.proposer, "takes_target_cache", False) else {}
+        self.proposer.commit([int(self.anchor.item())])  # the anchor pairs with the last entry
+        self.extra = {"target_cache": self.cache} if self.proposer.takes_target_cache else {}
         self.candidates = mx.array(random_prompt(vocab, steps + 1, seed=seed + 1), dtype=mx.int32)[None]
 
     def _chain(self, num_tokens: int) -> tuple[float, float]:
@@ -96,7 +96,7 @@ def step_ms(*, chain_ms: float, first_ms: float, steps: int) -> float:
 def measure_chain_cost(loaded: Any, head: str, *, steps: int, context: int, repeats: int, seed: int = 0) -> dict:
     """The chained head's cost curve as `auto` measures it (verify(1..8), `draft_ms`, `draft_step_ms`: the
     fastest of `repeats`), JSON-ready, with the round it prices for a chain of `steps`."""
-    curve = cost_probe.measure_chain_curve(loaded.target, getattr(loaded, head), head=head, context=context, repeats=repeats, seed=seed, chain=steps)
+    curve = cost_probe.measure_chain_curve(loaded.target, loaded.heads[head], head=head, context=context, repeats=repeats, seed=seed, chain=steps)
     if steps + 1 > len(curve.verify_ms):
         raise ValueError(f"a chain of {steps} drafts needs verify widths up to {steps + 1}; the curve has {len(curve.verify_ms)}")
     return {

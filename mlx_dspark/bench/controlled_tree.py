@@ -17,12 +17,14 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.proposers.base import Proposal, Proposer
 
 GOLDEN = (math.sqrt(5) - 1) / 2
 
 
-class RankedProposer:
+class RankedProposer(Proposer):
+    grows_trees = True
+
     def __init__(
         self, reference: Sequence[int], *, prompt_len: int, vocab_size: int, top1: float = 0.6, top2: float = 0.85,
         tap_ids: Sequence[int] = (0,), block_size: int = 7, inner: Optional[Any] = None,

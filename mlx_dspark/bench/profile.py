@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+from mlx_dspark.engine.proposers.base import Proposer
 from mlx_dspark.engine.round.decode import PREFILL_STEP_SIZE, speculative_steps
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.bench.stats import median
@@ -33,12 +34,12 @@ class _TimedTarget:
         return out
 
 
-class _TimedProposer:
+class _TimedProposer(Proposer):
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.tap_ids = inner.tap_ids
         self.block_size = inner.block_size
-        self.takes_target_cache = getattr(inner, "takes_target_cache", False)
+        self.takes_target_cache = inner.takes_target_cache
         self.propose_build: list[float] = []
         self.extend_build: list[float] = []
 
@@ -48,7 +49,7 @@ class _TimedProposer:
         self.extend_build.append(time.perf_counter() - start)
 
     def commit(self, tokens) -> None:  # a chained head's cache pairs features with the committed tokens
-        getattr(self.inner, "commit", lambda tokens: None)(tokens)
+        self.inner.commit(tokens)
 
     def propose(self, anchor, *, position: int, num_tokens: int, target_cache=None):
         extra = {} if target_cache is None else {"target_cache": target_cache}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from mlx_dspark.api import GenerationResult, encode_prompt, generate
-from mlx_dspark.engine.costs.probe import default_head, head_block, head_names
+from mlx_dspark.engine.proposers import default_head, head_block, loaded_heads
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.bench.lossless import compare_greedy
 from mlx_dspark.bench.mlx_lm_baseline import MlxLmBaseline, run_mlx_lm
@@ -203,7 +203,7 @@ def run_prompts(
     """Warm up on the first prompt, then yield one record per prompt."""
     if not prompts:
         raise ValueError("no prompts to run")
-    if not head_names(model):
+    if not loaded_heads(model):
         raise ValueError("the benchmark needs a draft: pass --draft (a draft path, or mtp for the target's own layers)")
     warm_up(model, prompt_ids(model, prompts[0]), settings, baseline)
     for prompt in prompts:

@@ -21,7 +21,8 @@ from mlx_dspark.api import generate
 from mlx_dspark.bench.controlled import greedy_reference, reference_block
 from mlx_dspark.bench.stats import loadavg, mean, median
 from mlx_dspark.engine.options import GenerationOptions
-from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposal
+from mlx_dspark.engine.proposers.base import Proposal, Proposer
+from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.engine.costs.curve import CostCurve, scheduled_length
 
 
@@ -34,7 +35,7 @@ class Profile:
     p_easy: float = 0.6
 
 
-class CalibratedProposer:
+class CalibratedProposer(Proposer):
     """The target's greedy continuation behind a real draft forward, with calibrated synthetic confidences."""
 
     def __init__(self, inner: DraftProposer, reference: Sequence[int], *, prompt_len: int, vocab_size: int, profile: Profile, seed: int):

@@ -16,7 +16,7 @@ from mlx_dspark.bench import card, controlled, controlled_chain, cost, plots, re
 from mlx_dspark.bench.mlx_lm_baseline import make_mlx_lm_baseline
 from mlx_dspark.bench.prompts import select_prompts
 from mlx_dspark.bench.stats import loadavg
-from mlx_dspark.engine.costs.probe import head_block
+from mlx_dspark.engine.proposers import head_block
 
 
 @dataclass

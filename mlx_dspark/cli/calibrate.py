@@ -21,7 +21,8 @@ app = typer.Typer(add_completion=False, help="This machine's draft and verify co
 def report(pair, curve, path, *, head: str = "draft") -> dict:
     """What the command prints for one draft head: the machine, the curve at each depth, break-even
     acceptances, auto's start."""
-    from mlx_dspark.engine.costs.probe import head_block, machine
+    from mlx_dspark.engine.costs.probe import machine
+    from mlx_dspark.engine.proposers import head_block
     from mlx_dspark.engine.policy.draft_length import AutoLength, break_even
 
     block = head_block(pair, head)
@@ -127,7 +128,8 @@ def cli(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     pipeline: bool = typer.Option(False, "--pipeline", help=PIPELINE_HELP),
 ) -> None:
-    from mlx_dspark.engine.costs.probe import cost_curve_for, cost_curve_path, head_names, measure_chain_curve, measure_cost_curve
+    from mlx_dspark.engine.costs.probe import cost_curve_for, cost_curve_path, measure_chain_curve, measure_cost_curve
+    from mlx_dspark.engine.proposers import loaded_heads
     from mlx_dspark.loading.load import load
 
     if model is None:
@@ -143,7 +145,7 @@ def cli(
         if group is not None:
             split_or_follow(pair, group)
         reports = {}
-        for head in head_names(pair):  # each head's own curve (a chain: its cost per draft)
+        for head in loaded_heads(pair):  # each head's own curve (a chain: its cost per draft)
             path = cost_curve_path(pair, head=head)
             if measure and path.is_file():
                 path.unlink()

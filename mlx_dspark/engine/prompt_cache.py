@@ -61,7 +61,7 @@ import mlx.core as mx
 from mlx_dspark.models.caches.kv import trim_caches
 from mlx_dspark.models.caches.rollback import TRIM, LayerState, RollbackCaches, layer_state, restore_layer
 from mlx_dspark.engine.proposers.chain_context import ChainContext, common_prefix
-from mlx_dspark.engine.proposers.dspark import Proposer
+from mlx_dspark.engine.proposers.base import Proposer
 
 __all__ = ["PromptCache", "Snapshot", "common_prefix"]
 
@@ -164,13 +164,14 @@ class PromptCache:
         if target is not self.target:
             raise ValueError("this prompt cache was made for another target model; make one per loaded model")
         speculative = proposer is not None
-        foreign = getattr(proposer, "context", None) is not self.draft_context
+        proposer = proposer if speculative else Proposer()  # plain decoding: no state of a head's
+        foreign = proposer.context is not self.draft_context
         if speculative and self.draft_context is not None and foreign:
             raise ValueError(
                 "the proposer does not use this prompt cache's draft context: "
                 "build it as DraftProposer(..., context=prompt_cache.draft_context)"
             )
-        used = tuple(getattr(proposer, "chains", ()))
+        used = tuple(proposer.chains)
         for chain in used:
             if chain not in self.chains.values() and (chain.entries or chain.waiting):
                 raise ValueError(
@@ -190,7 +191,7 @@ class PromptCache:
                 chain.reset()  # it does not follow this generation: stale from here on (memory freed)
             elif start == 0:
                 chain.reset(prompt)  # a cold prefill of the whole prompt follows
-        getattr(proposer, "start_at", lambda position: None)(start)
+        proposer.start_at(start)
         self._speculative, self._followers = speculative, chains
         self.cached_tokens = start
         return start
@@ -259,10 +260,10 @@ class PromptCache:
     def _held(self, proposer: Proposer) -> tuple[ChainContext, ...] | None:
         """The chains `proposer` drafts over when this cache holds all its state; None when it does not (a
         proposer built over chains of its own, or one not `resumable` beside no draft context)."""
-        chains = tuple(getattr(proposer, "chains", ()))
-        if self.draft_context is None and not getattr(proposer, "resumable", False):
+        chains = tuple(proposer.chains)
+        if self.draft_context is None and not proposer.resumable:
             return None
-        if getattr(proposer, "context", None) is not self.draft_context:
+        if proposer.context is not self.draft_context:
             return None  # a block draft's context of its own (a cache made without the draft)
         if any(all(chain is not held for held in self.chains.values()) for chain in chains):
             return None

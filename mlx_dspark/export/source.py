@@ -158,7 +158,8 @@ def read_draft_for_export(
 
 def _one_draft(draft: str | Path) -> str | Path:
     """The draft model of `draft`; ValueError for the target's MTP layers, alone or beside a draft."""
-    models, use_mtp = split_draft(str(draft)) if isinstance(draft, str) else ([draft], False)
+    models, own_heads = split_draft(str(draft)) if isinstance(draft, str) else ([draft], [])
+    use_mtp = MTP_DRAFT in own_heads
     if use_mtp and not models:
         raise ValueError(f"draft {MTP_DRAFT!r}: {MTP_LAYERS}")
     if use_mtp:

@@ -27,9 +27,8 @@ from mlx_dspark.models.heads.dspark.dflash2 import draft_class
 from mlx_dspark.models.heads.dspark.model import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.heads.dspark.args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.models.heads.dspark.packaging import BONUS_ANCHOR_ARCHITECTURES
-from mlx_dspark.loading.heads.eagle3 import build_eagle3, check_options as check_eagle3_options, quantize_eagle3
-from mlx_dspark.loading.heads.gemma4_assistant import build_assistant, check_options as check_assistant_options, quantize_assistant
-from mlx_dspark.loading.heads.mtp import MTP_DRAFT, build_mtp, quantize_mtp, target_weights
+from mlx_dspark.loading.heads import FALLBACK as BLOCK_DRAFT, detect_head, file_heads, head_loader, target_heads
+from mlx_dspark.loading.heads.mtp import target_weights
 from mlx_dspark.loading.pair import check_shared_tensors, check_zlab_block_embedding, validate_pair
 from mlx_dspark.loading.precision import (
     DRAFT_SOURCE_PRECISION,
@@ -41,17 +40,16 @@ from mlx_dspark.loading.precision import (
 from mlx_dspark.loading.rank_vocab import find_rank_file, read_ranked_ids
 from mlx_dspark.loading.tokenizer import load_tokenizer
 from mlx_dspark.models.caches.kv import check_kv_bits
+from mlx_dspark.models.heads import HEADS
 from mlx_dspark.models.heads.draft_vocab import DraftVocabulary
-from mlx_dspark.models.heads.eagle3.args import is_eagle3_config
-from mlx_dspark.models.heads.gemma4_assistant.model import is_assistant_config
 from mlx_dspark.loading.weights import fill_model
 
 
-def split_draft(draft: Any) -> tuple[list[Any], bool]:
-    """(the draft files to load, whether the target's MTP layers are wanted) from `draft=`: a path, "mtp",
-    several joined by commas ("PATH,mtp", "DSPARK_PATH,EAGLE3_PATH"), or a list of those."""
+def split_draft(draft: Any) -> tuple[list[Any], list[str]]:
+    """(the draft files to load, the heads wanted from the target's own checkpoint, e.g. "mtp") from `draft=`:
+    a path, a head's name, several joined by commas ("PATH,mtp", "DSPARK_PATH,EAGLE3_PATH"), or a list of those."""
     if draft is None:
-        return [], False
+        return [], []
     if isinstance(draft, (list, tuple)):
         entries = list(draft)
     elif isinstance(draft, str) and "," in draft and not Path(draft).exists():
@@ -60,47 +58,45 @@ def split_draft(draft: Any) -> tuple[list[Any], bool]:
         entries = [draft]
     if any(isinstance(e, str) and not e for e in entries):
         raise ValueError(f"draft: an empty entry in {draft!r}; give paths (or 'mtp') separated by single commas")
-    return [e for e in entries if e != MTP_DRAFT], MTP_DRAFT in entries
-
-
-# The slot of LoadedModel each kind of draft file fills; one file per slot.
-DRAFT_SLOTS = {"draft": "a DSpark / DFlash block draft", "eagle3": "an EAGLE-3 draft", "assistant": "a Gemma 4 assistant"}
-
-
-def draft_slot(config: dict) -> str:
-    return "eagle3" if is_eagle3_config(config) else "assistant" if is_assistant_config(config) else "draft"
+    own = target_heads()
+    return [e for e in entries if e not in own], [name for name in own if name in entries]
 
 
 def read_draft_files(drafts: Sequence[Any], *, tap_ids: Optional[Sequence[int]]) -> dict[str, tuple[Path, Checkpoint]]:
-    """Each draft file's checkpoint by the slot it fills; two files of one kind are refused in one line."""
+    """Each draft file's checkpoint by the head it is (each head's `detect`); two files of one head are refused
+    in one line."""
     files: dict[str, tuple[Path, Checkpoint]] = {}
     for draft in drafts:
         path = resolve_path(draft, role="draft")
         checkpoint = read_checkpoint(path, role="draft", tap_ids=tap_ids)
-        slot = draft_slot(checkpoint.config)
-        if slot in files:
+        head = detect_head(checkpoint.config)
+        if head in files:
+            kinds = ", ".join(head_loader(name).DESCRIPTION for name in file_heads())
+            own = " and ".join(repr(name) for name in target_heads())
             raise ValueError(
-                f"draft: {files[slot][0]} and {path} are both {DRAFT_SLOTS[slot]}; give at most one draft of each kind "
-                f"({', '.join(DRAFT_SLOTS.values())}) and 'mtp', separated by commas"
+                f"draft: {files[head][0]} and {path} are both {head_loader(head).DESCRIPTION}; give at most one draft of "
+                f"each kind ({kinds}) and {own}, separated by commas"
             )
-        files[slot] = (path, checkpoint)
+        files[head] = (path, checkpoint)
     return files
 
 
 @dataclass
 class LoadedModel:
     target: nn.Module
-    draft: Optional[nn.Module]
     tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
     target_config: dict
-    draft_config: Optional[dict]
     target_path: Path
-    draft_path: Optional[Path]
-    mtp: Optional[nn.Module] = None  # the target's own MTP layers (draft="mtp"), in place of a draft
-    eagle3: Optional[nn.Module] = None  # an EAGLE-3 draft (speculators layout), in place of a DSpark draft
-    assistant: Optional[nn.Module] = None  # a Gemma 4 assistant drafter, in place of a DSpark draft
-    # each draft file's (path, config) by head ("draft", "eagle3", "assistant"): several may be loaded at once
+    heads: dict[str, nn.Module] = field(default_factory=dict)  # the draft heads by name (models.heads.HEADS)
+    draft_config: Optional[dict] = None  # the pair's draft file: the block draft's, else the one other head's
+    draft_path: Optional[Path] = None
+    # each draft file's (path, config) by head: several may be loaded at once
     head_files: dict[str, tuple[Path, dict]] = field(default_factory=dict)
+
+    @property
+    def draft(self) -> Optional[nn.Module]:
+        """The block draft (DSpark, DFlash, DFlash 2), the head most of the engine's options shape."""
+        return self.heads.get(BLOCK_DRAFT)
 
     def head_source(self, head: str) -> tuple[Optional[Path], Optional[dict]]:
         """(path, config) of the file a head was read from; the pair's draft file for the target's MTP layers."""
@@ -111,9 +107,9 @@ def build_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) ->
     """The target model of a checkpoint, its (lazy) weights in place; dtype None: the checkpoint's
     `default_dtype` (a GGUF's compute dtype), else the weights as stored."""
     config, source = checkpoint.config, checkpoint.config_source
-    if is_draft_config(config) or is_eagle3_config(config) or is_assistant_config(config):
-        kind = "an EAGLE-3" if is_eagle3_config(config) else "a Gemma 4 assistant" if is_assistant_config(config) else "a DSpark"
-        raise ValueError(f"{source}: this is {kind} draft, not a target; pass it as draft=, with its target")
+    head = next((name for name in file_heads() if head_loader(name).detect(config)), None)
+    if head is not None:
+        raise ValueError(f"{source}: this is {head_loader(head).DESCRIPTION}, not a target; pass it as draft=, with its target")
     model = mlx_lm_target_from_config(config, source=source, model_class=target_model_class(config))
     return fill_model(
         model, config, target_weights(config, dict(checkpoint.weights)), checkpoint.origin,
@@ -234,11 +230,12 @@ def load(
       until then): the `mlx.launch` entry points split the target over their ranks there (cli/split.py), so
       each rank reads and holds its own slice only, as mlx-lm's `sharded_load` does.
     """
-    drafts, use_mtp = split_draft(draft)
-    if use_mtp and not drafts:
+    drafts, own_heads = split_draft(draft)
+    if own_heads and not drafts:
         for name, value in (("draft_tap_ids", draft_tap_ids), ("draft_vocab", draft_vocab), ("draft_vocab_file", draft_vocab_file)):
             if value is not None:
-                raise ValueError(f"{name} applies to a DSpark draft, not to the target's own MTP layers (draft='mtp')")
+                head = own_heads[0]
+                raise ValueError(f"{name} applies to a DSpark draft, not to {head_loader(head).DESCRIPTION} (draft={head!r})")
     mx_dtype = parse_dtype(dtype)
     draft_mx_dtype = mx_dtype if draft_dtype is None else parse_dtype(draft_dtype)
     if quantize is not None:
@@ -249,14 +246,14 @@ def load(
     check_kv_bits(kv_bits)
     for name, value in (("draft_tap_ids", draft_tap_ids), ("draft_quantize", draft_quantize), ("draft_dtype", draft_dtype),
                         ("draft_vocab", draft_vocab), ("draft_vocab_file", draft_vocab_file)):
-        if value is not None and not drafts and not use_mtp:
+        if value is not None and not drafts and not own_heads:
             raise ValueError(f"{name} only applies with a draft; pass draft= as well")
     if draft_vocab_file is not None and draft_vocab is None:
         raise ValueError("draft_vocab_file needs draft_vocab (K, the number of ranked tokens the draft scores)")
     target_path = resolve_path(target, role="target")
     target_checkpoint = read_checkpoint(target_path, role="target")
     target_model = build_target(target_checkpoint, dtype=mx_dtype)
-    mtp_model = build_mtp(target_checkpoint, dtype=draft_mx_dtype) if use_mtp else None
+    heads: dict[str, nn.Module] = {name: head_loader(name).build_from_target(target_checkpoint, dtype=draft_mx_dtype) for name in own_heads}
     if split is None:  # a split target is checked after the split: each rank reads its own slice only
         check_finite_weights(target_model, what=f"target ({target_path})")
     if quantize is not None and "quantization" in target_checkpoint.config:
@@ -269,20 +266,14 @@ def load(
 
     files = read_draft_files(drafts, tap_ids=draft_tap_ids)
     # the block draft's options go to it; beside no block draft, a chained file refuses them
-    block_options = {} if "draft" in files else dict(draft_tap_ids=draft_tap_ids, draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file)
-    draft_model = eagle3_model = assistant_model = None
-    if "eagle3" in files:
-        _, eagle3_checkpoint = files["eagle3"]
-        check_eagle3_options(block_options, source=eagle3_checkpoint.config_source)
-        eagle3_model = build_eagle3(eagle3_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
-                                    dtype=draft_mx_dtype)  # fmt: skip
-    if "assistant" in files:
-        _, assistant_checkpoint = files["assistant"]
-        check_assistant_options({**block_options, "kv_bits": kv_bits}, source=assistant_checkpoint.config_source)
-        assistant_model = build_assistant(assistant_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
-                                          dtype=draft_mx_dtype)  # fmt: skip
-    if "draft" in files:
-        draft_path, draft_checkpoint = files["draft"]
+    block_options = {} if BLOCK_DRAFT in files else dict(draft_tap_ids=draft_tap_ids, draft_vocab=draft_vocab, draft_vocab_file=draft_vocab_file)
+    draft_model = None
+    for name, (_, checkpoint) in files.items():
+        if name != BLOCK_DRAFT:  # each other head's own loader (the block draft's build is below)
+            heads[name] = head_loader(name).build(checkpoint, target=target_model, target_source=target_checkpoint.config_source,
+                                                  dtype=draft_mx_dtype, options={**block_options, "kv_bits": kv_bits})  # fmt: skip
+    if BLOCK_DRAFT in files:
+        draft_path, draft_checkpoint = files[BLOCK_DRAFT]
         draft_model, shared = build_draft(
             draft_checkpoint, target=target_model, target_source=target_checkpoint.config_source,
             dtype=draft_mx_dtype, tap_ids=draft_tap_ids,
@@ -293,7 +284,7 @@ def load(
             draft_model.set_embedding_rows(list(own_rows), mx.stack(list(own_rows.values())))
     head_files = {slot: (path, checkpoint.config) for slot, (path, checkpoint) in files.items()}
     # the pair's draft file: the block draft's, else the one chained draft's
-    draft_path, draft_config = next((head_files[s] for s in DRAFT_SLOTS if s in head_files), (None, None))
+    draft_path, draft_config = next((head_files[name] for name in file_heads() if name in head_files), (None, None))
     target_config, target_source = target_checkpoint.config, target_checkpoint.config_source
     del target_checkpoint  # the raw (uncast, unsanitized) weights are no longer needed
 
@@ -309,16 +300,13 @@ def load(
     probe_target(target_model)  # our forward must give mlx-lm's own logits, or the target is refused
     if kv_bits is not None:
         check_quantized_caches(target_model, kv_bits, source=target_source)
-    for chained, what, quantize_chained in ((mtp_model, f"MTP layers ({target_path})", quantize_mtp),
-                                            (eagle3_model, f"EAGLE-3 draft ({draft_path})", quantize_eagle3),
-                                            (assistant_model, f"Gemma 4 assistant ({draft_path})", quantize_assistant)):  # fmt: skip
-        if chained is None:
-            continue
-        check_finite_weights(chained, what=what)
+    for name, module in heads.items():  # the heads other than the block draft, each by its own loader
+        source = head_files[name][0] if name in head_files else target_path
+        check_finite_weights(module, what=f"{head_loader(name).DESCRIPTION} ({source})")
         bits = quantize if draft_quantize is None else draft_quantize
         if bits:
-            quantize_chained(chained, bits=bits, group_size=q_group_size)
-        mx.eval(chained.parameters())
+            head_loader(name).quantize(module, bits=bits, group_size=q_group_size)
+        mx.eval(module.parameters())
     if draft_model is not None:
         if draft_quantize:  # the draft's own precision: its measured source-precision parts stay in float
             predicate = quant_predicate(draft_model, group_size=q_group_size, keep=DRAFT_SOURCE_PRECISION[draft_quantize])
@@ -342,16 +330,9 @@ def load(
             ids = read_ranked_ids(rank_file, size=draft_vocab, vocab_size=target_model.args.vocab_size)
             draft_model.vocabulary = DraftVocabulary(ids, target=target_model, markov_head=getattr(draft_model, "markov_head", None))
         mx.eval(draft_model.parameters())
+        heads = {BLOCK_DRAFT: draft_model, **heads}
+    heads = {name: heads[name] for name in HEADS if name in heads}  # registry order
     return LoadedModel(
-        target=target_model,
-        draft=draft_model,
-        tokenizer=tokenizer,
-        target_config=target_config,
-        draft_config=draft_config,
-        target_path=target_path,
-        draft_path=draft_path,
-        mtp=mtp_model,
-        eagle3=eagle3_model,
-        assistant=assistant_model,
-        head_files=head_files,
-    )
+        target=target_model, tokenizer=tokenizer, target_config=target_config, target_path=target_path, heads=heads,
+        draft_config=draft_config, draft_path=draft_path, head_files=head_files,
+    )  # fmt: skip

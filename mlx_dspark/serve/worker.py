@@ -286,8 +286,7 @@ class ModelWorker:
     def speculative(self) -> bool:
         if self.model is None:
             return False
-        # a DSpark draft, the target's own MTP layers, an EAGLE-3 draft or a Gemma 4 assistant
-        return any(getattr(self.model, name, None) is not None for name in ("draft", "mtp", "eagle3", "assistant"))
+        return any(module is not None for module in self.model.heads.values())  # any draft head
 
     def submit(self, request: GenerationRequest, *, client_gone: Callable[[], bool] = _never_gone) -> Job:
         if self.state == LOADING:

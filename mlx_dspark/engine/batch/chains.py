@@ -18,7 +18,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from mlx_dspark.engine.proposers.chain import ChainProposer, chain_proposal, draw_token
-from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.proposers.base import Proposal
 from mlx_dspark.models.packed.chain import chain_packing_problem, packed_chain_step
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from mlx_dspark.engine.batch.chains import chains_packable, propose_chains
-from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.proposers.base import Proposal
 from mlx_dspark.models.packed.forward import packed_block_hidden
 
 
@@ -49,9 +49,7 @@ def propose_rows(model: Any, rows: list[Any], lengths: list[int]) -> list[Propos
         for i in chains:
             proposals[i] = _chained(rows[i], lengths[i], hooks[i])
     for i, row in enumerate(rows):
-        revise = getattr(row.proposer, "revise", None)
-        if revise is not None:
-            proposals[i] = revise(proposals[i], position=row.position, num_tokens=lengths[i])
+        proposals[i] = row.proposer.revise(proposals[i], position=row.position, num_tokens=lengths[i])
         proposals[i].hooked = hooks[i] is not None and proposals[i].hooked
     return proposals
 
@@ -64,7 +62,7 @@ def _chained(row: Any, length: int, hook: Callable | None) -> Proposal:
         row.reseed()
     anchor = mx.array([row.anchor], dtype=mx.int32)
     extra = {} if hook is None else {"logits_hook": hook}
-    if getattr(row.proposer, "takes_target_cache", False):  # a Gemma 4 assistant: the row's own target caches,
+    if row.proposer.takes_target_cache:  # a Gemma 4 assistant: the row's own target caches,
         extra["target_cache"] = row.prompt_cache.target_cache  # at its committed positions (rolled back last round)
     return row.proposer.propose(anchor, position=row.position, num_tokens=length, **extra)
 

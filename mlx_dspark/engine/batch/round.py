@@ -48,7 +48,8 @@ from mlx_dspark.engine.batch.plan import plan_round
 from mlx_dspark.engine.batch.propose import propose_rows
 from mlx_dspark.engine.proposers.chain import ChainProposer
 from mlx_dspark.engine.policy.proposal_choice import Chooser
-from mlx_dspark.engine.costs.probe import cost_curve_for, default_head
+from mlx_dspark.engine.costs.probe import cost_curve_for
+from mlx_dspark.engine.proposers import default_head
 from mlx_dspark.engine.round.decode import Round, _admitted
 from mlx_dspark.engine.policy.draft_length import AutoLength, DraftLength, make_draft_length
 from mlx_dspark.engine.logits.grammar import GrammarState
@@ -56,9 +57,10 @@ from mlx_dspark.engine.logits.processing import LogitsProcessor
 from mlx_dspark.engine.proposers.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposal
+from mlx_dspark.engine.proposers.base import Proposal
+from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.engine.costs.curve import require_confidence_head
-from mlx_dspark.engine.round.request import _chain_proposer, _chosen, make_processor
+from mlx_dspark.engine.round.request import _chosen, head_proposer, make_processor
 from mlx_dspark.engine.tree.fallback import say_chain_rounds
 from mlx_dspark.models.caches.kv import rollback_limit, trim_caches
 from mlx_dspark.models.target.finite import check_finite_logits
@@ -109,16 +111,10 @@ class BatchRow:
         if proposer is not None and proposer.context is not self.prompt_cache.draft_context:
             raise ValueError("the proposer must draft over the row's prompt cache: DraftProposer(..., context=prompt_cache.draft_context)")
         head = default_head(model)  # the pair's one head (models/packed.packing_problem refuses several)
-        if proposer is None and self.speculation.speculative and lookup != "only" and getattr(model, head, None) is not None:
-            self.proposer = DraftProposer(
-                model.draft,
-                model.target,
-                greedy=self.speculation.draft_sampling == "greedy" or self.sampler.greedy,
-                temperature=max(self.sampler.temperature, 1e-6),
-                context=self.prompt_cache.draft_context,
-            ) if head == "draft" else _chain_proposer(model, head, self.prompt, options, self.prompt_cache)  # fmt: skip
+        if proposer is None and self.speculation.speculative and lookup != "only" and model.heads.get(head) is not None:
+            self.proposer = head_proposer(model, head, self.prompt, options, self.prompt_cache)
         # drafts k chained steps of its own (batch_propose.py); a Gemma 4 assistant over the row's target caches
-        self.chained = isinstance(self.proposer, ChainProposer) or getattr(self.proposer, "takes_target_cache", False)
+        self.chained = isinstance(self.proposer, ChainProposer) or (self.proposer is not None and self.proposer.takes_target_cache)
         # this machine's single-request curve (measured once and cached), read once for the row's length
         # policy, its Chooser and its confidence schedule
         speculation = self.speculation
@@ -216,7 +212,7 @@ class BatchRow:
             return RowDemand()
         if not self.planned:  # its own policy's length, as the plan's floor
             length = self.draft_budget(cap)
-            return RowDemand(floor=length, acceptance=getattr(self.length, "acceptance", [self.acceptance or 0.6] * length))
+            return RowDemand(floor=length, acceptance=self.length.acceptance if self.length.acceptance is not None else [self.acceptance or 0.6] * length)
         room = min(cap, self.room())
         return RowDemand(floor=min(self.probes.floor(), room), acceptance=self.length.acceptance, cap=room)
 
@@ -303,7 +299,7 @@ def _commit_tokens(row: BatchRow, tokens: list[int]) -> None:
     draft) or else the proposer (a chained head pairs its cache entries with them)."""
     row.processor.commit(tokens)
     reader = row.chooser if row.chooser is not None else row.proposer
-    if reader is not None and hasattr(reader, "commit"):
+    if reader is not None:
         reader.commit(tokens)
 
 
@@ -331,7 +327,7 @@ def _commit(plan: _Plan) -> None:
         if plan.source == "draft":  # as decode.py: lookup / forced blocks say nothing of the draft
             row.length.observe(proposed=num_draft, accepted=accepted)
         else:  # as decode.py: the row's next draft round is timed from here
-            getattr(row.length, "restart_clock", lambda: None)()
+            row.length.restart_clock()
         row.proposer.extend(plan.features[:, : accepted + 1])
     if row.proposer is not None or row.chooser is not None:
         row.proposed += num_draft

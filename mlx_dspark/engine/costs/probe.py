@@ -20,6 +20,8 @@ import mlx.core as mx
 
 from mlx_dspark.engine.costs.heal import write_cached  # noqa: F401  (the cache's one writer; callers import it from here)
 from mlx_dspark.engine.round.decode import prefill
+from mlx_dspark.engine.proposers import cost_kind, default_head, head_block, loaded_heads, proposer_module
+from mlx_dspark.engine.proposers.base import CHAIN
 from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.engine.costs.curve import CostCurve
 from mlx_dspark.models.caches.kv import trim_caches
@@ -61,13 +63,13 @@ def cache_key(model: Any, *, head: str = "draft") -> str:
     cost it holds ("draft": the draft model; "mtp": the target's own MTP layers) and the machine."""
     from mlx.utils import tree_flatten
 
-    head_module = getattr(model, head, None)  # "draft": the draft model; a chain: its own layers (their precision)
+    head_module = model.heads.get(head)  # the head's own module (its precision)
     dtypes = {
         name: sorted({str(v.dtype) for _, v in tree_flatten(module.parameters())})
         for name, module in (("target", model.target), ("draft", head_module))
         if module is not None
     }
-    draft_path, draft_config = model.head_source(head) if hasattr(model, "head_source") else (model.draft_path, model.draft_config)
+    draft_path, draft_config = model.head_source(head)
     identity = {
         "target": str(Path(model.target_path).resolve()),
         "draft": str(Path(draft_path).resolve()) if draft_path else None,
@@ -88,40 +90,6 @@ def cost_curve_path(model: Any, cache_dir: Path | None = None, *, head: str = "d
     return (cache_dir or cost_cache_dir()) / f"{cache_key(model, head=head)}.json"
 
 
-CHAIN_HEADS = ("eagle3", "assistant", "mtp")  # drafts of one forward per draft token (LoadedModel attributes)
-
-
-def head_names(model: Any) -> list[str]:
-    """The draft heads a loaded pair carries, in the order their curves are named: its draft model, its
-    EAGLE-3 draft or Gemma 4 assistant, the target's own MTP layers."""
-    return [name for name in ("draft", *CHAIN_HEADS) if getattr(model, name, None) is not None]
-
-
-def head_block(model: Any, head: str) -> int:
-    """The most drafts one proposal of `head` holds (a block draft's block; a chain's default length)."""
-    if head == "draft":
-        return int(model.draft.num_drafts)
-    if head == "mtp":
-        from mlx_dspark.engine.proposers.mtp import DEFAULT_CHAIN
-
-        return DEFAULT_CHAIN
-    if head == "assistant":
-        from mlx_dspark.engine.proposers.gemma4_assistant import DEFAULT_TOKENS
-
-        return DEFAULT_TOKENS
-    from mlx_dspark.engine.proposers.eagle3 import default_block_size
-
-    return default_block_size(model.eagle3)
-
-
-def default_head(model: Any) -> str:
-    """The head a pair's one curve is for: its draft model, else its EAGLE-3 draft or Gemma 4 assistant, else
-    the target's own MTP layers."""
-    if getattr(model, "draft", None) is not None:
-        return "draft"
-    return next((head for head in CHAIN_HEADS if getattr(model, head, None) is not None), "draft")
-
-
 def cost_curve_for(
     model: Any,
     *,
@@ -131,15 +99,15 @@ def cost_curve_for(
 ) -> CostCurve:
     """The loaded pair's curve on this machine for one draft head (default `default_head`): read from
     `cache_dir` (default `cost_cache_dir()`), else measured (`measure`, default `measure_cost_curve`, or
-    `measure_chain_curve` for a chained head: "eagle3", "assistant", "mtp") and written there."""
+    `measure_chain_curve` for a head whose cost kind is a chain) and written there."""
     head = default_head(model) if head is None else head
     path = cost_curve_path(model, cache_dir, head=head)
     cache_dir = path.parent
     if not path.is_file():
-        if head in CHAIN_HEADS:
-            curve = (measure or measure_chain_curve)(model.target, getattr(model, head), head=head)
+        if cost_kind(head) == CHAIN:
+            curve = (measure or measure_chain_curve)(model.target, model.heads[head], head=head)
         else:
-            curve = (measure or measure_cost_curve)(model.target, model.draft)
+            curve = (measure or measure_cost_curve)(model.target, model.heads.get(head))
         write_cached(path, {**curve.to_json(), "source": f"measured at first use, {time.strftime('%Y-%m-%d %H:%M')}",
                             "measured_at": time.time()})  # fmt: skip
     # cache_path: generations write what their rounds observed back here (engine/costs/heal.py)
@@ -188,15 +156,11 @@ def measure_chain_curve(
     target: Any, drafter: Any, *, head: str = "mtp", context: int = SHALLOW_CONTEXT, repeats: int = 3, seed: int = 0,
     chain: int = 4,
 ) -> CostCurve:
-    """The curve of a chained draft (`head`: "mtp", the target's own MTP layers; "eagle3", an EAGLE-3
-    draft; "assistant", a Gemma 4 assistant, which reads the probe's target caches): verify widths as a draft-less pair's, and the chain's cost from proposals of 1 and of `chain`
+    """The curve of a chained draft (`head`: a head whose cost kind is a chain, its proposer made by name;
+    one that reads the target's caches gets the probe's): verify widths as a draft-less pair's, and the chain's cost from proposals of 1 and of `chain`
     drafts (interleaved, the fastest of `repeats`): `draft_step_ms` per further draft, `draft_ms` the rest
     of the first (one context depth)."""
-    from mlx_dspark.engine.proposers.eagle3 import Eagle3Proposer  # the probe stays above the proposers it times
-    from mlx_dspark.engine.proposers.gemma4_assistant import AssistantProposer
-    from mlx_dspark.engine.proposers.mtp import MTPProposer
-
-    make = {"mtp": MTPProposer, "eagle3": Eagle3Proposer, "assistant": AssistantProposer}[head]
+    make = proposer_module(head).make_proposer
     base = measure_cost_curve(target, None, context=context, deep_context=None, repeats=repeats, seed=seed)
     rng = random.Random(seed + 1)
     depth = min(base.context, (getattr(target.args, "max_position_embeddings", None) or 1 << 30) - chain - 2)
@@ -205,8 +169,8 @@ def measure_chain_curve(
     cache = target.make_cache()
     logits = prefill(target, cache, prompt, tap_ids=proposer.tap_ids, proposer=proposer)
     anchor = mx.argmax(logits).astype(mx.int32).reshape(1)
-    getattr(proposer, "commit", lambda tokens: None)([int(anchor.item())])
-    extra = {"target_cache": cache} if getattr(proposer, "takes_target_cache", False) else {}
+    proposer.commit([int(anchor.item())])
+    extra = {"target_cache": cache} if proposer.takes_target_cache else {}
     samples: dict[int, list[float]] = {1: [], chain: []}
     for repeat in range(repeats + 1):
         for k in (1, chain) if repeat % 2 else (chain, 1):

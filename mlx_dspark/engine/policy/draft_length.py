@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 from mlx_dspark.engine.policy import acceptance_memory
 
@@ -37,19 +37,33 @@ NEAR_PAYING = 0.8  # a remembered acceptance this close to paying still gets a f
 CONFIRM_ACCEPTED, MAX_CONFIRMS = 2, 2  # a probe accepting this many gets a free second look, this often per generation
 
 
-class DraftLength(Protocol):
-    """What the round (and any other proposer) asks of a length policy."""
+class DraftLength:
+    """What the round (and any other proposer) asks of a length policy; a policy overrides what it uses."""
 
     cap: int  # the most draft tokens any round of this generation may propose
+    acceptance: list[float] | None = None  # per-position acceptance estimates, where the policy keeps them
 
     def next_length(self, *, position: int) -> int:
         """Draft tokens for the round whose anchor sits at `position` (0: no draft, a plain target step)."""
+        raise NotImplementedError
 
     def observe(self, *, proposed: int, accepted: int, confidence: Any = None) -> None:
         """The round verified `proposed` drafts and accepted `accepted`; `confidence` (1, K) or None."""
 
+    def restart_clock(self) -> None:
+        """The next round is timed from now (a pause that was not drafting: a park, another head's round)."""
 
-class FixedLength:
+    def untimed(self, ms: float) -> None:
+        """`ms` of the round in flight were not the draft's own cost (a catch-up)."""
+
+    def finish(self) -> None:
+        """The generation ended: keep what it showed for the next one."""
+
+    def summary(self) -> dict:
+        return {}
+
+
+class FixedLength(DraftLength):
     """Every round proposes `cap` drafts (the model card's setting: the block size)."""
 
     parked_rounds = 0
@@ -96,7 +110,7 @@ def break_even(curve: CostCurve, length: int) -> float | None:
     return high
 
 
-class AutoLength:
+class AutoLength(DraftLength):
     """The draft length of highest expected tokens per millisecond; 0 (parked) while no length pays."""
 
     def __init__(

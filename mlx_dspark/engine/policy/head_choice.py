@@ -25,14 +25,14 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.policy.draft_length import DraftLength, expected_tokens
-from mlx_dspark.engine.proposers.dspark import Proposal, Proposer
+from mlx_dspark.engine.proposers.base import Proposal, Proposer
 from mlx_dspark.engine.costs.curve import CostCurve
 
 PRIOR, SMOOTHING = 0.6, 0.2  # a head's acceptance before it is observed, and how fast it follows
 EXPLORE_EVERY = 16  # a head that would draft but sat out this many rounds proposes one (its acceptance moves)
 
 
-class HeadChoice:
+class HeadChoice(Proposer):
     takes_logits_hook = True
 
     def __init__(self, heads: dict[str, Proposer], policies: dict[str, DraftLength], curves: dict[str, CostCurve | None]):
@@ -42,11 +42,11 @@ class HeadChoice:
         self.tap_ids = tuple(dict.fromkeys(t for head in heads.values() for t in head.tap_ids))
         self._columns = {name: [self.tap_ids.index(t) for t in head.tap_ids] for name, head in heads.items()}
         self.block_size = max(int(head.block_size) for head in heads.values())
-        self.takes_target_cache = any(getattr(h, "takes_target_cache", False) for h in heads.values())  # handed on
-        self.context = next((getattr(h, "context", None) for h in heads.values() if getattr(h, "context", None) is not None), None)
+        self.takes_target_cache = any(h.takes_target_cache for h in heads.values())  # handed on
+        self.context = next((h.context for h in heads.values() if h.context is not None), None)
         # a prompt cache resumes the heads together: a block draft over its draft context, chains over its chains
-        self.chains = tuple(chain for head in heads.values() for chain in getattr(head, "chains", ()))
-        self.resumable = all(getattr(h, "resumable", False) or getattr(h, "context", None) is not None for h in heads.values())
+        self.chains = tuple(chain for head in heads.values() for chain in head.chains)
+        self.resumable = all(h.resumable or h.context is not None for h in heads.values())
         self.acceptance = {name: [PRIOR] * int(head.block_size) for name, head in heads.items()}
         self.chosen: Counter[str] = Counter()  # rounds each head proposed, for benchmarks
         self._current: str | None = None  # the head of the round in flight; None: parked
@@ -97,25 +97,25 @@ class HeadChoice:
         self.policies[self._current].observe(proposed=proposed, accepted=accepted, confidence=confidence)
         for name, policy in self.policies.items():
             if name != self._current:  # its next round is timed from here, not across this one
-                getattr(policy, "restart_clock", lambda: None)()
+                policy.restart_clock()
         rates = self.acceptance[self._current]
         for k in range(min(accepted + 1, proposed, len(rates))):
             rates[k] += SMOOTHING * ((1.0 if k < accepted else 0.0) - rates[k])
 
     def restart_clock(self) -> None:
         for policy in self.policies.values():
-            getattr(policy, "restart_clock", lambda: None)()
+            policy.restart_clock()
 
     def untimed(self, ms: float) -> None:
         if self._current is not None:
-            getattr(self.policies[self._current], "untimed", lambda ms: None)(ms)
+            self.policies[self._current].untimed(ms)
 
     def finish(self) -> None:
         for policy in self.policies.values():
-            getattr(policy, "finish", lambda: None)()
+            policy.finish()
 
     def summary(self) -> dict:
-        return {"heads": dict(self.chosen), **{name: p.summary() for name, p in self.policies.items() if hasattr(p, "summary")}}
+        return {"heads": dict(self.chosen), **{name: p.summary() for name, p in self.policies.items()}}
 
     # -- Proposer -----------------------------------------------------------------------------------
 
@@ -124,8 +124,8 @@ class HeadChoice:
         name = self._current if self._current is not None else next(iter(self.heads))
         head = self.heads[name]
         self.chosen[name] += 1  # here, not when the length is named: a lookup block may take the round instead
-        extra = {"logits_hook": logits_hook} if logits_hook is not None and getattr(head, "takes_logits_hook", False) else {}
-        extra.update({"target_cache": target_cache} if getattr(head, "takes_target_cache", False) else {})
+        extra = {"logits_hook": logits_hook} if logits_hook is not None and head.takes_logits_hook else {}
+        extra.update({"target_cache": target_cache} if head.takes_target_cache else {})
         proposal = head.propose(anchor, position=position, num_tokens=min(num_tokens, int(head.block_size)), **extra)
         if logits_hook is not None and "logits_hook" not in extra:
             proposal = Proposal(tokens=proposal.tokens, draft_probs=proposal.draft_probs, token_probs=proposal.token_probs,
@@ -138,26 +138,26 @@ class HeadChoice:
             if name == self._current:
                 head.extend(own)
             else:
-                getattr(head, "extend_later", head.extend)(own)
+                head.extend_later(own)
 
     def extend_later(self, features: mx.array) -> None:
         for name, head in self.heads.items():
-            getattr(head, "extend_later", head.extend)(self._own(name, features))
+            head.extend_later(self._own(name, features))
 
     def commit(self, tokens: Sequence[int]) -> None:
         for head in self.heads.values():
-            getattr(head, "commit", lambda tokens: None)(tokens)
+            head.commit(tokens)
 
     def flush(self) -> None:
         for head in self.heads.values():
-            getattr(head, "flush", lambda: None)()
+            head.flush()
 
     def start_at(self, position: int) -> None:
         for head in self.heads.values():
-            getattr(head, "start_at", lambda position: None)(position)
+            head.start_at(position)
 
     def take_catch_up_ms(self) -> float:
-        return sum(getattr(head, "take_catch_up_ms", lambda: 0.0)() for head in self.heads.values())
+        return sum(head.take_catch_up_ms() for head in self.heads.values())
 
     def _own(self, name: str, features: mx.array) -> mx.array:
         """A head's columns of the union of tapped features (1, n, len(tap_ids) * hidden)."""

@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from mlx_dspark.engine.logits.grammar import GrammarState
 from mlx_dspark.engine.proposers.lookup import DEFAULT_NGRAM_SIZES, LOOKUP_MAX_TOKENS, ContextIndex
-from mlx_dspark.engine.proposers.dspark import Proposal, Proposer
+from mlx_dspark.engine.proposers.base import Proposal, Proposer
 from mlx_dspark.engine.costs.curve import CostCurve
 
 DECAY = 0.6  # per observation: acceptance drifts with the text (code, then prose, then JSON)
@@ -117,7 +117,7 @@ class Plan:
 
 
 @dataclass
-class Chooser:
+class Chooser(Proposer):
     """A Proposer (propose.py) over an optional DSpark draft and an optional lookup index."""
 
     draft: Proposer | None
@@ -131,10 +131,11 @@ class Chooser:
     def __post_init__(self) -> None:
         self.tap_ids = tuple(self.draft.tap_ids) if self.draft is not None else ()
         self.block_size = int(self.draft.block_size) if self.draft is not None else self.max_lookup
-        self.context = getattr(self.draft, "context", None)  # the prompt cache checks the draft context
-        self.chains = tuple(getattr(self.draft, "chains", ()))  # and holds a chained draft's state
-        self.resumable = getattr(self.draft, "resumable", False)
-        self.takes_target_cache = getattr(self.draft, "takes_target_cache", False)  # handed on to the draft
+        draft = self.draft if self.draft is not None else Proposer()  # lookup alone: nothing of a draft's
+        self.context = draft.context  # the prompt cache checks the draft context
+        self.chains = tuple(draft.chains)  # and holds a chained draft's state
+        self.resumable = draft.resumable
+        self.takes_target_cache = draft.takes_target_cache  # handed on to the draft
         self.draft_rate = Acceptance()
         self.lookup_rates: dict[int, Acceptance] = {}
         self.chosen: dict[str, int] = {"draft": 0, "lookup": 0, "forced": 0, "none": 0}  # rounds, for benchmarks
@@ -157,23 +158,24 @@ class Chooser:
     def extend_later(self, features: mx.array | None) -> None:
         """A round with the draft parked: its context appends wait and go in together (propose.py)."""
         if self.draft is not None and features is not None:
-            getattr(self.draft, "extend_later", self.draft.extend)(features)
+            self.draft.extend_later(features)
 
     def flush(self) -> None:
         if self.draft is not None:
-            getattr(self.draft, "flush", lambda: None)()
+            self.draft.flush()
 
     def start_at(self, position: int) -> None:
-        getattr(self.draft, "start_at", lambda position: None)(position)
+        if self.draft is not None:
+            self.draft.start_at(position)
 
     def take_catch_up_ms(self) -> float:
         """The draft's catch-up time since the last call (propose.DraftProposer.take_catch_up_ms)."""
-        return getattr(self.draft, "take_catch_up_ms", lambda: 0.0)()
+        return 0.0 if self.draft is None else self.draft.take_catch_up_ms()
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The committed tokens of a round (accepted drafts, then the bonus): index them, learn the rates;
         a draft that reads them (an MTP proposer) takes them too."""
-        if self.draft is not None and hasattr(self.draft, "commit"):
+        if self.draft is not None:
             self.draft.commit(tokens)
         if self.index is not None:
             self.index.extend(tokens)
@@ -198,7 +200,7 @@ class Chooser:
         plan = self.plan(num_tokens=num_tokens, room=room)
         if not plan.draft_size:
             return plan.proposal
-        extra = {} if logits_hook is None or not getattr(self.draft, "takes_logits_hook", False) else {"logits_hook": logits_hook}
+        extra = {} if logits_hook is None or not self.draft.takes_logits_hook else {"logits_hook": logits_hook}
         extra.update({"target_cache": target_cache} if self.takes_target_cache else {})
         drafted = self.draft.propose(anchor, position=position, num_tokens=plan.draft_size, **extra)
         return self.finish(plan, drafted, hooked="logits_hook" in extra)
@@ -308,7 +310,7 @@ class Chooser:
         """Expected tokens per cost of the draft's block of `size` (the first `forced` of them the grammar's):
         from the draft's own estimate where it has one (head_choice.HeadChoice: the round's head, its costs and
         per-position acceptance), else from this chooser's draft rate and the pair's curve."""
-        estimate = getattr(self.draft, "round_estimate", lambda length: None)(size - forced)
+        estimate = self.draft.round_estimate(size - forced)
         if estimate is None:
             return self._rate(1 + forced + expected_tokens(self.draft_rate.rate, size - forced), 1 + size, drafts=size)
         expected, draft_ms = estimate

@@ -26,10 +26,12 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.proposers.chain_context import ChainContext
-from mlx_dspark.engine.proposers.dspark import PENDING_LIMIT, Proposal
+from mlx_dspark.engine.proposers.base import CHAIN, Proposal, Proposer
+from mlx_dspark.engine.proposers.dspark import PENDING_LIMIT
 
 
-class ChainProposer:
+class ChainProposer(Proposer):
+    cost_kind = CHAIN
     takes_logits_hook = True
     resumable = True  # its state is its ChainContext: a prompt cache's when built over one
     tap_ids: tuple[int, ...]

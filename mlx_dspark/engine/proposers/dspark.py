@@ -1,60 +1,32 @@
-"""Proposers: what the speculative round asks for draft tokens.
-
-The round only needs three things from a proposer: which target layers to tap, a way to take the
-features of newly committed positions, and a proposal for the next block. `DraftProposer` is the real
-DSpark draft; tests and benchmarks plug in others (an oracle with injected errors) through the same
-protocol.
-"""
+"""The block draft's proposer (DSpark, DFlash, DFlash 2): one block forward per round over the draft's
+own windowed context cache, fed the target's tapped features of committed positions."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
+from mlx_dspark.engine.proposers.base import BLOCK, Proposal, Proposer
+
 PENDING_LIMIT = 32  # single committed positions batched into one context append
 CATCH_UP = 8  # waiting positions past which a proposal's context append is a catch-up, timed apart
+COST_KIND = BLOCK
 
 
-@dataclass
-class Proposal:
-    """A block of draft tokens (batch size 1 in the loop)."""
-
-    tokens: mx.array  # (1, K) int
-    draft_probs: mx.array | None = None  # (1, K, V) distributions drawn from; None = greedy (one-hot)
-    token_probs: mx.array | None = None  # (1, K) top draft probability at each position (before a draw), for p_min
-    confidence: mx.array | None = None  # (1, K) confidence head outputs c(k)
-    # drafted through the round's logits hook (penalties, bias, grammar mask); False: a proposal the
-    # grammar has not seen (a lookup continuation), which the round validates before verifying
-    hooked: bool = True
-    source: str = "draft"  # "draft", or "lookup" / "forced" (choose.py): sized by their chooser, not scheduled
+def default_block(draft: Any) -> int:
+    return int(draft.num_drafts)
 
 
-class Proposer(Protocol):
-    """A proposer whose `takes_logits_hook` is true accepts `logits_hook=` in `propose` (the round's
-    penalties / bias / grammar mask for its draft positions); others propose unprocessed (still lossless).
-    Optional: `commit(tokens)` receives each round's committed tokens (the prefill's token first; lookup
-    indexes them), and `takes_room` = True makes the round pass `room=`, the most tokens a block may hold
-    (max_tokens left, the caches' rollback), to a proposer that sizes its own blocks (choose.Chooser);
-    `takes_target_cache` = True makes it pass `target_cache=`, the target's caches holding the committed
-    positions (rolled back), to a drafter that reads the target's K/V (a Gemma 4 assistant). For a prompt
-    cache (prompt_cache.py): `chains`, the chain_context.ChainContexts it drafts over, `resumable` = True when
-    its state is the cache's (those, or none beyond the target's caches) and `start_at(position)`, told where
-    the cache resumed."""
-
-    tap_ids: Sequence[int]
-    block_size: int  # the most draft tokens one proposal can hold
-
-    def extend(self, features: mx.array) -> None:
-        """Take the target features (1, n, F) of the next n committed positions."""
-
-    def propose(self, anchor: mx.array, *, position: int, num_tokens: int) -> Proposal:
-        """Draft tokens for positions position+1 .. position+num_tokens; anchor (1,) sits at `position`."""
+def make_proposer(draft: Any, target: Any, *, prompt: Sequence[int], greedy: bool, temperature: float,
+                  block_size: int | None = None, prompt_cache: Any = None) -> "DraftProposer":  # fmt: skip
+    """The block draft over `prompt_cache`'s draft context when given; its block is the draft's own."""
+    context = None if prompt_cache is None else prompt_cache.draft_context
+    return DraftProposer(draft, target, greedy=greedy, temperature=temperature, context=context)
 
 
-class DraftProposer:
+class DraftProposer(Proposer):
     """The DSpark draft: one block forward per round over its own windowed context cache."""
 
     takes_logits_hook = True
@@ -71,6 +43,7 @@ class DraftProposer:
         # The block [anchor, mask x (block_size - 1)] predicts block_size tokens (DSPARK.md 3.4), or
         # block_size - 1 when its anchor row yields no draft (a bonus-anchor packaging).
         self.block_size = int(draft.num_drafts)
+        self.grows_trees = bool(draft.grows_trees)  # a block draft with a Markov head
         self.context = draft.make_cache() if context is None else context
         self._pending: list[mx.array] = []  # features of single positions not in the context yet
         self._pending_positions = 0  # positions they stand for (windowed drafts drop the oldest entries)

@@ -15,20 +15,31 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.proposers.chain_context import ChainContext
+from mlx_dspark.engine.proposers.base import CHAIN
 from mlx_dspark.engine.proposers.chain import ChainProposer
 
 DEFAULT_TOKENS = 3  # drafts per proposal when the config names no speculative_tokens (speculators' ttt_steps)
 
 
-def default_block_size(draft: Any) -> int:
+COST_KIND = CHAIN
+
+
+def default_block(draft: Any) -> int:
     """The chain length the draft was trained for (`speculative_tokens`), else DEFAULT_TOKENS."""
     return draft.args.speculative_tokens or DEFAULT_TOKENS
+
+
+def make_proposer(draft: Any, target: Any, *, prompt: Sequence[int], greedy: bool, temperature: float,
+                  block_size: int | None = None, prompt_cache: Any = None) -> "Eagle3Proposer":  # fmt: skip
+    context = None if prompt_cache is None else prompt_cache.chain_context("eagle3", draft.make_cache)
+    return Eagle3Proposer(draft, target, prompt=prompt, greedy=greedy, temperature=temperature,
+                          block_size=block_size or default_block(draft), context=context)  # fmt: skip
 
 
 class Eagle3Proposer(ChainProposer):
     def __init__(self, draft: Any, target: Any, *, prompt: Sequence[int], greedy: bool, temperature: float,
                  block_size: Optional[int] = None, context: ChainContext | None = None) -> None:
-        size = default_block_size(draft) if block_size is None else block_size
+        size = default_block(draft) if block_size is None else block_size
         super().__init__(prompt=prompt, greedy=greedy, temperature=temperature, block_size=size, what="EAGLE-3",
                          make_cache=draft.make_cache, context=context)  # fmt: skip
         self.draft, self.target = draft, target

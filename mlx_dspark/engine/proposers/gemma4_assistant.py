@@ -22,14 +22,27 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.proposers.chain import draw_chain
-from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.proposers.base import CHAIN, Proposal, Proposer
 from mlx_dspark.models.layers.base import FINAL_TAP
 
 # drafts per proposal: mlx-vlm's default block (4 = the target's token and 3 drafts) for these assistants
 DEFAULT_TOKENS = 3
+COST_KIND = CHAIN
 
 
-class AssistantProposer:
+def default_block(assistant: Any) -> int:
+    return DEFAULT_TOKENS
+
+
+def make_proposer(assistant: Any, target: Any, *, prompt: Sequence[int], greedy: bool, temperature: float,
+                  block_size: int | None = None, prompt_cache: Any = None) -> "AssistantProposer":  # fmt: skip
+    """No state of its own for a prompt cache to hold: it reads the target's caches."""
+    return AssistantProposer(assistant, target, prompt=prompt, greedy=greedy, temperature=temperature,
+                             block_size=block_size)  # fmt: skip
+
+
+class AssistantProposer(Proposer):
+    cost_kind = CHAIN
     takes_logits_hook = True
     takes_target_cache = True
     resumable = True  # nothing of its own to keep: a prompt cache resumes it on the target's caches (`start_at`)

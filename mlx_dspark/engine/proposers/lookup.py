@@ -19,7 +19,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.engine.proposers.dspark import Proposal
+from mlx_dspark.engine.proposers.base import Proposal, Proposer
 
 # Measured on benchmarks/workloads (RESULTS.md section 13): the longest indexed n-gram picks the copy
 # site (its most recent occurrence), the backward extension gives the match length; 1-grams propose too
@@ -94,7 +94,7 @@ class ContextIndex:
         return Match([], 0)
 
 
-class LookupProposer:
+class LookupProposer(Proposer):
     """Lookup alone behind the Proposer protocol: no target features, no draft forward."""
 
     tap_ids: tuple[int, ...] = ()

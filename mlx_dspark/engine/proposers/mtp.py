@@ -12,10 +12,23 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.proposers.chain_context import ChainContext
+from mlx_dspark.engine.proposers.base import CHAIN
 from mlx_dspark.engine.proposers.chain import ChainProposer
 from mlx_dspark.models.layers.base import FINAL_TAP
 
 DEFAULT_CHAIN = 4  # the most MTP steps per proposal (acceptance falls fast with depth: DRAFTERS.md section 2)
+COST_KIND = CHAIN
+
+
+def default_block(mtp: Any) -> int:
+    return DEFAULT_CHAIN
+
+
+def make_proposer(mtp: Any, target: Any, *, prompt: Sequence[int], greedy: bool, temperature: float,
+                  block_size: int | None = None, prompt_cache: Any = None) -> "MTPProposer":  # fmt: skip
+    context = None if prompt_cache is None else prompt_cache.chain_context("mtp", mtp.make_cache)
+    return MTPProposer(mtp, target, prompt=prompt, greedy=greedy, temperature=temperature,
+                       block_size=block_size or DEFAULT_CHAIN, context=context)  # fmt: skip
 
 
 class MTPProposer(ChainProposer):

@@ -29,7 +29,7 @@ from mlx_dspark.engine.logits.processing import LogitsProcessor
 from mlx_dspark.engine.options import PREFILL_STEP_SIZE, SpeculationOptions
 from mlx_dspark.engine.round.parked import can_pipeline, parked_steps
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.proposers.dspark import Proposal, Proposer
+from mlx_dspark.engine.proposers.base import Proposal, Proposer
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.engine.costs.curve import CostCurve, scheduled_length
 
@@ -82,7 +82,7 @@ def prefill(
         is_last = start + step_size >= len(prompt)
         logits, features = target(chunk, cache=cache, tap_ids=tap_ids, last_only=True)
         if proposer is not None:
-            (getattr(proposer, "extend_later", proposer.extend) if later else proposer.extend)(features)
+            (proposer.extend_later if later else proposer.extend)(features)
         if not is_last:
             # Evaluate chunk by chunk so a long prompt never builds one giant graph.
             mx.eval(logits, *([] if features is None else [features]))
@@ -105,7 +105,7 @@ def prefill_cached(
     """
     prompt = list(prompt)
     # A proposer that reads only tokens (lookup alone) keeps no state in the cache: it resumes like plain decoding.
-    stateless = proposer is not None and not proposer.tap_ids and getattr(proposer, "context", None) is None
+    stateless = proposer is not None and not proposer.tap_ids and proposer.context is None
     start = prompt_cache.resume(target, prompt, proposer=None if stateless else proposer)
     for end in prompt_cache.prefill_stops(start, len(prompt)):
         chunk = prompt[start:end]
@@ -116,7 +116,7 @@ def prefill_cached(
         prompt_cache.record(chunk)
         if end < len(prompt):
             if proposer is not None:
-                getattr(proposer, "flush", lambda: None)()  # the snapshot holds the draft context too
+                proposer.flush()  # the snapshot holds the draft context too
             prompt_cache.snapshot()
         start = end
     # Once per prompt, on its last logits (not per prefill stop: each check is a host read)
@@ -203,10 +203,10 @@ def speculative_steps(
     )
     lease, cache = prompt_cache.lease, prompt_cache.target_cache
     processor = processor or LogitsProcessor.passthrough()
-    hook = processor.draft_hook() if getattr(proposer, "takes_logits_hook", False) else None
+    hook = processor.draft_hook() if proposer.takes_logits_hook else None
     # A proposer that sizes its own blocks (choose.Chooser: lookup, forced runs) gets the room a round
     # has: what max_tokens leaves and what the target caches can roll back.
-    takes_room = getattr(proposer, "takes_room", False)
+    takes_room = proposer.takes_room
     rollback = rollback_limit(cache)
     anchor, logprobs = _draw(sampler, processor, logits[None], mx.zeros((0,), mx.int32))
     anchor = anchor.astype(mx.int32).reshape(1)
@@ -221,7 +221,7 @@ def speculative_steps(
         return rollback if max_tokens is None else max(0, min(rollback, max_tokens - emitted - 1))
 
     pipelined = can_pipeline(proposer)
-    wants_round = getattr(proposer, "wants_round", lambda *, room: takes_room and room > 0)
+    wants_round = proposer.wants_round
     length = None  # the next round's draft length when a parked run already asked the policy
     while True:
         _check_cancel(cancel)
@@ -243,11 +243,9 @@ def speculative_steps(
         if num_tokens or (takes_room and room):
             extra = {} if hook is None else {"logits_hook": hook}
             extra.update({"room": room} if takes_room else {})
-            extra.update({"target_cache": cache} if getattr(proposer, "takes_target_cache", False) else {})
+            extra.update({"target_cache": cache} if proposer.takes_target_cache else {})
             proposal = proposer.propose(anchor, position=position, num_tokens=num_tokens, **extra)
-            catch_up = getattr(proposer, "take_catch_up_ms", None)
-            if catch_up is not None:
-                getattr(draft_length, "untimed", lambda ms: None)(catch_up())
+            draft_length.untimed(proposer.take_catch_up_ms())
         if proposal is not None:
             # Start the draft on the device while the host builds the verify graph.
             mx.async_eval(proposal.tokens)
@@ -276,13 +274,13 @@ def speculative_steps(
         if proposal is None or proposal.source == "draft":  # lookup / forced blocks say nothing of the draft
             draft_length.observe(proposed=num_draft, accepted=accepted, confidence=None if proposal is None else proposal.confidence)
         else:  # its time is no round of the draft's: the next one is timed from here
-            getattr(draft_length, "restart_clock", lambda: None)()
+            draft_length.restart_clock()
 
         # Roll back: the target caches keep positions 0 .. position + accepted.
         trim_caches(cache, num_draft - accepted)
         if features is not None:  # a proposer without tapped layers (lookup alone) takes no features
             # parked: the draft context takes the committed positions in batches (extend_later)
-            (proposer.extend if length else getattr(proposer, "extend_later", proposer.extend))(features[:, : accepted + 1])
+            (proposer.extend if length else proposer.extend_later)(features[:, : accepted + 1])
         anchor = acceptance.tokens[accepted : accepted + 1]
         position += accepted + 1
         emitted += accepted + 1
@@ -303,8 +301,7 @@ def _parked_round(tokens: list[int], logprobs: list | None) -> Round:
 
 def _commit(processor: LogitsProcessor, proposer: Proposer, tokens: list[int]) -> None:
     processor.commit(tokens)
-    if hasattr(proposer, "commit"):  # the optional hook of proposers that read the committed tokens (lookup)
-        proposer.commit(tokens)
+    proposer.commit(tokens)  # proposers that read the committed tokens (lookup, chains) keep them
 
 
 def _admitted(

@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_dspark.engine.policy.draft_length import DraftLength
 from mlx_dspark.engine.logits.processing import LogitsProcessor
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.proposers.dspark import Proposer
+from mlx_dspark.engine.proposers.base import Proposer
 from mlx_dspark.engine.logits.sample import Sampler
 
 
@@ -40,7 +40,7 @@ class Resume:
 
 def can_pipeline(proposer: Proposer) -> bool:
     """A grammar's forced runs are planned on the grammar's state: those rounds stay rounds."""
-    return getattr(proposer, "grammar", None) is None
+    return proposer.grammar is None
 
 
 def parked_steps(
@@ -67,9 +67,9 @@ def parked_steps(
     `room(emitted)` is the most draft tokens a round may hold; `commit` gives committed tokens to the
     processor and the proposer; `round_of(tokens, logprobs)` builds the yielded Round.
     """
-    takes_room = getattr(proposer, "takes_room", False)
-    wants_round = getattr(proposer, "wants_round", lambda *, room: takes_room and room > 0)
-    extend = getattr(proposer, "extend_later", proposer.extend)
+    takes_room = proposer.takes_room
+    wants_round = proposer.wants_round
+    extend = proposer.extend_later
     lease = prompt_cache.lease
     # the anchor is committed already (nothing pending); later tokens are queued before they are committed
     token, logprobs = _step(target, cache, anchor, mx.zeros((0,), mx.int32), tap_ids, extend, sampler, processor)

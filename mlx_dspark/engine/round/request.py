@@ -12,19 +12,18 @@ from typing import Any, Iterator
 
 from mlx_dspark.engine.policy.proposal_choice import Chooser, RoundCost
 from mlx_dspark.engine.logits.constraints import compile_constraint
-from mlx_dspark.engine.costs.probe import CHAIN_HEADS, cost_curve_for, default_head, head_names
+from mlx_dspark.engine.costs.probe import cost_curve_for
 from mlx_dspark.engine.round.decode import Round, plain_steps, speculative_steps
 from mlx_dspark.engine.policy.draft_length import AUTO, make_draft_length
 from mlx_dspark.engine.policy.head_choice import HeadChoice
 from mlx_dspark.engine.logits.grammar import GrammarState
 from mlx_dspark.engine.proposers.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.engine.logits.processing import LogitsProcessor
-from mlx_dspark.engine.proposers.eagle3 import Eagle3Proposer, default_block_size
-from mlx_dspark.engine.proposers.gemma4_assistant import DEFAULT_TOKENS as ASSISTANT_TOKENS, AssistantProposer
-from mlx_dspark.engine.proposers.mtp import DEFAULT_CHAIN, MTPProposer
 from mlx_dspark.engine.options import MAX_TREE_NODES, GenerationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.proposers.dspark import DraftProposer, Proposer
+from mlx_dspark.engine.proposers import cost_kind, default_head, head_block, loaded_heads, make_head_proposer
+from mlx_dspark.engine.proposers.base import BLOCK, CHAIN, Proposer
+from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.engine.costs.curve import require_confidence_head
 from mlx_dspark.engine.tree.budget import AutoTree, FixedTree
 from mlx_dspark.engine.tree.fallback import draft_reason, option_reasons, say_chain_rounds
@@ -87,24 +86,13 @@ def make_steps(
         # caches that roll back a whole lookup block (rejected tokens of a LOOKUP_MAX_TOKENS block)
         prompt_cache = PromptCache(model.target, max_snapshots=0, max_rollback=LOOKUP_MAX_TOKENS)
     draft_length = None
-    if proposer is None and len(head_names(model)) > 1 and lookup != "only":
+    if proposer is None and len(loaded_heads(model)) > 1 and lookup != "only":
         # several heads: the round takes the one that pays (head_choice.py), each head over the prompt cache's state
         if prompt_cache is None:
             prompt_cache = PromptCache(model.target, model.draft, max_snapshots=0, max_rollback=LOOKUP_MAX_TOKENS)
         proposer, draft_length, speculation = _head_choice(model, prompt_ids, options, prompt_cache)
-    if proposer is None and model.draft is not None and lookup != "only":
-        proposer = DraftProposer(
-            model.draft,
-            model.target,
-            greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
-            temperature=max(sampling.temperature, 1e-6),
-            context=None if prompt_cache is None else prompt_cache.draft_context,
-        )
-    if proposer is None and model.draft is None and getattr(model, "mtp", None) is not None and lookup != "only":
-        proposer = _chain_proposer(model, "mtp", prompt_ids, options, prompt_cache)
-    for head in ("eagle3", "assistant"):
-        if proposer is None and model.draft is None and getattr(model, head, None) is not None and lookup != "only":
-            proposer = _chain_proposer(model, head, prompt_ids, options, prompt_cache)
+    if proposer is None and loaded_heads(model) and lookup != "only":
+        proposer = head_proposer(model, default_head(model), prompt_ids, options, prompt_cache)
     if speculation.confidence_threshold > 0 and isinstance(proposer, DraftProposer):
         # as llama-server refuses --spec-draft-p-min > 0 for a DSpark draft without a confidence head
         require_confidence_head(
@@ -120,7 +108,7 @@ def make_steps(
     if drafting and (speculation.verify_schedule == "confidence" or speculation.auto_length) and speculation.cost_curve is None:
         # this machine's curve for the pair, measured once and cached on disk
         curve = cost_curve_for(model)
-        if default_head(model) in CHAIN_HEADS:  # a chain's cost is measured, not healed (as in _head_choice)
+        if cost_kind(default_head(model)) == CHAIN:  # a chain's cost is measured, not healed (as in _head_choice)
             curve = dataclasses.replace(curve, cache_path=None)
         speculation = dataclasses.replace(speculation, cost_curve=curve)
     proposer = _chosen(proposer, prompt_ids, speculation, grammar)
@@ -189,42 +177,31 @@ def _head_choice(model: Any, prompt_ids: list[int], options: GenerationOptions,
     if speculation.verify_schedule == "confidence" or speculation.confidence_threshold > 0:
         raise ValueError("verify_schedule 'confidence' and confidence_threshold need one draft with a confidence head; "
                          "with several heads (draft and 'mtp') use the defaults")  # fmt: skip
-    greedy, temperature = speculation.draft_sampling == "greedy" or sampling.greedy, max(sampling.temperature, 1e-6)
-    names = head_names(model)
-    heads = {name: DraftProposer(model.draft, model.target, greedy=greedy, temperature=temperature,
-                                 context=prompt_cache.draft_context) if name == "draft"
-             else _chain_proposer(model, name, prompt_ids, options, prompt_cache) for name in names}  # fmt: skip
+    names = loaded_heads(model)
+    heads = {name: head_proposer(model, name, prompt_ids, options, prompt_cache) for name in names}
     curves = {}
     for name in names:
         given = speculation.cost_curve if name == names[0] else None  # --cost-curve-file: the first head's
         curve = given or cost_curve_for(model, head=name)
         # a chain's cost is measured, not healed (the healer's round model is a block draft's)
-        curves[name] = curve if name == "draft" else dataclasses.replace(curve, cache_path=None)
+        curves[name] = curve if cost_kind(name) == BLOCK else dataclasses.replace(curve, cache_path=None)
     policies = {name: make_draft_length(speculation.max_draft_tokens, speculation.draft_length(int(head.block_size)), curves[name])
                 for name, head in heads.items()}  # fmt: skip
     choice = HeadChoice(heads, policies, curves)
     return choice, choice, dataclasses.replace(speculation, cost_curve=curves[names[0]])
 
 
-def _chain_proposer(model: Any, name: str, prompt_ids: list[int], options: GenerationOptions,
-                    prompt_cache: PromptCache | None = None) -> MTPProposer | Eagle3Proposer | AssistantProposer:  # fmt: skip
-    """A chained head: the target's own MTP layers (`draft="mtp"`, name "mtp"), an EAGLE-3 draft ("eagle3") or a
-    Gemma 4 assistant ("assistant"): k chained steps per round, k its default unless a fixed length asks more.
-    With a prompt cache, an MTP / EAGLE-3 head drafts over the cache's state for it (a later turn resumes it);
-    the assistant keeps none (it reads the target's caches)."""
+def head_proposer(model: Any, name: str, prompt_ids: list[int], options: GenerationOptions,
+                  prompt_cache: PromptCache | None = None) -> Proposer:  # fmt: skip
+    """One loaded head's proposer (engine/proposers: found by its name), over the prompt cache's state for it
+    when given (a later turn resumes it). A chain drafts its default steps per round unless a fixed length asks
+    more; a block draft's block is its own."""
     sampling, speculation = options.sampling, options.speculation
     fixed = speculation.max_draft_tokens if isinstance(speculation.max_draft_tokens, int) else None
-    make, drafter, default = {
-        "mtp": lambda: (MTPProposer, model.mtp, DEFAULT_CHAIN),
-        "eagle3": lambda: (Eagle3Proposer, model.eagle3, default_block_size(model.eagle3)),
-        "assistant": lambda: (AssistantProposer, model.assistant, ASSISTANT_TOKENS),
-    }[name]()
-    held = prompt_cache is not None and name != "assistant"
-    return make(
-        drafter, model.target, prompt=prompt_ids,
-        greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
-        temperature=max(sampling.temperature, 1e-6), block_size=max(default, fixed or 0),
-        **({"context": prompt_cache.chain_context(name, drafter.make_cache)} if held else {}),
+    block = max(head_block(model, name), fixed or 0) if cost_kind(name) == CHAIN else None
+    return make_head_proposer(
+        model, name, prompt=prompt_ids, greedy=speculation.draft_sampling == "greedy" or sampling.greedy,
+        temperature=max(sampling.temperature, 1e-6), block_size=block, prompt_cache=prompt_cache,
     )  # fmt: skip
 
 
@@ -235,8 +212,9 @@ def _flushed(proposer: Proposer, steps: Iterator[Round], *, policy: Any = None) 
     try:
         yield from steps
     finally:
-        getattr(proposer, "flush", lambda: None)()
-        getattr(policy, "finish", lambda: None)()
+        proposer.flush()
+        if policy is not None:
+            policy.finish()
 
 
 def _chosen(draft: Proposer | None, prompt_ids: list[int], speculation: Any, grammar: GrammarState | None) -> Proposer | None:

@@ -38,11 +38,11 @@ def option_reasons(options: GenerationOptions) -> list[str]:
 def draft_reason(model: Any, proposer: Any) -> str | None:
     """Why the pair's draft (or the given proposer) grows no trees, or None."""
     if proposer is not None:
-        return None if hasattr(proposer, "tree_children") else f"the proposer {type(proposer).__name__} grows no trees"
+        return None if proposer.grows_trees else f"the proposer {type(proposer).__name__} grows no trees"
     draft = getattr(model, "draft", None)
     if draft is None:
         return "no DSpark block draft (trees grow from a block draft's distributions, not chained heads or lookup)"
-    if not getattr(draft, "grows_trees", False):
+    if not draft.grows_trees:
         return f"a {type(draft).__name__} draft (it drafts through its own heads, not DSpark's distributions)"
     return None
 

@@ -25,7 +25,7 @@ from mlx_dspark.engine.round.decode import Round, _check_cancel, _commit, prefil
 from mlx_dspark.engine.logits.processing import LogitsProcessor
 from mlx_dspark.engine.options import PREFILL_STEP_SIZE
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.proposers.dspark import Proposer
+from mlx_dspark.engine.proposers.base import Proposer
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.engine.tree.grow import Tree, grow_chain, grow_tree, with_chain
 from mlx_dspark.engine.tree.accept import accept_tree_greedy, accept_tree_sampled

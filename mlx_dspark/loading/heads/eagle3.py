@@ -23,7 +23,7 @@ from mlx_dspark.loading.pair import check_shared_tensors
 from mlx_dspark.loading.weights import fill_model
 from mlx_dspark.models.heads.d2t import CHECKPOINT_NAME
 from mlx_dspark.models.heads.eagle3.model import Eagle3Draft, canonical_name
-from mlx_dspark.models.heads.eagle3.args import Eagle3Args, default_aux_ids
+from mlx_dspark.models.heads.eagle3.args import Eagle3Args, default_aux_ids, is_eagle3_config
 
 EMBEDDING = "embed_tokens.weight"
 # load() options that shape a DSpark draft and mean nothing to an EAGLE-3 one
@@ -97,3 +97,20 @@ def build_eagle3(checkpoint: Checkpoint, *, target: Optional[nn.Module], target_
 def quantize_eagle3(model: nn.Module, *, bits: int, group_size: int) -> None:
     """The draft's linear layers at the given width (its norms, embedding and d2t stay as they are)."""
     nn.quantize(model, group_size, bits, class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0)
+
+
+# -- the head's loader declarations (loading/heads/__init__.py) ---------------------------------------------
+DESCRIPTION = "an EAGLE-3 draft"
+
+
+def detect(config: dict) -> bool:
+    return is_eagle3_config(config)
+
+
+def build(checkpoint: Checkpoint, *, target: nn.Module, target_source: str, dtype: Optional[mx.Dtype],
+          options: dict[str, Any]) -> Eagle3Draft:  # fmt: skip
+    check_options(options, source=checkpoint.config_source)
+    return build_eagle3(checkpoint, target=target, target_source=target_source, dtype=dtype)
+
+
+quantize = quantize_eagle3

@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from mlx_dspark.loading.checkpoint import Checkpoint
 from mlx_dspark.loading.weights import fill_model
-from mlx_dspark.models.heads.gemma4_assistant.model import AssistantArgs, Gemma4AssistantDraft, target_text_args
+from mlx_dspark.models.heads.gemma4_assistant.model import AssistantArgs, Gemma4AssistantDraft, is_assistant_config, target_text_args
 
 TARGET_MODEL_TYPES = ("gemma4_text", "gemma4")  # mlx-lm's Gemma 4 text model and its multimodal wrapper
 # load() options that shape a DSpark draft and mean nothing to an assistant
@@ -81,3 +81,20 @@ def build_assistant(checkpoint: Checkpoint, *, target: nn.Module, target_source:
 def quantize_assistant(model: nn.Module, *, bits: int, group_size: int) -> None:
     """The assistant's linear layers at the given width (norms, the tied table and the centroid ordering stay)."""
     nn.quantize(model, group_size, bits, class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0)
+
+
+# -- the head's loader declarations (loading/heads/__init__.py) ---------------------------------------------
+DESCRIPTION = "a Gemma 4 assistant draft"
+
+
+def detect(config: dict) -> bool:
+    return is_assistant_config(config)
+
+
+def build(checkpoint: Checkpoint, *, target: nn.Module, target_source: str, dtype: Optional[mx.Dtype],
+          options: dict[str, Any]) -> Gemma4AssistantDraft:  # fmt: skip
+    check_options(options, source=checkpoint.config_source)
+    return build_assistant(checkpoint, target=target, target_source=target_source, dtype=dtype)
+
+
+quantize = quantize_assistant

@@ -185,3 +185,19 @@ def has_mtp_tensors(path: str | Path, config: dict) -> bool:
         return any(is_mtp_tensor(config, name) for file in weight_files(Path(path)) for name in read_header(file))
     except (OSError, ValueError):
         return False
+
+
+# -- the head's loader declarations (loading/heads/__init__.py) ---------------------------------------------
+DESCRIPTION = "the target's own MTP layers"
+FROM_TARGET = True  # named in draft= as "mtp", read from the target's checkpoint
+
+
+def detect(config: dict) -> bool:
+    return False  # no draft file of its own
+
+
+def build_from_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) -> nn.Module:
+    return build_mtp(checkpoint, dtype=dtype)
+
+
+quantize = quantize_mtp

@@ -45,7 +45,7 @@ def packing_problem(model: Any) -> Optional[str]:
     problem = packed_mlx_lm.packing_problem(model.target)
     if problem is not None:
         return problem
-    heads = [name for name in ("draft", "eagle3", "mtp", "assistant") if getattr(model, name, None) is not None]
+    heads = [name for name, module in model.heads.items() if module is not None]
     if len(heads) > 1:  # engine/policy/head_choice.py picks per round over single-request costs; a batch row does not
         return f"a pair with several draft heads ({', '.join(heads)}) chooses its head per round, which batched rows do not; load one head"
     draft = model.draft
