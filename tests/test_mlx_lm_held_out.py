@@ -82,10 +82,9 @@ def test_held_out_batched_rows_equal_their_solo_runs_and_mlx_lms_generate(pair):
     check_batched_rows(loaded, target)
 
 
+@pytest.mark.parametrize("pair", ["plamo2"], indirect=True)
 def test_plamo2_backbone_is_the_module_that_embeds_and_norms(pair):
-    family, _, _, loaded = pair
-    if family != "plamo2":
-        pytest.skip("plamo2's layout")
+    _, _, _, loaded = pair
     target = loaded.target
     assert target.embedding is target.model.embed_tokens and target._backbone is target.model
     cache = target.make_cache()
@@ -95,12 +94,11 @@ def test_plamo2_backbone_is_the_module_that_embeds_and_norms(pair):
     assert mx.allclose(target.lm_head_logits(final), logits, atol=1e-4).item()
 
 
+@pytest.mark.parametrize("pair", ["baichuan_m1"], indirect=True)
 def test_baichuan_m1_drafts_head_copy_is_compared_with_the_head_it_computes_with(pair, tmp_path):
     """The target's head rows are unit rows (mlx-lm's sanitize); a draft holding them as stored (raw) or as
     computed with (normalized) loads; a draft holding another head is refused."""
-    family, target, draft, loaded = pair
-    if family != "baichuan_m1":
-        pytest.skip("baichuan_m1's NormHead")
+    _, target, draft, loaded = pair
     head = np.array(loaded.target.lm_head.weight)
     assert np.allclose(np.linalg.norm(head, axis=-1), 1.0, atol=1e-5)
     stored = np.array(mx.load(str(draft / "model.safetensors"))["lm_head.weight"])
@@ -122,13 +120,12 @@ def test_baichuan_m1_drafts_head_copy_is_compared_with_the_head_it_computes_with
         mlx_dspark.load(str(target), str(with_head("other", other)))
 
 
+@pytest.mark.parametrize("pair", ["baichuan_m1"], indirect=True)
 def test_baichuan_m1_rolls_a_verify_back_twice_exactly_past_its_window(pair):
     """Its layers' caches are CacheList(conv state, RotatingKVCache window 8): rolled back by restoring both and
     replaying the layer. Keeping one position writes the window in place; rolling the same verify back again
     (to before it) must still find the window as it was."""
-    family, _, _, loaded = pair
-    if family != "baichuan_m1":
-        pytest.skip("baichuan_m1's caches")
+    _, _, _, loaded = pair
     target = loaded.target
     ids = mx.array([PROMPT * 2])  # 24 positions: past the window
     cache = target.make_cache()

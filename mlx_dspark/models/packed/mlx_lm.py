@@ -25,8 +25,9 @@ swapped for stand-ins (`_PerSequence`). Such a layer runs packed except for its 
 recurrent cache (the mixer: GatedDeltaNet, ShortConv, Mamba), which runs once per sequence on that
 sequence's rows (1, n, hidden), its own mask (`create_ssm_mask` of its own cache) and its own cache,
 through its `RollbackCaches.call` (recorded for the replay a rollback runs): the call of the sequence's
-own forward. Where that does not reproduce the rows' own forwards (the load-time probe), or the layer's
-cache is a `CacheList`, the whole layer runs per sequence instead. Only the mixers lose the shared
+own forward. Where that does not reproduce the rows' own forwards (the load-time probe), the layer's
+cache is a `CacheList`, or two of its sub-modules take the cache (rwkv7's time and channel mixing: a replay
+re-runs one recorded call per cache), the whole layer runs per sequence instead. Only the mixers lose the shared
 matmuls; norms, MLPs, attention layers, the head and the draft stay packed. A family whose attention does
 its own arithmetic on the mask or the fetched keys (gemma2's soft-capped scores written out, DeepSeek's
 MLA adding its rotary scores to the mask) fails the probe packed; it is probed again with its attention

@@ -9,8 +9,8 @@ boundaries, the same way for every family:
   output after any scale the model applies): after construction each layer becomes an instance of a
   subclass of its own class whose `__call__` calls the original and records (no library code changes;
   parameter paths are untouched, so loading and quantization see the checkpoint's names);
-- the module the model calls for its hidden states (its backbone: the module holding the layer list,
-    under a multimodal wrapper's language model too) records its output (the final normed hidden state) and,
+- the module the model calls for its hidden states (its backbone: the module holding the layer list, or the
+  nearest one above it that embeds, as plamo2's; under a multimodal wrapper's language model too) records its output (the final normed hidden state) and,
   for `model_head_logits(h)`, returns the given `h` so that mlx-lm's own head code (tied / untied head,
   softcap, logit scaling) computes the logits.
 
