@@ -191,6 +191,12 @@ class RevisingProposer(DraftProposer):
 def test_batched_greedy_rows_equal_solo_runs_and_mlx_lms_generate(family, tmp_path):
     target_path, draft_path = write_pair(tmp_path, family)
     model = prepare_model(mlx_dspark.load(str(target_path), str(draft_path)), RunSettings(ignore_eos=True))
+    check_batched_rows(model, target_path)
+
+
+def check_batched_rows(model, target_path: Path) -> None:
+    """Four requests (one joining later, one plain) batched with injected wrong drafts: each row's tokens are
+    mlx-lm's own generate and its solo run, and the drafting rows rolled back partial acceptances."""
     assert packing_problem(model) is None
     prompts = [[1, 5, 9, 20, 33, 7], list(range(40, 71)), [9, 8, 7, 6, 5, 4, 3, 2, 1] * 2, [100, 101, 102]]
     lengths, joins = [30, 18, 24, 20], [0, 0, 0, 3]  # the last one joins while the others run

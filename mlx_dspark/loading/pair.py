@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
 
-from mlx_dspark.models.target.lm_head import target_head
+from mlx_dspark.models.target.lm_head import head_as_loaded, target_head
 from mlx_dspark.models.heads.dspark.args import DraftArgs
 
 
@@ -118,6 +118,10 @@ def check_shared_tensors(
                 "the draft was trained for another target"
             )
         rows = _differing_rows(array, reference, quant, copy_step=GGUF_COPY_STEPS.get(stored or ""))
+        if rows and kind == "head":  # the copy as stored, the target's as it computes with it (a head normalized at load)
+            loaded = head_as_loaded(target, array)
+            if loaded is not None:
+                rows = _differing_rows(loaded, reference, quant, copy_step=GGUF_COPY_STEPS.get(stored or ""))
         if rows and (kind != "embed" or len(rows) > MAX_OWN_EMBEDDING_ROWS):
             stored_as = f" (stored as {stored})" if stored else ""
             raise ValueError(

@@ -29,6 +29,10 @@ MOE_HYBRID_FAMILIES = ("qwen3_5_moe",)
 # Families that stress one target contract point each: gemma3_text's head is tied by its sanitize,
 # youtu_llm keeps its ModelArgs as `config` (MLA attention).
 CONTRACT_FAMILIES = ("gemma3_text", "youtu_llm")
+# Held-out families (issue 52), mlx-lm's layout: baichuan_m1 normalizes its head at load (its sanitize) and keeps
+# a conv state beside each layer's K/V (a CacheList), plamo2 nests its layer list under the backbone (Mamba +
+# attention), rwkv7 is recurrent only, its layers handing a second tensor (v_first) from layer to layer.
+HELD_OUT_FAMILIES = ("baichuan_m1", "plamo2", "rwkv7")
 
 
 def _base(ids: dict[str, Any]) -> dict[str, Any]:
@@ -99,8 +103,19 @@ def tiny_mlx_lm_config(family: str, ids: dict[str, Any], **overrides: Any) -> di
                       mamba_head_dim=32, mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=1, mlp_bias=False,
                       layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, tie_word_embeddings=False,
                       layers_block_type=["mamba", "mlp", "attention", "mlp"])  # fmt: skip
+    elif family == "baichuan_m1":  # layers 0 and 2 slide (a RotatingKVCache), 1 and 3 attend fully
+        config.update(architectures=["BaichuanM1ForCausalLM"], model_type="baichuan_m1", rope_theta=10000.0, sliding_window=8,
+                      sliding_window_layers=[0, 2], conv_window=2, num_swa_attention_heads=4, num_swa_key_value_heads=2,
+                      tie_word_embeddings=False)  # fmt: skip
+    elif family == "plamo2":  # Mamba layers 0 and 2, attention layers 1 and 3
+        config.update(architectures=["Plamo2ForCausalLM"], model_type="plamo2", hidden_size_per_head=32, mamba_d_state=16,
+                      mamba_d_conv=4, mamba_num_heads=4, mamba_step=2, mamba_chunk_size=16, tie_word_embeddings=True)  # fmt: skip
+    elif family == "rwkv7":
+        config.update(architectures=["RWKV7ForCausalLM"], model_type="rwkv7", norm_eps=1e-5, a_low_rank_dim=16, v_low_rank_dim=16,
+                      gate_low_rank_dim=32, decay_low_rank_dim=16, tie_word_embeddings=False)  # fmt: skip
     else:
-        raise ValueError(f"family {family!r} is not one of {MLX_LM_FAMILIES + HYBRID_FAMILIES + MOE_HYBRID_FAMILIES + CONTRACT_FAMILIES}")
+        known = MLX_LM_FAMILIES + HYBRID_FAMILIES + MOE_HYBRID_FAMILIES + CONTRACT_FAMILIES + HELD_OUT_FAMILIES
+        raise ValueError(f"family {family!r} is not one of {known}")
     config.update(overrides)
     return dict(sorted(config.items()))
 

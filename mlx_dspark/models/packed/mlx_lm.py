@@ -25,8 +25,9 @@ swapped for stand-ins (`_PerSequence`). Such a layer runs packed except for its 
 recurrent cache (the mixer: GatedDeltaNet, ShortConv, Mamba), which runs once per sequence on that
 sequence's rows (1, n, hidden), its own mask (`create_ssm_mask` of its own cache) and its own cache,
 through its `RollbackCaches.call` (recorded for the replay a rollback runs): the call of the sequence's
-own forward. Where that does not reproduce the rows' own forwards (the load-time probe), or the layer's
-cache is a `CacheList`, the whole layer runs per sequence instead. Only the mixers lose the shared
+own forward. Where that does not reproduce the rows' own forwards (the load-time probe), the layer's
+cache is a `CacheList`, or two of its sub-modules take the cache (rwkv7's time and channel mixing: a replay
+re-runs one recorded call per cache), the whole layer runs per sequence instead. Only the mixers lose the shared
 matmuls; norms, MLPs, attention layers, the head and the draft stay packed. A family whose attention does
 its own arithmetic on the mask or the fetched keys (gemma2's soft-capped scores written out, DeepSeek's
 MLA adding its rotary scores to the mask) fails the probe packed; it is probed again with its attention
@@ -167,18 +168,22 @@ def install_dispatch(target: MLXLMTarget) -> list[str]:
     return patched
 
 
-def per_sequence(module: Any, args: tuple, kwargs: dict, view: PackedView, what: str) -> mx.array:
+def per_sequence(module: Any, args: tuple, kwargs: dict, view: PackedView, what: str) -> Any:
     """`module(*args, **kwargs)` once per sequence on its rows, masks and caches (`_one`), each call
-    through the sequence's `RollbackCaches` (recorded for replay) -> its outputs packed again (T, 1, ...)."""
+    through the sequence's `RollbackCaches` (recorded for replay) -> its outputs packed again (T, 1, ...).
+    A tuple output (rwkv7's layers hand `v_first` on beside the hidden states) is packed item by item."""
     total, outs = sum(view.lengths), []
     for i, (lists, start, n) in enumerate(_spans(view.lists, view.lengths)):
         part = (i, start, n, total)
         call_args, call_kwargs = tuple(_one(a, *part) for a in args), {k: _one(v, *part) for k, v in kwargs.items()}
         out = lists.call(module, *call_args, **call_kwargs) if isinstance(lists, RollbackCaches) else module(*call_args, **call_kwargs)
-        if not isinstance(out, mx.array) or out.shape[:2] != (1, n):
-            raise ValueError(f"{what} (recurrent) returned {type(out).__name__}, not one sequence's hidden states")
-        outs.append(out.reshape(n, 1, *out.shape[2:]))
-    return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+        items = out if isinstance(out, tuple) else (out,)
+        if not all(isinstance(o, mx.array) and o.shape[:2] == (1, n) for o in items):
+            got = ", ".join(f"{type(o).__name__} {getattr(o, 'shape', '')}" for o in items)
+            raise ValueError(f"{what} (recurrent) returned {got}, not one sequence's per-position arrays")
+        outs.append([o.reshape(n, 1, *o.shape[2:]) for o in items])
+    packed = [mx.concatenate(column, axis=0) if len(column) > 1 else column[0] for column in zip(*outs)]
+    return tuple(packed) if isinstance(out, tuple) else packed[0]
 
 
 def _split_view(args: tuple, kwargs: dict, mode: str) -> Optional[PackedView]:
@@ -201,7 +206,9 @@ class _PerSequenceChild:
         view = _split_view(args, kwargs, self._mode)
         if view is None:
             return self._module(*args, **kwargs)
-        self._used.append(True)
+        if view.recurrent and self._used:  # a replay re-runs the one call recorded per cache (rwkv7's time + channel mixing)
+            raise ValueError(f"more than one sub-module ({type(self._module).__name__} too) takes the layer's recurrent cache")
+        self._used.append(view.recurrent)
         return per_sequence(self._module, args, kwargs, view, type(self._module).__name__)
 
 
@@ -237,13 +244,13 @@ class _PerSequence:
             if not used:
                 raise ValueError(f"layer {self._index}: no sub-module of it took its cache")
             return out
-        hidden = per_sequence(self._layer, args, kwargs, view, f"layer {self._index}")
+        out = per_sequence(self._layer, args, kwargs, view, f"layer {self._index}")
         capture = self._capture  # the per-sequence calls recorded per-sequence taps: the packed ones instead
         if self._index == 0 and -1 in capture.tap_ids:
             capture.taps[-1] = args[0]
         if self._index in capture.tap_ids:
-            capture.taps[self._index] = hidden
-        return hidden
+            capture.taps[self._index] = out[0] if isinstance(out, tuple) else out
+        return out
 
 
 def _one(value: Any, i: int, start: int, n: int, total: int) -> Any:

@@ -8,8 +8,9 @@ read from the built model, not only from its config: mlx-lm's gemma3_text (and o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+import mlx.core as mx
 import mlx.nn as nn
 
 
@@ -27,3 +28,18 @@ def target_head(target: Any) -> nn.Module:
 def head_is_tied(target: Any) -> bool:
     """Whether the target's head rows are its input embedding's."""
     return target_head(target) is target.embedding
+
+
+def head_as_loaded(target: Any, stored: mx.array) -> Optional[mx.array]:
+    """A checkpoint's copy of the target's head (`lm_head.weight`) as the target reads its own: through the
+    family's `sanitize`, where mlx-lm turns the stored rows into those the model computes with (baichuan_m1's
+    NormHead normalizes each row there). None when the family's sanitize does not hand the tensor back."""
+    sanitize = getattr(target, "sanitize", None)
+    if sanitize is None:
+        return None
+    try:
+        read = sanitize({"lm_head.weight": stored})
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError):  # a sanitize that needs the whole checkpoint
+        return None
+    heads = [v for k, v in read.items() if k.endswith("lm_head.weight")]
+    return heads[0] if len(heads) == 1 and heads[0].shape == stored.shape else None

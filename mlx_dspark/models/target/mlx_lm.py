@@ -9,8 +9,8 @@ boundaries, the same way for every family:
   output after any scale the model applies): after construction each layer becomes an instance of a
   subclass of its own class whose `__call__` calls the original and records (no library code changes;
   parameter paths are untouched, so loading and quantization see the checkpoint's names);
-- the module the model calls for its hidden states (its backbone: the module holding the layer list,
-    under a multimodal wrapper's language model too) records its output (the final normed hidden state) and,
+- the module the model calls for its hidden states (its backbone: the module holding the layer list, or the
+  nearest one above it that embeds, as plamo2's; under a multimodal wrapper's language model too) records its output (the final normed hidden state) and,
   for `model_head_logits(h)`, returns the given `h` so that mlx-lm's own head code (tied / untied head,
   softcap, logit scaling) computes the logits.
 
@@ -133,10 +133,10 @@ class MLXLMTarget:
             self._refuse("it has no `layers` list")
         # The backbone: the module that holds the layer list and runs it (under a multimodal wrapper's
         # language model, too). Kept outside the parameter tree: a second path to it would enter it.
-        holders = [m for _, m in self.named_modules() if any(_lists(v, layers[0]) for v in m.values())]
+        holders = [p for p, m in self.named_modules() if any(_lists(v, layers[0]) for v in m.values())]
         if len(holders) != 1:
             self._refuse("no single module holds its decoder layers")
-        object.__setattr__(self, "_backbone", holders[0])
+        object.__setattr__(self, "_backbone", _backbone(self, holders[0]))
         self._capture = Capture(len(layers))
         subclasses: dict[type, type] = {}
         for i, layer in enumerate(layers):
@@ -256,6 +256,19 @@ def feature_dtype(model: Any, first_tap: mx.array) -> mx.Dtype:
 def _head_dim(args: Any) -> int:
     """The attention heads' width (what a quantized KV cache groups)."""
     return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+
+
+def _backbone(model: nn.Module, holder: str) -> nn.Module:
+    """The module whose output is the final normed hidden state: the one holding the layer list, or the
+    nearest module above it that also holds the input embedding (plamo2's decoder runs the layers inside
+    its backbone, which embeds before them and norms after)."""
+    modules = dict(model.named_modules())
+    path = holder
+    while path:
+        if any(isinstance(v, nn.Embedding) for v in modules[path].values()):
+            return modules[path]
+        path = path.rpartition(".")[0]
+    return modules[holder]
 
 
 def _lists(value: Any, layer: nn.Module) -> bool:
