@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark
+from mlx_dspark.engine.proposers.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.engine.costs.probe import measure_cost_curve  # bound at import: the real one (conftest patches the module's)
 from mlx_dspark.engine.round.decode import plain_steps, speculative_steps
 from mlx_dspark.engine.policy.draft_length import AutoLength, DraftLength, FixedLength, break_even, expected_tokens, make_draft_length, rates
@@ -290,9 +291,10 @@ def test_auto_composes_with_the_confidence_schedule_and_stays_lossless(tiny_spar
 def test_the_first_use_curve_has_two_depths_and_a_target_alone_gets_one_too(tiny_spark_pair):
     pair = mlx_dspark.load(*tiny_spark_pair)
     curve = measure_cost_curve(pair.target, pair.draft, context=24, deep_context=48, repeats=1)
-    assert (curve.context, curve.deep.context, curve.max_width, curve.deep.max_width) == (24, 48, 8, 8)
+    wide = LOOKUP_MAX_TOKENS + 1  # the draft's widths 1..8, then up to the longest lookup block's (issue 52)
+    assert (curve.context, curve.deep.context, curve.max_width, curve.deep.max_width) == (24, 48, wide, wide)
     alone = measure_cost_curve(pair.target, None, context=24, deep_context=None, repeats=1)  # lookup proposers
-    assert alone.draft_ms == 0.0 and alone.max_width == 8 and alone.deep is None
+    assert alone.draft_ms == 0.0 and alone.max_width == wide and alone.deep is None
 
 
 def test_calibrate_shows_the_packed_costs_and_the_batch_plan(tiny_spark_pair, tmp_path, monkeypatch):

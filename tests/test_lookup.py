@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import mlx_dspark
+from mlx_dspark.engine.costs.curve import CostCurve
 from mlx_dspark.engine.policy.proposal_choice import Chooser, RoundCost, expected_tokens
 from mlx_dspark.engine.logits.constraints import Constraint, ToolCallShape
 from mlx_dspark.engine.round.decode import speculative_steps
@@ -93,6 +94,19 @@ def test_chooser_prefers_a_long_confident_lookup_and_sizes_it_by_cost():
     assert proposal.tokens[0].tolist() == list(range(proposal.tokens.shape[1]))
     assert chooser.propose(mx.array([19]), position=59, num_tokens=0, room=3).tokens.shape[1] <= 3  # the room holds
     assert expected_tokens(0.5, 2) == pytest.approx(0.75)
+
+
+def test_the_chooser_prices_a_lookup_block_by_its_width_on_the_measured_curve():
+    # flat to the draft's widths, then compute-bound: each token past 8 costs a fifth of a forward
+    steep = CostCurve(draft_ms=0.3, verify_ms=[1.0] * 8 + [1.0 + 0.2 * (w - 8) for w in range(9, LOOKUP_MAX_TOKENS + 2)])
+    cut = CostCurve(draft_ms=0.3, verify_ms=steep.verify_ms[:8])  # what a probe of the draft's widths alone saw
+    index = lambda: ContextIndex(list(range(40)) * 3, ngram_sizes=(4,))  # noqa: E731  (a 36-token match)
+    widths = {}
+    for name, curve in (("steep", steep), ("cut", cut)):
+        chooser = Chooser(draft=None, index=index(), cost=RoundCost.from_curve(curve))
+        widths[name] = chooser.propose(mx.array([39]), position=119, num_tokens=0, room=40).tokens.shape[1]
+    assert widths["cut"] == LOOKUP_MAX_TOKENS  # extrapolated flat past 8: the longest block looks free
+    assert widths["steep"] < LOOKUP_MAX_TOKENS // 2  # priced: a narrower block, more tokens per ms
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from mlx_dspark.engine.options import GenerationOptions, OptionError, SamplingOp
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.engine.round.request import make_steps
-from mlx_dspark.engine.tree.grow import Tree, grow_chain, grow_tree, with_chain
+from mlx_dspark.engine.tree.grow import Tree, grow_tree
 from mlx_dspark.engine.tree.accept import accept_tree_greedy
 from mlx_dspark.engine.tree.rounds import tree_steps
 from tests.engine_helpers import greedy_reference, make_draft, make_target
@@ -86,7 +86,15 @@ def _table_children(table):
     return children
 
 
-def test_grow_tree_takes_the_most_probable_paths_each_after_its_parent():
+def _greedy_chain(table, anchor, depth):
+    parent, chain = anchor, []
+    for d in range(depth):  # the greedy chain, step by step on the table
+        parent = int(mx.argmax(table[d][parent]).item())
+        chain.append(parent)
+    return tuple(chain)
+
+
+def test_grow_tree_takes_the_top_chain_then_the_most_probable_paths_each_after_its_parent():
     vocab, depth, nodes = 4, 3, 9
     mx.random.seed(3)
     table = [mx.log(mx.softmax(2 * mx.random.normal((vocab, vocab)), axis=-1)) for _ in range(depth)]
@@ -100,12 +108,26 @@ def test_grow_tree_takes_the_most_probable_paths_each_after_its_parent():
                 logprob += table[d][parent][token].item()
                 parent = token
             paths[path] = math.exp(logprob)
-    best = sorted(paths.values(), reverse=True)[:nodes]
+    chain = _greedy_chain(table, 1, depth)
+    chain_paths = [chain[:k] for k in range(1, depth + 1)]
+    best = [paths[p] for p in chain_paths] + sorted((v for p, v in paths.items() if p not in chain_paths), reverse=True)[: nodes - depth]
     assert tree.size == nodes
-    assert sorted(tree.path_probs, reverse=True) == pytest.approx(best, rel=1e-5)
+    assert tree.path_probs == pytest.approx(best, rel=1e-5)  # the chain in rows 1..depth, then best-first
+    assert [tree.tokens[row - 1] for row in tree.top_chain()] == list(chain)
     for i, (parent, node_depth) in enumerate(zip(tree.parents, tree.depths)):
         assert parent < i + 1 and node_depth == (1 if parent == 0 else tree.depths[parent - 1] + 1)
-    assert tree.path_probs == sorted(tree.path_probs, reverse=True)  # rows in best-first order
+
+
+@pytest.mark.parametrize("nodes", [4, 6, 15])
+def test_a_tree_of_a_flat_draft_holds_the_greedy_chain_as_deep_as_its_nodes_allow(nodes):
+    vocab, depth = 6, 4
+    mx.random.seed(4)
+    table = [mx.log(mx.softmax(0.3 * mx.random.normal((vocab, vocab)), axis=-1)) for _ in range(depth)]  # flat: wide trees
+    tree = grow_tree(_table_children(table), mx.array([1]), num_nodes=nodes, max_depth=depth)
+    chain = _greedy_chain(table, 1, depth)[: min(nodes, depth)]
+    assert tree.size == nodes
+    assert tuple(tree.tokens[row - 1] for row in tree.top_chain())[: len(chain)] == chain
+    assert tree.top_chain()[: len(chain)] == list(range(1, len(chain) + 1))  # its first rows
 
 
 def test_tree_acceptance_commits_the_path_the_target_agrees_with():
@@ -273,19 +295,39 @@ def test_generate_with_tree_nodes_and_a_prompt_cache_is_plain_decoding_over_two_
     assert tree.cached_tokens > 0
 
 
-def test_with_chain_appends_the_greedy_chain_a_wide_tree_lacks_and_keeps_the_best_first_rows():
-    vocab, depth = 6, 4
-    mx.random.seed(4)
-    table = [mx.log(mx.softmax(0.3 * mx.random.normal((vocab, vocab)), axis=-1)) for _ in range(depth)]  # flat: wide trees
-    children = _table_children(table)
-    tree = grow_tree(children, mx.array([1]), num_nodes=6, max_depth=depth)
-    chain = grow_chain(children, mx.array([1]), max_depth=depth)
-    merged = with_chain(tree, chain)
-    parent, greedy = 1, []
-    for d in range(depth):  # the greedy chain, step by step on the table
-        parent = int(mx.argmax(table[d][parent]).item())
-        greedy.append(parent)
-    assert [token for token, _ in chain] == greedy
-    assert merged.tokens[: tree.size] == tree.tokens and merged.parents[: tree.size] == tree.parents
-    assert [merged.tokens[row - 1] for row in merged.top_chain()] == greedy
-    assert merged.size > tree.size  # the wide tree lacked the chain's deep nodes
+class _FlatRankedProposer(RankedProposer):
+    """A draft right at rank 1 most of the time whose softmax is flat (under-confident): best-first growth by path
+    probability alone spends the nodes on siblings and drops the chain's deep nodes (issue 52)."""
+
+    def tree_children(self, anchor, *, position, depth):
+        mass = [0.3, 0.25, 0.2]
+        rest = math.log(0.25 / (self.vocab_size - 3))
+        logprobs = mx.full((depth, self.vocab_size), rest, dtype=mx.float32)
+        for k in range(depth):
+            logprobs[k, mx.array(self.ranked(position + k + 1))] = mx.log(mx.array(mass))
+        return lambda d, parents, state: (logprobs[d - 1][None], None)
+
+
+def _forwards(steps, limit):
+    tokens, forwards = [], 0
+    for step in steps:
+        tokens.extend(step.tokens)
+        forwards += 1  # the prefill, then one verify per round
+        if len(tokens) >= limit:
+            return tokens[:limit], forwards
+
+
+@pytest.mark.parametrize("nodes", [8, 15, 31])
+def test_a_tree_never_needs_more_target_forwards_than_the_chain_at_equal_depth_on_the_same_text(qwen3, nodes):
+    from mlx_dspark.engine.logits.sample import Sampler
+    from mlx_dspark.engine.round.decode import speculative_steps
+
+    target, reference = qwen3
+    depth, limit = 7, 200
+    proposer = lambda: _FlatRankedProposer(reference, prompt_len=len(PROMPT), vocab_size=VOCAB, top1=0.8, top2=0.9)  # noqa: E731
+    chain, chain_forwards = _forwards(speculative_steps(
+        target, proposer(), PROMPT, sampler=Sampler(), speculation=SpeculationOptions(max_draft_tokens=depth, lookup="off"),
+    ), limit)  # fmt: skip
+    tree, tree_forwards = _forwards(tree_steps(target, proposer(), PROMPT, num_nodes=nodes, max_depth=depth), limit)
+    assert chain == tree == reference[:limit]
+    assert tree_forwards <= chain_forwards, (tree_forwards, chain_forwards)

@@ -24,6 +24,7 @@ from mlx_dspark.engine.proposers.base import Proposal
 from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.engine.costs.probe import cost_curve_for, measure_cost_curve
+from mlx_dspark.engine.proposers.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.engine.costs.curve import CostCurve, scheduled_length
 from mlx_dspark.testing.tiny import write_tiny_draft
 from tests.engine_helpers import OracleProposer, make_draft, make_target
@@ -158,7 +159,7 @@ def test_cost_curve_is_measured_once_then_read_from_the_disk_cache(tiny_spark_pa
 def test_quick_measurement_covers_every_verify_width_of_the_block(tiny_spark_pair):
     pair = mlx_dspark.load(str(tiny_spark_pair[0]), draft=str(tiny_spark_pair[1]))
     curve = measure_cost_curve(pair.target, pair.draft, context=24, repeats=1)
-    assert curve.max_width == int(pair.draft.args.block_size) + 1
+    assert curve.max_width == max(int(pair.draft.args.block_size) + 1, LOOKUP_MAX_TOKENS + 1)  # lookup's widths too
     assert curve.draft_ms > 0 and all(v > 0 for v in curve.verify_ms)
 
 

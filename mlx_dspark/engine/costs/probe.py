@@ -24,6 +24,7 @@ from mlx_dspark.engine.proposers import cost_kind, default_head, head_block, loa
 from mlx_dspark.engine.proposers.base import CHAIN
 from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.engine.costs.curve import CostCurve
+from mlx_dspark.engine.proposers.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.models.caches.kv import trim_caches
 from mlx_dspark.models.caches.rollback import TRIM, cache_kind
 
@@ -31,6 +32,9 @@ COST_CACHE_DIR = Path.home() / ".cache" / "mlx_dspark" / "cost"
 COST_DIR_ENV = "MLX_DSPARK_COST_DIR"  # where the curves are cached instead, when set
 SHALLOW_CONTEXT, DEEP_CONTEXT = 256, 1024  # the two depths a first-use measurement times
 DEFAULT_BLOCK = 7  # verify widths 1..8 for a pair without a DSpark draft
+# past the draft's widths, a few up to the longest lookup block (its anchor and LOOKUP_MAX_TOKENS): the
+# round's choice between blocks of every width reads them, the widths between are interpolated
+WIDE_WIDTHS = (12, 17, 25, LOOKUP_MAX_TOKENS + 1)
 
 
 def cost_cache_dir() -> Path:
@@ -123,7 +127,8 @@ def measure_cost_curve(
     repeats: int = 3,
     seed: int = 0,
 ) -> CostCurve:
-    """A quick curve: verify forwards of 1..block_size + 1 tokens and a draft block at `context` positions,
+    """A quick curve: verify forwards of 1..block_size + 1 tokens, a few wider ones up to the longest lookup
+    block (`WIDE_WIDTHS`, the widths between interpolated) and a draft block at `context` positions,
     then again at `deep_context` (None: one depth; kept within the target's positions), so the costs
     follow the context a generation reaches (`CostCurve.at`).
 
@@ -136,10 +141,11 @@ def measure_cost_curve(
     proposer = None if draft is None else DraftProposer(draft, target, greedy=True, temperature=1.0)
     cache = target.make_cache()
     limit = getattr(target.args, "max_position_embeddings", None) or 1 << 30
-    depths = [min(context, limit - block - 2)]
-    if deep_context is not None and min(deep_context, limit - block - 2) > depths[0]:
-        depths.append(min(deep_context, limit - block - 2))
-    candidates = mx.array([[rng.randrange(vocab) for _ in range(block + 1)]], dtype=mx.int32)
+    widest = max(block + 1, *WIDE_WIDTHS)
+    depths = [min(context, limit - widest - 1)]
+    if deep_context is not None and min(deep_context, limit - widest - 1) > depths[0]:
+        depths.append(min(deep_context, limit - widest - 1))
+    candidates = mx.array([[rng.randrange(vocab) for _ in range(widest)]], dtype=mx.int32)
     curves, reached = [], 0
     for depth in depths:
         prompt = [rng.randrange(vocab) for _ in range(depth - reached)]
@@ -191,7 +197,7 @@ def _measure_at(
     context = depth
     anchor = mx.argmax(logits).astype(mx.int32).reshape(1)
     mx.eval(anchor)
-    widths = list(range(1, block + 2))
+    widths = [*range(1, block + 2), *(w for w in WIDE_WIDTHS if w > block + 1)]
     samples: dict[int, list[float]] = {w: [] for w in [0, *widths]}  # 0: the draft block
     for repeat in range(repeats + 1):
         rotation = repeat % len(widths)
@@ -210,9 +216,18 @@ def _measure_at(
     # busy machine the minimum is closer to the forwards' own cost than the median.
     return CostCurve.from_measurements(
         draft_ms=min(samples[0]) if samples[0] else 0.0,
-        verify_ms=[min(samples[w]) for w in widths],
+        verify_ms=interpolated({w: min(samples[w]) for w in widths}),
         source="measured at first use",
     ).with_context(depth)
+
+
+def interpolated(measured: dict[int, float]) -> list[float]:
+    """Verify times of widths 1 .. the widest measured, linear between the measured widths."""
+    widths = sorted(measured)
+    out = []
+    for low, high in zip(widths, widths[1:]):
+        out += [measured[low] + (measured[high] - measured[low]) * (w - low) / (high - low) for w in range(low, high)]
+    return out + [measured[widths[-1]]]
 
 
 def undo_timed_forward(caches: Any, width: int) -> None:

@@ -1,12 +1,16 @@
 """Token trees from a draft's per-position distributions (issue 37): grow, then mask and positions.
 
-A tree of B nodes hangs under the anchor (row 0); node rows 1..B are in best-first order, so a parent's
-row is smaller than its children's. Its value, if the draft were right, is the expected accepted length:
-the sum over nodes of the product of the draft probabilities along the node's path. The B nodes of
-highest path probability maximise it, and they are prefix-closed (a child's path probability is at most
-its parent's), so the tree is grown depth by depth keeping the B best nodes of each depth (no node
-outside them can be among the B best overall), and the B best over all depths are taken at the end, as
-DDTree's best-first expansion would pick them. Growing is lazy on the device; one host read at the end.
+A tree of B nodes hangs under the anchor (row 0); a parent's row is smaller than its children's. Its
+value, if the draft were right, is the expected accepted length: the sum over nodes of the product of the
+draft probabilities along the node's path. The tree always holds the draft's top-1 chain `chain_depth`
+deep (rows 1..chain_depth): under greedy verification a tree that contains the chain accepts at least
+what the chain round would, whatever the draft's probabilities say (a flat softmax would otherwise spend
+the nodes on siblings and drop the chain's deep nodes, issue 52). The other B - chain_depth nodes are
+those of highest path probability, in best-first order: they are prefix-closed (a child's path
+probability is at most its parent's), so the tree is grown depth by depth keeping the chain's node and
+the B best others of each depth (no node outside them can be among the best overall), and the best over
+all depths are taken at the end, as DDTree's best-first expansion would pick them. Growing is lazy on the
+device; one host read at the end.
 """
 
 from __future__ import annotations
@@ -83,13 +87,16 @@ def chain_tree(tokens: list[int]) -> Tree:
     return Tree(tokens=list(tokens), parents=list(range(n)), depths=list(range(1, n + 1)), path_probs=[1.0] * n)
 
 
-def grow_tree(children: Children, anchor: mx.array, *, num_nodes: int, max_depth: int) -> Tree:
-    """The `num_nodes` nodes of highest path probability, at most `max_depth` deep, under `anchor` (1,)."""
+def grow_tree(children: Children, anchor: mx.array, *, num_nodes: int, max_depth: int, chain_depth: int | None = None) -> Tree:
+    """The draft's top-1 chain `chain_depth` deep (default: as deep as `num_nodes` and `max_depth` allow) in rows
+    1..chain_depth, then the other nodes of highest path probability, `num_nodes` in all, at most `max_depth`
+    deep, under `anchor` (1,)."""
     if num_nodes < 0 or max_depth < 0:
         raise ValueError(f"num_nodes and max_depth must be >= 0, got {num_nodes} and {max_depth}")
+    chain_depth = min(num_nodes, max_depth) if chain_depth is None else min(chain_depth, num_nodes, max_depth)
     if num_nodes == 0 or max_depth == 0:
         return Tree(tokens=[], parents=[], depths=[], path_probs=[])
-    frontier = anchor.astype(mx.int32).reshape(1)  # (F,) the kept nodes of the depth before
+    frontier = anchor.astype(mx.int32).reshape(1)  # (F,) the kept nodes of the depth before; the chain's first
     frontier_logprob = mx.zeros((1,), mx.float32)
     state = None
     levels = []  # per depth: (parent index in the previous level (F,), token (F,), path log-probability (F,))
@@ -97,58 +104,40 @@ def grow_tree(children: Children, anchor: mx.array, *, num_nodes: int, max_depth
         logprobs, parent_state = children(depth, frontier, state)
         scores = (frontier_logprob[:, None] + logprobs).reshape(-1)  # (F * V,)
         vocab = logprobs.shape[-1]
-        keep = min(num_nodes, scores.shape[0])
-        best = mx.argpartition(-scores, kth=keep - 1)[:keep] if keep < scores.shape[0] else mx.arange(keep)
+        # the nodes beside the chain's: no node outside a depth's best `num_nodes - chain_depth` others can be
+        # among the best others overall (past the chain, its node is one of them)
+        keep = min(num_nodes - chain_depth + (depth <= chain_depth), scores.shape[0])
+        if keep < 1:
+            break
+        if depth <= chain_depth:  # the chain's node (the top child of the chain's node, index 0) first, then the best others
+            top = mx.argmax(logprobs[0]).astype(mx.uint32).reshape(1)
+            others = mx.where(mx.arange(scores.shape[0]) == top, -mx.inf, scores)
+            rest = mx.argpartition(-others, kth=keep - 2)[: keep - 1] if keep > 1 else top[:0]
+            best = mx.concatenate([top, rest.astype(mx.uint32)])
+        else:
+            best = mx.argpartition(-scores, kth=keep - 1)[:keep] if keep < scores.shape[0] else mx.arange(keep)
         parent, token = best // vocab, (best % vocab).astype(mx.int32)
         frontier, frontier_logprob = token, scores[best]
         state = None if parent_state is None else parent_state[parent]
         levels.append((parent, token, frontier_logprob))
     mx.eval(levels)  # the tree's one host read
-    return _best_nodes([(p.tolist(), t.tolist(), lp.tolist()) for p, t, lp in levels], num_nodes)
+    return _best_nodes([(p.tolist(), t.tolist(), lp.tolist()) for p, t, lp in levels], num_nodes, chain_depth)
 
 
-def grow_chain(children: Children, anchor: mx.array, *, max_depth: int) -> list[tuple[int, float]]:
-    """The draft's greedy chain under `anchor` (1,): (token, path probability) per depth, one host read."""
-    parent, state, logprob, chain = anchor.astype(mx.int32).reshape(1), None, mx.zeros((1,), mx.float32), []
-    for depth in range(1, max_depth + 1):
-        logprobs, parent_state = children(depth, parent, state)
-        token = mx.argmax(logprobs[0]).astype(mx.int32).reshape(1)
-        logprob = logprob + logprobs[0][token]
-        parent, state = token, parent_state  # one parent: its state needs no gather
-        chain.append((token, logprob))
-    mx.eval(chain)
-    return [(int(token.item()), math.exp(float(logprob.item()))) for token, logprob in chain]
-
-
-def with_chain(tree: Tree, chain: list[tuple[int, float]]) -> Tree:
-    """`tree` with the nodes of `chain` (grow_chain's) it lacks appended after its own rows (its first rows stay
-    its best-first nodes); `top_chain()` then follows the chain as deep as it goes."""
-    out = Tree(tokens=list(tree.tokens), parents=list(tree.parents), depths=list(tree.depths), path_probs=list(tree.path_probs))
-    row = 0
-    for depth, (token, prob) in enumerate(chain, start=1):
-        found = next((i + 1 for i, (p, t) in enumerate(zip(out.parents, out.tokens)) if p == row and t == token), None)
-        if found is None:
-            out.tokens.append(token)
-            out.parents.append(row)
-            out.depths.append(depth)
-            out.path_probs.append(prob)
-            found = out.size
-        row = found
-    return out
-
-
-def _best_nodes(levels: list[tuple[list[int], list[int], list[float]]], num_nodes: int) -> Tree:
-    """The `num_nodes` best of the grown levels, each after its parent, numbered in the order taken."""
+def _best_nodes(levels: list[tuple[list[int], list[int], list[float]]], num_nodes: int, chain_depth: int) -> Tree:
+    """The chain (index 0 of the first `chain_depth` levels), then the best of the other grown nodes, `num_nodes`
+    in all, each after its parent, numbered in the order taken."""
+    chain = [(-levels[depth - 1][2][0], depth, 0) for depth in range(1, chain_depth + 1)]
     candidates = [
         (-logprob, depth, index)
         for depth, (_, _, logprobs) in enumerate(levels, start=1)
         for index, logprob in enumerate(logprobs)
-        if logprob > -math.inf
+        if logprob > -math.inf and not (index == 0 and depth <= chain_depth)
     ]
     candidates.sort()  # best first; at a tie the shallower first (a parent ties its child at most)
     row_of: dict[tuple[int, int], int] = {}
     tree = Tree(tokens=[], parents=[], depths=[], path_probs=[])
-    for negative, depth, index in candidates:
+    for negative, depth, index in chain + candidates:
         if tree.size == num_nodes:
             break
         parents, tokens, _ = levels[depth - 1]

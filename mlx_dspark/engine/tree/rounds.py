@@ -1,7 +1,7 @@
 """The tree round (issue 37): propose a token tree, verify it in one forward, commit the accepted path.
 
 propose: the draft's per-position distributions (its Markov head's conditional logits per parent) grow
-a best-first tree of at most B nodes (tree.py; one host read) -> verify: [anchor, nodes] in one target
+a tree of at most B nodes, the draft's top chain and the best-first others (tree.py; one host read) -> verify: [anchor, nodes] in one target
 forward, each node at the anchor's position plus its depth, seeing the cache and its ancestors only
 (models/target/tree_verify.py) -> accept: the longest path of nodes equal to the target's argmax at their
 parent, or sampled, by recursive rejection over each node's children (tree_accept.py; the round's host
@@ -17,6 +17,7 @@ a request with them runs chain rounds instead (steps.make_steps, tree_fallback.p
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
@@ -27,7 +28,7 @@ from mlx_dspark.engine.options import PREFILL_STEP_SIZE
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.proposers.base import Proposer
 from mlx_dspark.engine.logits.sample import Sampler
-from mlx_dspark.engine.tree.grow import Tree, grow_chain, grow_tree, with_chain
+from mlx_dspark.engine.tree.grow import Tree, grow_tree
 from mlx_dspark.engine.tree.accept import accept_tree_greedy, accept_tree_sampled
 from mlx_dspark.engine.tree.budget import FixedTree, TreeBudget
 from mlx_dspark.models.target.tree_verify import keep_path, tree_problem, tree_target_forward
@@ -75,17 +76,16 @@ def tree_steps(
         _check_cancel(cancel)
         prompt_cache.claim(lease)
         depth = max_depth if max_tokens is None else max(0, min(max_depth, max_tokens - emitted - 1))
+        start = time.perf_counter()
         grown = Tree(tokens=[], parents=[], depths=[], path_probs=[])
-        nodes = min(num_nodes, budget.grow_nodes(position=position))
-        if depth and nodes:
-            children = proposer.tree_children(anchor, position=position, depth=depth)
-            grown = grow_tree(children, anchor, num_nodes=nodes, max_depth=depth)
-            if getattr(budget, "wants_chain", False):  # the top chain as deep as the depth, beside the best nodes
-                grown = with_chain(grown, grow_chain(children, anchor, max_depth=depth))
+        nodes = min(num_nodes, budget.grow_nodes(position=position, depth=depth))
+        if depth and nodes:  # the draft's top chain as deep as the round goes, then the best other nodes
+            grown = grow_tree(proposer.tree_children(anchor, position=position, depth=depth), anchor, num_nodes=nodes, max_depth=depth)
         verified = budget.pick(grown, position=position) if grown.size else []
         tree = grown.subtree(verified)
         committed, rows, features = _verify(target, cache, tree, anchor_id, position, tap_ids, sampler)
-        budget.observe(grown, verified=verified, path=[verified[row - 1] for row in rows[1:]])
+        ms = 1000 * (time.perf_counter() - start)  # to the round's host read: the draft, growth, verify
+        budget.observe(grown, verified=verified, path=[verified[row - 1] for row in rows[1:]], ms=ms)
         accepted = len(committed) - 1
         keep_path(cache, width=tree.size + 1, rows=rows[1:])
         _commit(processor, proposer, committed)
