@@ -30,7 +30,7 @@ from mlx_lm.models import llama  # noqa: E402
 from mlx_dspark.models.caches.kv import trim_caches  # noqa: E402
 from mlx_dspark.models.target.mlx_lm import probe_target, target_class  # noqa: E402
 from mlx_dspark.models.packed.forward import packed_target_forward  # noqa: E402
-from mlx_dspark.models.packed.mlx_lm import packing_problem  # noqa: E402
+from mlx_dspark.models.packed.mlx_lm import target_packing_problem as packing_problem  # noqa: E402
 
 
 def build(family: str, hidden: int, layers: int, vocab: int):

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_dspark  # noqa: E402
 from mlx_dspark.bench.controlled_tree import RankedProposer  # noqa: E402
-from mlx_dspark.bench.cost import format_cost_curve, measure_cost_curve  # noqa: E402
+from mlx_dspark.bench.cost import format_cost_curve, measure_round_breakdown  # noqa: E402
 from mlx_dspark.bench.stats import loadavg  # noqa: E402
 from mlx_dspark.cli.common import demo_pair  # noqa: E402
 from mlx_dspark.engine.round.decode import plain_steps, speculative_steps  # noqa: E402
@@ -145,7 +145,7 @@ def main() -> None:
     # this run's costs first: auto sizes its rounds on them (widths 1..16, chain forwards with the draft's taps)
     taps = tuple(draft.args.target_layer_ids)
     context = prompt + reference[: args.tokens // 2]
-    curve = measure_cost_curve(pair, context=len(prompt) + args.tokens // 2, repeats=5)
+    curve = measure_round_breakdown(pair, context=len(prompt) + args.tokens // 2, repeats=5)
     auto_curve = CostCurve.from_measurements(
         draft_ms=curve["draft_block_ms"], verify_ms=chain_ms(target, context, 16, taps, 5), source="bench_trees"
     )

@@ -9,7 +9,7 @@ REFUSED (with the reason; "mlx-lm's own forward fails" means the generic config 
 family, not a verdict on it), or not surveyed (its ModelArgs needs fields the generic config lacks).
 A PASS here says the adapter takes the family apart exactly; it is not a test of that family's
 checkpoints, caches or rollback. Each PASS is then checked for continuous batching
-(`models/packed_mlx_lm.packing_problem`: recurrent layers refused by name, then a short packed forward
+(`models/packed/mlx_lm.target_packing_problem`: recurrent layers refused by name, then a short packed forward
 against its rows' own forwards): PACKS, or the reason it does not.
 """
 
@@ -24,7 +24,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_dspark.models.target.mlx_lm import from_config, probe_target  # noqa: E402
-from mlx_dspark.models.packed.mlx_lm import packing_problem  # noqa: E402
+from mlx_dspark.models.packed.mlx_lm import target_packing_problem as packing_problem  # noqa: E402
 
 GENERIC = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

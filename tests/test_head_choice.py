@@ -257,7 +257,7 @@ def test_the_round_estimate_is_the_chosen_heads_acceptance_and_cost():
 def test_a_chained_heads_steps_are_charged_when_lookup_is_weighed_against_it():
     """One chained head beside lookup (no HeadChoice): its curve's cost per draft counts against its block (the
     chooser took a chain for free: RoundCost read the curve's draft_ms alone, 0 for a chain)."""
-    from mlx_dspark.engine.policy.proposal_choice import Acceptance, Chooser, RoundCost
+    from mlx_dspark.engine.policy.proposal_choice import SourceRate, Chooser, RoundCost
     from mlx_dspark.engine.proposers.lookup import ContextIndex
 
     context = list(range(30)) + list(range(4))
@@ -266,6 +266,6 @@ def test_a_chained_heads_steps_are_charged_when_lookup_is_weighed_against_it():
         curve = CostCurve(draft_ms=0.0, verify_ms=(10.0, 10.5, 11.0, 11.5, 12.0, 12.5, 13.0, 13.5, 14.0), context=32,
                           draft_step_ms=step_ms)  # fmt: skip
         chooser = Chooser(draft=_Estimating(None), index=ContextIndex(context, ngram_sizes=(4,)), cost=RoundCost.from_curve(curve))
-        chooser.draft_rate = Acceptance(hits=9.0, misses=1.0)
+        chooser.draft_rate = SourceRate(hits=9.0, misses=1.0)
         sizes[step_ms] = chooser.plan(num_tokens=4, room=40).draft_size
     assert sizes == {0.0: 4, 5.0: 0}

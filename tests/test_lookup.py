@@ -17,7 +17,7 @@ import pytest
 
 import mlx_dspark
 from mlx_dspark.engine.costs.curve import CostCurve
-from mlx_dspark.engine.policy.proposal_choice import Chooser, RoundCost, expected_tokens
+from mlx_dspark.engine.policy.proposal_choice import Chooser, RoundCost, accepted_drafts
 from mlx_dspark.engine.logits.constraints import Constraint, ToolCallShape
 from mlx_dspark.engine.round.decode import speculative_steps
 from mlx_dspark.engine.prompt_cache import PromptCache
@@ -93,7 +93,7 @@ def test_chooser_prefers_a_long_confident_lookup_and_sizes_it_by_cost():
     assert proposal.tokens.shape[1] > 7  # longer than a draft block: the match is long (16+ tokens back)
     assert proposal.tokens[0].tolist() == list(range(proposal.tokens.shape[1]))
     assert chooser.propose(mx.array([19]), position=59, num_tokens=0, room=3).tokens.shape[1] <= 3  # the room holds
-    assert expected_tokens(0.5, 2) == pytest.approx(0.75)
+    assert accepted_drafts(0.5, 2) == pytest.approx(0.75)
 
 
 def test_the_chooser_prices_a_lookup_block_by_its_width_on_the_measured_curve():

@@ -127,7 +127,7 @@ class CostProbe:
         return _timed(build, outputs=lambda out: [out])
 
 
-def measure_cost_curve(loaded: Any, *, context: int, repeats: int = 10, max_width: int = 8, seed: int = 0) -> dict:
+def measure_round_breakdown(loaded: Any, *, context: int, repeats: int = 10, max_width: int = 8, seed: int = 0) -> dict:
     """Median milliseconds of each piece of a round at `context` committed positions (JSON-ready)."""
     probe = CostProbe(loaded, context=context, seed=seed)
     if max_width > probe.block_size + 1:

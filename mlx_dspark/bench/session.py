@@ -139,7 +139,7 @@ def run(options: Options, *, meta: dict, loaded: Any = None) -> dict:
             context = options.controlled_context + options.controlled_tokens // 2 if controlled_ids else 512
         if head is None:
             # widths 1..8, fewer for a block of under 7 drafts (a DFlash block of 7 drafts 6)
-            curve = cost.measure_cost_curve(loaded, context=context, repeats=options.cost_repeats, seed=settings.seed, max_width=min(8, block + 1))
+            curve = cost.measure_round_breakdown(loaded, context=context, repeats=options.cost_repeats, seed=settings.seed, max_width=min(8, block + 1))
         else:  # the chain's curve as `auto` measures it, for the chain the controlled runs drive
             steps = controlled_chain.chain_steps(loaded, head, options.controlled_acceptance)
             curve = controlled_chain.measure_chain_cost(loaded, head, steps=steps, context=context, repeats=options.cost_repeats, seed=settings.seed)

@@ -62,8 +62,8 @@ def _chained(row: Any, length: int, hook: Callable | None) -> Proposal:
         row.reseed()
     anchor = mx.array([row.anchor], dtype=mx.int32)
     extra = {} if hook is None else {"logits_hook": hook}
-    if row.proposer.takes_target_cache:  # a Gemma 4 assistant: the row's own target caches,
-        extra["target_cache"] = row.prompt_cache.target_cache  # at its committed positions (rolled back last round)
+    if row.proposer.takes_target_cache:  # the row's own target caches, at its committed positions (rolled back last round)
+        extra["target_cache"] = row.prompt_cache.target_cache
     return row.proposer.propose(anchor, position=row.position, num_tokens=length, **extra)
 
 

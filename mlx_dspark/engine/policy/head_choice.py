@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.policy.draft_length import DraftLength, expected_tokens
-from mlx_dspark.engine.proposers.base import Proposal, Proposer
+from mlx_dspark.engine.proposers.base import Proposal, Proposer, round_inputs
 from mlx_dspark.engine.costs.curve import CostCurve
 
 PRIOR, SMOOTHING = 0.6, 0.2  # a head's acceptance before it is observed, and how fast it follows
@@ -124,8 +124,7 @@ class HeadChoice(Proposer):
         name = self._current if self._current is not None else next(iter(self.heads))
         head = self.heads[name]
         self.chosen[name] += 1  # here, not when the length is named: a lookup block may take the round instead
-        extra = {"logits_hook": logits_hook} if logits_hook is not None and head.takes_logits_hook else {}
-        extra.update({"target_cache": target_cache} if head.takes_target_cache else {})
+        extra = round_inputs(head, logits_hook=logits_hook, target_cache=target_cache)
         proposal = head.propose(anchor, position=position, num_tokens=min(num_tokens, int(head.block_size)), **extra)
         if logits_hook is not None and "logits_hook" not in extra:
             proposal = Proposal(tokens=proposal.tokens, draft_probs=proposal.draft_probs, token_probs=proposal.token_probs,

@@ -29,8 +29,9 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.logits.grammar import GrammarState
+from mlx_dspark.engine.policy.draft_length import expected_tokens
 from mlx_dspark.engine.proposers.lookup import DEFAULT_NGRAM_SIZES, LOOKUP_MAX_TOKENS, ContextIndex
-from mlx_dspark.engine.proposers.base import Proposal, Proposer
+from mlx_dspark.engine.proposers.base import Proposal, Proposer, round_inputs
 from mlx_dspark.engine.costs.curve import CostCurve
 
 DECAY = 0.6  # per observation: acceptance drifts with the text (code, then prose, then JSON)
@@ -69,7 +70,7 @@ class RoundCost:
 
 
 @dataclass
-class Acceptance:
+class SourceRate:
     """Decayed counts of accepted and rejected draft tokens of one source; p with a weak prior."""
 
     hits: float = 1.0
@@ -89,9 +90,10 @@ class Acceptance:
         self.misses = RELAX * self.misses + (1 - RELAX)
 
 
-def expected_tokens(rate: float, length: int) -> float:
-    """Expected accepted tokens of a block of `length` drafts each accepted with probability `rate`."""
-    return sum(rate**k for k in range(1, length + 1))
+def accepted_drafts(rate: float, length: int) -> float:
+    """Expected accepted drafts of a block of `length`, each accepted with probability `rate` given the ones
+    before: draft_length.expected_tokens without the round's bonus token."""
+    return expected_tokens([rate] * length, length) - 1.0
 
 
 @dataclass
@@ -136,8 +138,8 @@ class Chooser(Proposer):
         self.chains = tuple(draft.chains)  # and holds a chained draft's state
         self.resumable = draft.resumable
         self.takes_target_cache = draft.takes_target_cache  # handed on to the draft
-        self.draft_rate = Acceptance()
-        self.lookup_rates: dict[int, Acceptance] = {}
+        self.draft_rate = SourceRate()
+        self.lookup_rates: dict[int, SourceRate] = {}
         self.chosen: dict[str, int] = {"draft": 0, "lookup": 0, "forced": 0, "none": 0}  # rounds, for benchmarks
         self.forced_tokens = 0  # forced-run tokens proposed, in front of any block
         self._pending: _Pending | None = None
@@ -200,8 +202,7 @@ class Chooser(Proposer):
         plan = self.plan(num_tokens=num_tokens, room=room)
         if not plan.draft_size:
             return plan.proposal
-        extra = {} if logits_hook is None or not self.draft.takes_logits_hook else {"logits_hook": logits_hook}
-        extra.update({"target_cache": target_cache} if self.takes_target_cache else {})
+        extra = round_inputs(self.draft, logits_hook=logits_hook, target_cache=target_cache)
         drafted = self.draft.propose(anchor, position=position, num_tokens=plan.draft_size, **extra)
         return self.finish(plan, drafted, hooked="logits_hook" in extra)
 
@@ -254,7 +255,7 @@ class Chooser(Proposer):
         if self.index is not None and room > m:
             match = self.index.continuation(forced, max_tokens=min(self.max_lookup, room) - m)
             rate = self._lookup_rate(match.length).rate
-            gain, power = 0.0, 1.0  # expected_tokens(rate, length), summed as the length grows
+            gain, power = 0.0, 1.0  # accepted_drafts(rate, length), summed as the length grows
             for length in range(1, len(match.tokens) + 1):
                 power *= rate
                 gain += power
@@ -276,11 +277,11 @@ class Chooser(Proposer):
         match = self.index.continuation(drafted, max_tokens=min(self.max_lookup, room) - size)
         unforced = size - pending.forced
         all_accepted = self.draft_rate.rate**unforced
-        base = 1 + pending.forced + expected_tokens(self.draft_rate.rate, unforced)
+        base = 1 + pending.forced + accepted_drafts(self.draft_rate.rate, unforced)
         rate = self._lookup_rate(match.length).rate
         best, length = self._rate(base, 1 + size, drafts=size), 0
         for n in range(1, len(match.tokens) + 1):
-            score = self._rate(base + all_accepted * expected_tokens(rate, n), 1 + size + n, drafts=size)
+            score = self._rate(base + all_accepted * accepted_drafts(rate, n), 1 + size + n, drafts=size)
             if score > best:
                 best, length = score, n
         if length == 0:
@@ -301,9 +302,9 @@ class Chooser(Proposer):
         return Proposal(tokens=tokens, draft_probs=draft_probs, token_probs=token_probs, confidence=confidence,
                         hooked=False, source="lookup")
 
-    def _lookup_rate(self, length: int) -> Acceptance:
+    def _lookup_rate(self, length: int) -> SourceRate:
         if length not in self.lookup_rates:  # the prior: a longer match is more likely copied on
-            self.lookup_rates[length] = Acceptance(hits=max(1.0, length / 2), misses=1.0)
+            self.lookup_rates[length] = SourceRate(hits=max(1.0, length / 2), misses=1.0)
         return self.lookup_rates[length]
 
     def _draft_score(self, forced: int, size: int) -> float:
@@ -312,7 +313,7 @@ class Chooser(Proposer):
         per-position acceptance), else from this chooser's draft rate and the pair's curve."""
         estimate = self.draft.round_estimate(size - forced)
         if estimate is None:
-            return self._rate(1 + forced + expected_tokens(self.draft_rate.rate, size - forced), 1 + size, drafts=size)
+            return self._rate(1 + forced + accepted_drafts(self.draft_rate.rate, size - forced), 1 + size, drafts=size)
         expected, draft_ms = estimate
         return (1 + forced + expected) / (draft_ms + self.cost.verify_cost(1 + size))
 

@@ -17,26 +17,13 @@ a declaration instead of probing for attributes. A head overrides what it does d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
+from mlx_dspark.models.heads.proposal import Proposal  # noqa: F401  (the round's proposals; re-exported)
+
 BLOCK, CHAIN = "block", "chain"  # cost kinds: one draft forward per proposal, or one per draft token
-
-
-@dataclass
-class Proposal:
-    """A block of draft tokens (batch size 1 in the loop)."""
-
-    tokens: mx.array  # (1, K) int
-    draft_probs: mx.array | None = None  # (1, K, V) distributions drawn from; None = greedy (one-hot)
-    token_probs: mx.array | None = None  # (1, K) top draft probability at each position (before a draw), for p_min
-    confidence: mx.array | None = None  # (1, K) confidence head outputs c(k)
-    # drafted through the round's logits hook (penalties, bias, grammar mask); False: a proposal the
-    # grammar has not seen (a lookup continuation), which the round validates before verifying
-    hooked: bool = True
-    source: str = "draft"  # "draft", or "lookup" / "forced" (proposal_choice.py): sized by their chooser, not scheduled
 
 
 class Proposer:

@@ -110,21 +110,10 @@ class DraftProposer(Proposer):
         self, anchor: mx.array, *, position: int, num_tokens: int, logits_hook: Callable | None = None
     ) -> Proposal:
         self._catch_up()
-        out = self.draft.propose(
-            anchor,
-            self.context,
-            target=self.target,
-            greedy=self.greedy,
-            temperature=self.temperature,
-            num_tokens=num_tokens,
-            logits_hook=logits_hook,
-        )
-        return Proposal(
-            tokens=out.tokens,
-            draft_probs=out.draft_probs,
-            token_probs=out.token_probs,
-            confidence=out.confidence,
-        )
+        return self.draft.propose(
+            anchor, self.context, target=self.target, greedy=self.greedy, temperature=self.temperature,
+            num_tokens=num_tokens, logits_hook=logits_hook,
+        )  # fmt: skip
 
     def tree_children(self, anchor: mx.array, *, position: int, depth: int) -> Any:
         """The draft's distributions for a token tree `depth` deep after `anchor` (engine/tree.grow_tree's

@@ -42,7 +42,7 @@ def packing_problem(model: Any) -> Optional[str]:
     assistant per row over the row's own target caches, so they need nothing packed but the target."""
     if not is_mlx_lm_target(model.target):
         return f"the target ({type(model.target).__name__}) is not an mlx-lm model"
-    problem = packed_mlx_lm.packing_problem(model.target)
+    problem = packed_mlx_lm.target_packing_problem(model.target)
     if problem is not None:
         return problem
     heads = [name for name, module in model.heads.items() if module is not None]
@@ -74,7 +74,7 @@ def packed_target_forward(
     total = sum(lengths)
     if tokens.shape != (total,) or len(caches) != len(lengths):
         raise ValueError(f"packed forward: {tokens.shape} tokens for {len(lengths)} sequences of {list(lengths)} rows")
-    return packed_mlx_lm.packed_target_forward(target, tokens, caches, lengths, tap_ids=tap_ids, head_rows=head_rows)
+    return packed_mlx_lm.packed_mlx_lm_forward(target, tokens, caches, lengths, tap_ids=tap_ids, head_rows=head_rows)
 
 
 def packed_block_hidden(draft: Any, anchors: mx.array, contexts: Sequence[list], *, target: Any) -> mx.array:

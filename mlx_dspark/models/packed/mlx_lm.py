@@ -275,7 +275,7 @@ def _begin_recording(caches: Any, width: int) -> None:
             caches.record(None, (hidden,), {"cache": caches[i]})
 
 
-def packed_target_forward(
+def packed_mlx_lm_forward(
     target: MLXLMTarget,
     tokens: mx.array,
     caches: Sequence[list],
@@ -333,7 +333,7 @@ def _first_offset(caches: Sequence[Any]) -> int:
     return 0
 
 
-def packing_problem(target: MLXLMTarget) -> Optional[str]:
+def target_packing_problem(target: MLXLMTarget) -> Optional[str]:
     """Why this mlx-lm target cannot run packed, or None (the answer is kept on the target). A target with
     recurrent layers is probed with only their cache-taking sub-module per sequence, else whole layers; a
     target whose attention fails packed (its own mask or key arithmetic) with its attention per sequence."""
@@ -375,10 +375,10 @@ def probe_packing(target: MLXLMTarget, *, lengths: Sequence[int] = (3, 1, 2), to
             packed_caches.append(target.make_cache())
             target(mx.array(prompt)[None], cache=packed_caches[-1])
         tokens = mx.array([t for s in segments for t in s], dtype=mx.int32)
-        packed, _ = packed_target_forward(target, tokens, packed_caches, lengths)
+        packed, _ = packed_mlx_lm_forward(target, tokens, packed_caches, lengths)
         for cache, back in zip(packed_caches, rejected):
             trim_caches(cache, back)
-        again, _ = packed_target_forward(target, mx.array([s[0] for s in segments], dtype=mx.int32), packed_caches, [1] * len(lengths))
+        again, _ = packed_mlx_lm_forward(target, mx.array([s[0] for s in segments], dtype=mx.int32), packed_caches, [1] * len(lengths))
         reference = mx.concatenate(solo[0::2] + solo[1::2], axis=0)
         packed = mx.concatenate([packed, again], axis=0)
         worst = mx.max(mx.abs(packed - reference)).item() / max(mx.max(mx.abs(reference)).item(), 1e-6)

@@ -24,7 +24,7 @@ import mlx.nn as nn
 
 from mlx_dspark.models.heads.dspark.dflash2_args import ARCHITECTURE, DFlash2Fields, dflash2_fields  # noqa: F401  (re-exported)
 from mlx_dspark.models.heads.dspark.model import DecoderLayer, DSparkDraft
-from mlx_dspark.models.heads.dspark.markov import Proposal
+from mlx_dspark.models.heads.proposal import Proposal
 
 class GroupedDynamicCausalConv(nn.Module):
     """`base_kernel` (2, K, C) and `kernel_projection` (C -> 2 K C/G): the two sides of one sublayer's conv."""

@@ -8,13 +8,13 @@ Attribute names mirror DeepSpec's checkpoints (`markov_head.*`, `confidence_head
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dspark.models.heads.d2t import scatter_probs, to_target
+from mlx_dspark.models.heads.proposal import Proposal
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -122,16 +122,6 @@ class ConfidenceHead(nn.Module):
         if self.temperatures is not None:
             logits = logits / mx.array(self.temperatures[: logits.shape[-1]], dtype=mx.float32)
         return mx.sigmoid(logits)
-
-
-@dataclass
-class Proposal:
-    tokens: mx.array  # (B, K) draft tokens x(1..K)
-    draft_probs: Optional[mx.array]  # (B, K, V) softmax(logits(k) / T) each was drawn from; None when greedy
-    # (B, K) max softmax(logits(k)) at T = 1, for p_min: x(k)'s own probability under greedy drafting; for
-    # sampled drafts it is known before the draw, so a cut on it never looks at x(k) (lossless)
-    token_probs: mx.array
-    confidence: Optional[mx.array]  # (B, K) c(k) in (0, 1); None without a confidence head
 
 
 def draft_tokens(

@@ -23,7 +23,8 @@ from mlx_dspark.models.caches.draft_context import ContextCache
 from mlx_dspark.models import family_module
 from mlx_dspark.models.heads.dspark.args import DraftArgs
 from mlx_dspark.models.heads.draft_vocab import DraftVocabulary
-from mlx_dspark.models.heads.dspark.markov import ConfidenceHead, Proposal, draft_tokens, make_markov_head
+from mlx_dspark.models.heads.dspark.markov import ConfidenceHead, draft_tokens, make_markov_head
+from mlx_dspark.models.heads.proposal import Proposal
 from mlx_dspark.models.heads.dspark.tree import TreeChildren
 from mlx_dspark.models.heads import d2t
 
