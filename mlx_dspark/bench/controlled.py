@@ -11,7 +11,7 @@ runs (a `CostProbe` at the runs' mean context times a draft block and a verify f
 both sides; efficiency then equals ideal round time / measured round time and carries over to
 other hardware.
 
-A chained head (MTP, EAGLE-3, Gemma 4 assistant; bench/controlled_chain.py) drafts `block` = k tokens
+A chained head (bench/controlled_chain.py) drafts `block` = k tokens
 by k chained steps: `t_draft` is then its chain's time (first draft + k - 1 steps, `ChainProbe`),
 reported with its cost per step.
 """

@@ -1,14 +1,14 @@
-"""The controlled-acceptance benchmark's pieces for chained heads: a target's own MTP layers, an EAGLE-3
-draft, a Gemma 4 assistant (benchmark-only).
+"""The controlled-acceptance benchmark's pieces for chained heads (a head whose cost kind is a chain: one
+forward per draft token), benchmark-only.
 
 A chained head runs its real k steps each round (`chain_proposer`: the engine's own proposer, greedy),
 then `controlled.ControlledProposer` replaces its tokens as it does a block draft's. Its cost is not one
 block forward but a chain: the ideal round is `draft_ms + k * draft_step_ms + verify(k + 1)`, the cost
-`auto` reads for these heads (engine/cost_probe.measure_chain_curve, CostCurve.round_ms). `ChainProbe`
+`auto` reads for these heads (engine/costs/probe.measure_chain_curve, CostCurve.round_ms). `ChainProbe`
 times the chain of k and of 1 draft and the verify forward, interleaved with the runs as `CostProbe`
 does for a block draft; the per-step cost is their difference over k - 1.
 
-The chain runs k = the head's default steps (cost_probe.head_block), more when a controlled acceptance
+The chain runs k = the head's default steps (engine/proposers.head_block), more when a controlled acceptance
 length asks for them (an acceptance length tau needs k >= tau - 1).
 """
 
@@ -20,22 +20,16 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from mlx_dspark.engine.costs import probe as cost_probe
-from mlx_dspark.engine.proposers import default_head, head_block
+from mlx_dspark.engine.proposers import cost_kind, default_head, head_block, make_head_proposer
+from mlx_dspark.engine.proposers.base import CHAIN
 from mlx_dspark.engine.round.decode import prefill
-from mlx_dspark.engine.proposers.eagle3 import Eagle3Proposer
-from mlx_dspark.engine.proposers.gemma4_assistant import AssistantProposer
-from mlx_dspark.engine.proposers.mtp import MTPProposer
 from mlx_dspark.bench.cost import CostProbe, _timed, random_prompt
 from mlx_dspark.bench.stats import loadavg
 
-PROPOSERS = {"mtp": MTPProposer, "eagle3": Eagle3Proposer, "assistant": AssistantProposer}
-
-
 def chain_head(loaded: Any) -> str | None:
-    """The chained head the controlled runs drive ("mtp", "eagle3", "assistant"); None when the pair has a
-    draft model (a block draft: DSpark, DFlash, DFlash 2)."""
-    head = default_head(loaded)  # "draft" also for a pair of no head at all
-    return None if head == "draft" else head
+    """The chained head the controlled runs drive; None when the pair's head is a block draft (or it has none)."""
+    head = default_head(loaded)  # the block draft's name also for a pair of no head at all
+    return head if loaded.heads.get(head) is not None and cost_kind(head) == CHAIN else None
 
 
 def chain_steps(loaded: Any, head: str, acceptance_lengths: Sequence[float]) -> int:
@@ -46,9 +40,10 @@ def chain_steps(loaded: Any, head: str, acceptance_lengths: Sequence[float]) -> 
 def chain_proposer(loaded: Any, head: str, prompt: Sequence[int], *, steps: int) -> Any:
     """The engine's proposer of a chained head, greedy, `steps` drafts per proposal; `prompt` the tokens the
     prefill gives features for."""
-    if head not in PROPOSERS:
-        raise ValueError(f"chained head {head!r} is not one of {', '.join(PROPOSERS)}")
-    return PROPOSERS[head](loaded.heads[head], loaded.target, prompt=list(prompt), greedy=True, temperature=1.0, block_size=steps)
+    if loaded.heads.get(head) is None or cost_kind(head) != CHAIN:
+        chained = [name for name in loaded.heads if cost_kind(name) == CHAIN]
+        raise ValueError(f"{head!r} is not a chained head of this pair (its chained heads: {chained or 'none'})")
+    return make_head_proposer(loaded, head, prompt=list(prompt), greedy=True, temperature=1.0, block_size=steps)
 
 
 class ChainProbe(CostProbe):

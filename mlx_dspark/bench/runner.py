@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+from mlx_dspark.loading.heads import head_loader, target_heads
 from mlx_dspark.api import GenerationResult, encode_prompt, generate
 from mlx_dspark.engine.proposers import default_head, head_block, loaded_heads
 from mlx_dspark.engine.options import GenerationOptions
@@ -204,7 +205,8 @@ def run_prompts(
     if not prompts:
         raise ValueError("no prompts to run")
     if not loaded_heads(model):
-        raise ValueError("the benchmark needs a draft: pass --draft (a draft path, or mtp for the target's own layers)")
+        own = ", ".join(f"{name!r} for {head_loader(name).DESCRIPTION}" for name in target_heads())
+        raise ValueError(f"the benchmark needs a draft: pass --draft (a draft path, or {own})")
     warm_up(model, prompt_ids(model, prompts[0]), settings, baseline)
     for prompt in prompts:
         yield run_prompt(model, prompt, settings, baseline)

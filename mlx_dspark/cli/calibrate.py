@@ -23,6 +23,7 @@ def report(pair, curve, path, *, head: str = "draft") -> dict:
     acceptances, auto's start."""
     from mlx_dspark.engine.costs.probe import machine
     from mlx_dspark.engine.proposers import head_block
+    from mlx_dspark.loading.heads import head_loader
     from mlx_dspark.engine.policy.draft_length import AutoLength, break_even
 
     block = head_block(pair, head)
@@ -38,7 +39,7 @@ def report(pair, curve, path, *, head: str = "draft") -> dict:
             "break_even_acceptance": {str(n): break_even(at, n) for n in range(1, cap + 1)},
             "auto_start_length": AutoLength(curve, block).start_length(at.context),
         })  # fmt: skip
-    draft = str(pair.draft_path) if head != "mtp" else "its own MTP layers"
+    draft = str(pair.head_files[head][0]) if head in pair.head_files else head_loader(head).DESCRIPTION
     return {"machine": machine(), "target": str(pair.target_path), "draft": draft, "head": head, "cache_file": str(path),
             "source": curve.source, **_trust(path), "depths": rows}  # fmt: skip
 

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Iterator, Mapping, Optional
 
 import typer
 
+from mlx_dspark.loading.heads import draft_help
 from mlx_dspark.cli.demo import DEMO_PROMPT, demo_pair  # noqa: F401  (re-exported: the commands' default)
 from mlx_dspark.engine.logits.constraints import Constraint, ConstraintError
 from mlx_dspark.engine.policy.draft_length import AUTO
@@ -184,15 +185,7 @@ DraftVocab = Annotated[
 DraftVocabFile = Annotated[Optional[Path], typer.Option("--draft-vocab-file", help="Token ranking from `python -m mlx_dspark.rank_vocab`, for --draft-vocab.")]
 KvBits = Annotated[Optional[int], typer.Option("--kv-bits", help="Quantize the target's full-attention KV caches: 4 or 8 bits (changes the target's numerics).")]
 MODEL_HELP = "Target: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf."
-DRAFT_HELP = (
-    "Draft (DSpark, DFlash, DFlash 2, EAGLE-3): local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf; "
-    "'auto': the published draft of a known --model (any quantization of it; DSpark, DFlash 2, EAGLE-3 or a Gemma 4 assistant), else the target's own MTP layers when it "
-    "carries them; 'mtp': the target's own multi-token-prediction layers (Qwen3.5 / 3.6 / 3.8 checkpoints with mtp.*, DeepSeek-V3 / "
-    "GLM-4.5+ checkpoints with their next-n layer, MiMo checkpoints with model.mtp_layers.*, Qwen3-Next checkpoints with mtp.*, Nemotron-H checkpoints with mtp.layers.*); "
-    "a Gemma 4 assistant drafter (google/gemma-4-*-it-assistant) beside a Gemma 4 target; "
-    "several joined by commas, one of each kind ('DSPARK,EAGLE3', 'PATH,mtp', 'DSPARK,EAGLE3,mtp'): each round proposes from the one that pays most on this machine; "
-    "'lookup': no draft, prompt-lookup drafts alone."
-)
+DRAFT_HELP = draft_help()
 DraftTapIds = Annotated[
     Optional[str],
     typer.Option(

@@ -10,7 +10,7 @@
     # an EAGLE-3 draft in vLLM speculators' layout (SpecForge's midlayer.* renamed, d2t / t2d)
     python -m mlx_dspark.export --to speculators drafts/eagle3 drafts/eagle3-speculators --target T
 
-The target's own MTP layers (`--draft mtp`) are not a draft file: `python -m mlx_dspark.convert` keeps them
+A head read from the target's own checkpoint is not a draft file: `python -m mlx_dspark.convert` keeps it
 with the target.
 """
 
@@ -27,7 +27,7 @@ from mlx_dspark.loading.precision import DTYPES
 HELP = (
     "Export a draft for another engine: DSpark / DFlash to llama.cpp (gguf) or DeepSpec / vLLM / SGLang (deepspec); "
     "DFlash 2 to llama.cpp (gguf) or z-lab's layout (zlab); EAGLE-3 to vLLM speculators' layout (speculators). "
-    "The target's MTP layers are not exported: convert keeps them with the target."
+    "A head read from the target's own checkpoint is not exported: convert keeps it with the target."
 )
 app = typer.Typer(add_completion=False, help=HELP)
 

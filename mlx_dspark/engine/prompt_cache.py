@@ -37,7 +37,7 @@ Draft context. The draft proposer must read and extend this cache's `draft_conte
 (`DraftProposer(..., context=prompt_cache.draft_context)`); a plain generation does not extend it,
 so switching between plain and speculative generations on one cache restarts it cold.
 
-Chained heads (issue 35.5). An MTP / EAGLE-3 proposer drafts over this cache's `chain_context(name,
+Chained heads (issue 35.5). A chained head's proposer drafts over this cache's `chain_context(name,
 make_cache)` (`context=`; engine/proposers/chain_context.py): the drafter's KV cache (full attention: trimmed to any
 position, so snapshots copy nothing of it), its entries, the tokens they pair with, the waiting features and
 the newest entry's features. Entry t pairs the target's features at t with the token at t + 1, so a resume
@@ -145,7 +145,7 @@ class PromptCache:
         return self._plan(prompt, speculative=speculative, chains=self._followers if speculative else ())[0]
 
     def chain_context(self, name: str, make_cache: Callable[[], list]) -> ChainContext:
-        """The state of the chained head `name` ("mtp", "eagle3"), made on first use: build its proposer with
+        """The state of the chained head `name` (its registry name), made on first use: build its proposer with
         `context=` this (chain_propose.ChainProposer) so a later generation resumes it."""
         if name not in self.chains:
             self.chains[name] = ChainContext(make_cache)

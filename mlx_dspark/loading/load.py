@@ -27,8 +27,7 @@ from mlx_dspark.models.heads.dspark.dflash2 import draft_class
 from mlx_dspark.models.heads.dspark.model import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.heads.dspark.args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.models.heads.dspark.packaging import BONUS_ANCHOR_ARCHITECTURES
-from mlx_dspark.loading.heads import FALLBACK as BLOCK_DRAFT, detect_head, file_heads, head_loader, target_heads
-from mlx_dspark.loading.heads.mtp import target_weights
+from mlx_dspark.loading.heads import FALLBACK as BLOCK_DRAFT, detect_head, file_heads, head_loader, target_heads, target_weights
 from mlx_dspark.loading.pair import check_shared_tensors, check_zlab_block_embedding, validate_pair
 from mlx_dspark.loading.precision import (
     DRAFT_SOURCE_PRECISION,
@@ -46,8 +45,8 @@ from mlx_dspark.loading.weights import fill_model
 
 
 def split_draft(draft: Any) -> tuple[list[Any], list[str]]:
-    """(the draft files to load, the heads wanted from the target's own checkpoint, e.g. "mtp") from `draft=`:
-    a path, a head's name, several joined by commas ("PATH,mtp", "DSPARK_PATH,EAGLE3_PATH"), or a list of those."""
+    """(the draft files to load, the heads wanted from the target's own checkpoint) from `draft=`: a path, such a
+    head's name, several joined by commas ("PATH,NAME", "DSPARK_PATH,EAGLE3_PATH"), or a list of those."""
     if draft is None:
         return [], []
     if isinstance(draft, (list, tuple)):
@@ -57,7 +56,7 @@ def split_draft(draft: Any) -> tuple[list[Any], list[str]]:
     else:
         entries = [draft]
     if any(isinstance(e, str) and not e for e in entries):
-        raise ValueError(f"draft: an empty entry in {draft!r}; give paths (or 'mtp') separated by single commas")
+        raise ValueError(f"draft: an empty entry in {draft!r}; give paths (or {' / '.join(map(repr, target_heads()))}) separated by single commas")
     own = target_heads()
     return [e for e in entries if e not in own], [name for name in own if name in entries]
 
@@ -99,7 +98,7 @@ class LoadedModel:
         return self.heads.get(BLOCK_DRAFT)
 
     def head_source(self, head: str) -> tuple[Optional[Path], Optional[dict]]:
-        """(path, config) of the file a head was read from; the pair's draft file for the target's MTP layers."""
+        """(path, config) of the file a head was read from; the pair's draft file for a head read from the target."""
         return self.head_files.get(head, (self.draft_path, self.draft_config))
 
 
@@ -205,20 +204,12 @@ def load(
     draft_quantize: the draft's own precision: 4 or 8 bits (its layers; the parts `DRAFT_SOURCE_PRECISION`
       names for that width stay in float), 0 to keep it in float beside a `quantize`d target; None: as `quantize`.
     draft_dtype: the draft's floating dtype, replacing `dtype` for it.
-    draft may also be an EAGLE-3 draft (vLLM speculators layout, `speculators_model_type: eagle3`): it is
-      built into `LoadedModel.eagle3` (models/heads/eagle3/model.py) and drafts k chained steps; draft_tap_ids /
-      draft_vocab do not apply to it (refused).
-    draft may also be a Gemma 4 assistant drafter (`google/gemma-4-*-it-assistant`, `Gemma4AssistantForCausalLM`)
-      beside a Gemma 4 target: built into `LoadedModel.assistant` (models/heads/gemma4_assistant/model.py); it reads the
-      target's final state and K/V and drafts k chained steps; draft_tap_ids / draft_vocab / kv_bits are refused.
-    draft "mtp": no separate draft: the target's own multi-token-prediction layers propose (`LoadedModel.mtp`):
-      `mtp.*` in a Qwen3.5 / 3.6 / 3.8 Hugging Face checkpoint, the next-n layer `model.layers.<num_hidden_layers>.*`
-      in a DeepSeek-V3 or GLM-4.5+ one, `model.mtp_layers.*` in a MiMo one, `mtp.*` in a Qwen3-Next one,
-      `mtp.layers.*` in a Nemotron-H one, or any in our own conversion of one.
-      "PATH,mtp" (or a list [PATH, "mtp"]): both heads; each round proposes from the one that pays more
-      (engine/policy/head_choice.py). Likewise several draft files, one of each kind: "DSPARK_PATH,EAGLE3_PATH[,mtp]"
-      (a block draft, an EAGLE-3 draft or a Gemma 4 assistant, the MTP layers); draft_tap_ids / draft_vocab
-      then apply to the block draft.
+    draft may also be any other draft head of the registry (models/heads/__init__.py: HEADS; docs/DRAFT_HEADS.md
+      says what each loads and refuses): a file of its own is told apart by its loader's `detect` (loading/heads/)
+      and built into `LoadedModel.heads[name]`; a head read from the target's own checkpoint is asked for by its
+      name. Several joined by commas ("PATH,NAME" or a list), one of each kind: each round proposes from the one
+      that pays more (engine/policy/head_choice.py); draft_tap_ids / draft_vocab then apply to the block draft,
+      and a head they mean nothing to refuses them by name.
     draft_vocab: draft over the K most frequent target tokens only (FR-Spec; `models/heads/draft_vocab.py`),
       ranked by `draft_vocab_file` (from `python -m mlx_dspark.rank_vocab`), by default the
       `vocab_rank.json` beside the draft. Lossless: the target still verifies over its full vocabulary.

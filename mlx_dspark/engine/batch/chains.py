@@ -1,4 +1,4 @@
-"""The chained rows of a batched round (the target's MTP layers, an EAGLE-3 draft) drafted together.
+"""The chained rows of a batched round (heads of cost kind chain, over caches of their own) drafted together.
 
 Each row keeps its own `ChainProposer` (its drafter cache holds its committed entries only, so its
 rollback is its own) and first runs its waiting entries alone (`flush`: a different count per row). Then

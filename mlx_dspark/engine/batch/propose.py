@@ -2,7 +2,7 @@
 
 A block draft's rows (DSpark, DFlash, DFlash 2) share one packed draft block forward
 (`models/packed.packed_block_hidden`); their heads run together for the greedy rows without a logits hook,
-per row otherwise. A chained head's rows (the target's MTP layers, an EAGLE-3 draft) each keep their own
+per row otherwise. A chained head's rows each keep their own
 drafter cache; their chain steps run as one packed drafter forward per step (engine/batch/chains.py), or,
 where the drafter's packed step fails its probe, each row runs its own k steps as a single request does
 (engine/proposers/chain.py). A row's proposer may then `revise` what it proposed (a benchmark's controlled
@@ -55,7 +55,7 @@ def propose_rows(model: Any, rows: list[Any], lengths: list[int]) -> list[Propos
 
 
 def _chained(row: Any, length: int, hook: Callable | None) -> Proposal:
-    """A chained head's row (MTP layers, an EAGLE-3 draft, a Gemma 4 assistant) drafts its `length` steps
+    """A chained head's row drafts its `length` steps
     by itself, as a single request does (chain_propose.py: only committed entries stay in its drafter cache,
     so each row's rollback is its own; the assistant writes no cache); a sampled row from its own generator."""
     if not row.proposer.greedy:

@@ -13,7 +13,7 @@ processor, proposer state and RNG. `batch_round(model, rows, ...)` runs, for all
    its own `choose.Chooser`: `Chooser.plan` picks a lookup / forced block (no draft forward; up to 32
    tokens, within the row's room) or the DSpark block of the row's draft length, which then comes from
    the same packed draft forward and `Chooser.finish` completes (forced run in front, lookup tail).
-   A chained head's rows (MTP layers, an EAGLE-3 draft) keep their own drafter caches and run each chain
+   A chained head's rows keep their own drafter caches and run each chain
    step as one packed drafter forward (engine/batch/chains.py); a Gemma 4 assistant's row drafts its k
    steps by itself over its own target caches (engine/batch/propose.py).
 2. **Verify**: one packed target forward over every row's segment: `[anchor, x1..xl]` for a drafting

@@ -35,7 +35,7 @@ VERIFY_SCHEDULES = ("fixed", "confidence")
 @dataclass(frozen=True)
 class CostCurve:
     """Milliseconds of one draft block and of target verify forwards of 1, 2, ... tokens; a chained draft
-    (MTP, EAGLE-3: one forward per draft) adds `draft_step_ms` per draft token."""
+    (one forward per draft) adds `draft_step_ms` per draft token."""
 
     draft_ms: float
     verify_ms: tuple[float, ...]  # verify_ms[n - 1]: a forward of n tokens (the anchor and n - 1 drafts)

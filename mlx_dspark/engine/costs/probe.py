@@ -64,7 +64,7 @@ def _taps(proposer: DraftProposer | None) -> tuple:
 
 def cache_key(model: Any, *, head: str = "draft") -> str:
     """A hash of what the costs depend on: the pair (paths, configs, weight dtypes), the draft head whose
-    cost it holds ("draft": the draft model; "mtp": the target's own MTP layers) and the machine."""
+    cost it holds (by its registry name; the block draft's key stays unnamed) and the machine."""
     from mlx.utils import tree_flatten
 
     head_module = model.heads.get(head)  # the head's own module (its precision)
@@ -159,7 +159,7 @@ def measure_cost_curve(
 
 
 def measure_chain_curve(
-    target: Any, drafter: Any, *, head: str = "mtp", context: int = SHALLOW_CONTEXT, repeats: int = 3, seed: int = 0,
+    target: Any, drafter: Any, *, head: str, context: int = SHALLOW_CONTEXT, repeats: int = 3, seed: int = 0,
     chain: int = 4,
 ) -> CostCurve:
     """The curve of a chained draft (`head`: a head whose cost kind is a chain, its proposer made by name;

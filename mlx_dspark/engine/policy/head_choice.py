@@ -1,4 +1,4 @@
-"""Several draft heads beside one target (a DSpark / DFlash block draft, the target's own MTP layers, ...):
+"""Several draft heads beside one target (a block draft, a chained head, ...):
 each round proposes from the head that promises the most tokens per millisecond on this machine.
 
 `HeadChoice` is both the round's proposer (propose.Proposer) and its draft-length policy
@@ -14,7 +14,7 @@ When no head would draft, the round is a plain step (parked) and every policy ob
 
 Every head sees every committed position: the verify taps the union of the heads' layers, each head takes
 its own columns; a head that did not propose takes them through `extend_later` (a block draft's context
-catches up when it next drafts), and every head that reads committed tokens (MTP) gets them.
+catches up when it next drafts), and every head that reads committed tokens gets them.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class RoundCost:
 
     draft: float
     verify: tuple[float, ...]  # verify[n - 1]: a forward of n tokens
-    draft_step: float = 0.0  # a chained head's cost per draft (MTP, EAGLE-3: one forward each), 0 for a block draft
+    draft_step: float = 0.0  # a chained head's cost per draft (one forward each), 0 for a block draft
 
     @classmethod
     def from_curve(cls, curve: CostCurve) -> "RoundCost":
@@ -176,7 +176,7 @@ class Chooser(Proposer):
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The committed tokens of a round (accepted drafts, then the bonus): index them, learn the rates;
-        a draft that reads them (an MTP proposer) takes them too."""
+        a draft that reads them (a chained head) takes them too."""
         if self.draft is not None:
             self.draft.commit(tokens)
         if self.index is not None:

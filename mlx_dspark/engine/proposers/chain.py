@@ -1,4 +1,4 @@
-"""What the autoregressive drafters share (a target's own MTP layers, an EAGLE-3 draft): one small layer
+"""What the autoregressive drafters share (chained heads over a cache of their own): one small layer
 over its own KV cache, chained k steps per proposal, behind the `propose.Proposer` protocol.
 
 Entry t of the drafter's cache pairs the target's features at position t with the token at t + 1, so an

@@ -1,4 +1,4 @@
-"""A chained drafter's state (the target's MTP layers, an EAGLE-3 draft: engine/proposers/chain.py), kept apart
+"""A chained drafter's state (engine/proposers/chain.py), kept apart
 from its proposer so a prompt cache can hold it between generations (engine/prompt_cache.py).
 
 Entry t of the drafter's cache pairs the target's features at position t with the token at t + 1, so the

@@ -169,14 +169,14 @@ def _tree_rounds(
 
 def _head_choice(model: Any, prompt_ids: list[int], options: GenerationOptions,
                  prompt_cache: PromptCache) -> tuple[HeadChoice, Any, Any]:  # fmt: skip
-    """The pair's heads (a draft model or an EAGLE-3 draft, and the target's MTP layers), each with its own
+    """The pair's heads (engine/proposers: found by name), each with its own
     length policy over its own measured costs (cost_probe: a block draft's forward, a chain's cost per
     draft), each over `prompt_cache`'s state for it; (proposer, policy, the speculation options with the
     first head's curve for the lookup choice)."""
     sampling, speculation = options.sampling, options.speculation
     if speculation.verify_schedule == "confidence" or speculation.confidence_threshold > 0:
         raise ValueError("verify_schedule 'confidence' and confidence_threshold need one draft with a confidence head; "
-                         "with several heads (draft and 'mtp') use the defaults")  # fmt: skip
+                         "with several heads use the defaults")  # fmt: skip
     names = loaded_heads(model)
     heads = {name: head_proposer(model, name, prompt_ids, options, prompt_cache) for name in names}
     curves = {}

@@ -26,8 +26,28 @@ def file_heads() -> list[str]:
 
 
 def target_heads() -> list[str]:
-    """The heads read from the target's own checkpoint (named in `draft=` by their name, e.g. "mtp")."""
+    """The heads read from the target's own checkpoint (named in `draft=` by their name)."""
     return [name for name in HEADS if getattr(head_loader(name), "FROM_TARGET", False)]
+
+
+def target_weights(config: dict, weights: dict) -> dict:
+    """The target's own weights: the tensors of the heads read from its checkpoint left out (each loader's
+    `target_weights`)."""
+    for name in target_heads():
+        weights = head_loader(name).target_weights(config, weights)
+    return weights
+
+
+def draft_help() -> str:
+    """`--draft`'s help, one clause per registered head (each loader's HELP)."""
+    files = "; ".join(head_loader(name).HELP for name in file_heads())
+    own = "; ".join(f"'{name}': {head_loader(name).HELP}" for name in target_heads())
+    return (
+        f"Draft: local directory, Hugging Face repo id, FILE.gguf, or owner/name:FILE.gguf, told apart by its files: {files}; {own}; "
+        "'auto': the published draft of a known --model (any quantization of it), else a head the target carries; several joined "
+        "by commas, one of each kind ('DRAFT,EAGLE3', 'PATH,NAME'): each round proposes from the one that pays most on this machine; "
+        "'lookup': no draft, prompt-lookup drafts alone."
+    )
 
 
 def detect_head(config: dict) -> str:

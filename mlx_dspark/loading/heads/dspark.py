@@ -7,6 +7,7 @@ from __future__ import annotations
 from mlx_dspark.models.heads.dspark.args import is_draft_config
 
 DESCRIPTION = "a DSpark / DFlash block draft"
+HELP = "a block draft (DSpark, DFlash, DFlash 2)"  # --draft's help
 
 
 def detect(config: dict) -> bool:

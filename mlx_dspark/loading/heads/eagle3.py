@@ -101,6 +101,7 @@ def quantize_eagle3(model: nn.Module, *, bits: int, group_size: int) -> None:
 
 # -- the head's loader declarations (loading/heads/__init__.py) ---------------------------------------------
 DESCRIPTION = "an EAGLE-3 draft"
+HELP = "an EAGLE-3 draft (vLLM speculators layout)"  # --draft's help
 
 
 def detect(config: dict) -> bool:

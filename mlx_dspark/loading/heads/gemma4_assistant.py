@@ -85,6 +85,7 @@ def quantize_assistant(model: nn.Module, *, bits: int, group_size: int) -> None:
 
 # -- the head's loader declarations (loading/heads/__init__.py) ---------------------------------------------
 DESCRIPTION = "a Gemma 4 assistant draft"
+HELP = "a Gemma 4 assistant drafter (google/gemma-4-*-it-assistant) beside a Gemma 4 target"  # --draft's help
 
 
 def detect(config: dict) -> bool:

@@ -189,6 +189,9 @@ def has_mtp_tensors(path: str | Path, config: dict) -> bool:
 
 # -- the head's loader declarations (loading/heads/__init__.py) ---------------------------------------------
 DESCRIPTION = "the target's own MTP layers"
+HELP = ("the target's own multi-token-prediction layers (Qwen3.5 / 3.6 / 3.8 checkpoints with mtp.*, DeepSeek-V3 / "
+        "GLM-4.5+ checkpoints with their next-n layer, MiMo checkpoints with model.mtp_layers.*, Qwen3-Next checkpoints with mtp.*, "
+        "Nemotron-H checkpoints with mtp.layers.*)")  # --draft's help
 FROM_TARGET = True  # named in draft= as "mtp", read from the target's checkpoint
 
 

@@ -1,7 +1,7 @@
 """Target caches: rolling back a list of them (`trim_caches`), the quantized KV cache `kv_bits` gives.
 
 A target's caches are mlx-lm's own (`make_cache` of its model) in a `models/rollback.RollbackCaches`,
-which rolls back every kind exactly; a plain list of trimmable caches (a draft's MTP layers) moves their
+which rolls back every kind exactly; a plain list of trimmable caches (a chained head's own) moves their
 offsets back.
 """
 

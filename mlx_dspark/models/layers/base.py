@@ -49,7 +49,7 @@ class Float32RMSNorm(nn.RMSNorm):
         return out.astype(dtype or x.dtype)
 
 
-FINAL_TAP = -2  # not a layer: the final normed hidden state (what the LM head reads), for MTP heads
+FINAL_TAP = -2  # not a layer: the final normed hidden state (what the LM head reads), for heads that read it
 
 
 def check_tap_ids(tap_ids: Sequence[int], num_hidden_layers: int, *, final: bool = False) -> tuple[int, ...]:

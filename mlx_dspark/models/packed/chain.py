@@ -1,4 +1,4 @@
-"""One chained drafter step (an MTP module's, an EAGLE-3 draft's) for the rows of several sequences at once.
+"""One chained drafter step for the rows of several sequences at once.
 
 A batch's chained rows each hold their own drafter cache, at their own length. A chain step takes one
 row per sequence (b, 1, C); this runs the drafter's own `__call__` over those rows with, as its cache

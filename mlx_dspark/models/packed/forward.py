@@ -37,7 +37,7 @@ PACKED_DRAFT_FAMILIES = ("qwen3", "spark2_5", "gemma4")  # the draft layer famil
 def packing_problem(model: Any) -> Optional[str]:
     """Why a loaded pair cannot run packed (continuous batching), or None: the packed forwards follow
     mlx-lm's models where its load-time probe passes (models/packed/mlx_lm.py) and the draft layer
-    families (`DecoderLayer`), nothing else. A chained head (MTP layers, an EAGLE-3 draft) drafts over each
+    families (`DecoderLayer`), nothing else. A chained head drafts over each
     row's own cache (engine/batch/chains.py: packed where its own probe passes, else per row), a Gemma 4
     assistant per row over the row's own target caches, so they need nothing packed but the target."""
     if not is_mlx_lm_target(model.target):

@@ -286,7 +286,7 @@ def packed_mlx_lm_forward(
 ) -> tuple[mx.array, Optional[mx.array]]:
     """models/packed.packed_target_forward for an mlx-lm target (same arguments and results)."""
     total = sum(lengths)
-    tap_ids = check_tap_ids(tap_ids, target.args.num_hidden_layers, final=True)  # FINAL_TAP: an MTP head's
+    tap_ids = check_tap_ids(tap_ids, target.args.num_hidden_layers, final=True)  # FINAL_TAP: a head reading the final state
     offsets = [_first_offset(c) for c in caches]
     row_positions = mx.array([o + j for o, n in zip(offsets, lengths) for j in range(n)], dtype=mx.int32)
     forward = _Forward()

@@ -1,7 +1,7 @@
 """A Gemma 4 assistant drafter (`google/gemma-4-*-it-assistant`, `architectures: ["Gemma4AssistantForCausalLM"]`).
 
 Read from transformers `models/gemma4_assistant/{configuration,modeling}_gemma4_assistant.py` and mlx-vlm
-0.7.10 `speculative/drafters/gemma4_assistant/` (its round loop `speculative/mtp.py`). A few Gemma 4 text
+0.7.10 `speculative/drafters/gemma4_assistant/` (its round loop beside them in `speculative/`). A few Gemma 4 text
 layers with no KV cache of their own: every layer is a KV-shared layer (q_proj, q_norm, o_proj only) whose
 attention reads the *target's* keys and values, the last full-attention layer's for a full layer, the last
 sliding layer's for a sliding one. One step, for the anchor t at position n (the target's caches hold 0 .. n-1):
