@@ -35,14 +35,13 @@ from mlx_dspark.models import target_model_class
 from mlx_dspark.models.target.mlx_lm import from_config as mlx_lm_target_from_config
 from mlx_dspark.models.heads.dspark.dflash2 import draft_class
 from mlx_dspark.models.heads.dspark.model import SHARED_PREFIXES, DSparkDraft
-from mlx_dspark.models.heads.eagle3.args import is_eagle3_config
-from mlx_dspark.models.heads.gemma4_assistant.model import is_assistant_config
 from mlx_dspark.models.heads.dspark.args import DraftArgs, canonical_name, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.precision import DRAFT_SOURCE_PRECISION, check_quantize_options, parse_dtype, quant_predicate
 from mlx_dspark.loading.weights import check_tensors
 from mlx_dspark.loading.gguf_convert import convert_gguf
 from mlx_dspark.loading.mlx_output import AUX_FILES, check_destination, clear_outputs, write_config
-from mlx_dspark.loading.heads.mtp import is_mtp_tensor, mtp_skeleton, target_weights
+from mlx_dspark.loading.heads import FALLBACK as BLOCK_DRAFT, detect_head, head_loader, target_weights
+from mlx_dspark.loading.heads.mtp import is_mtp_tensor, mtp_skeleton
 
 
 
@@ -54,10 +53,9 @@ def _skeleton(config: dict, files: list[Path], *, src: Path) -> tuple[nn.Module,
     """The model built from config.json (lazy random parameters: only names and shapes are used);
     a draft's layer family comes from its tensor names (file headers only)."""
     source = str(src / "config.json")
-    if is_eagle3_config(config):
-        raise ValueError(f"{source}: an EAGLE-3 draft (speculators_model_type 'eagle3') is not converted; load it as it is (--draft {src})")
-    if is_assistant_config(config):
-        raise ValueError(f"{source}: a Gemma 4 assistant drafter is not converted; load it as it is (--draft {src})")
+    head = detect_head(config)  # a draft file of a head other than the block draft loads as it is
+    if head != BLOCK_DRAFT and head_loader(head).detect(config):
+        raise ValueError(f"{source}: {head_loader(head).DESCRIPTION} is not converted; load it as it is (--draft {src})")
     if is_draft_config(config):
         shapes = {canonical_name(name): shape for path in files for name, (_, shape) in read_header(path).items()}
         family = layer_family(list(shapes), source=str(src))

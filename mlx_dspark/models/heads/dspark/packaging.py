@@ -65,9 +65,6 @@ def check_graph(config: dict, *, source: str) -> None:
             if what is not None and fields[key] not in (None, False):
                 raise ValueError(f"{source}: field '{where}{key}' is {fields[key]!r}: {what}; not supported")
     kind = config.get("speculators_model_type")
-    if kind == "eagle3":  # not a DSpark graph: load(target, draft=...) builds it as its own head
-        raise ValueError(f"{source}: speculators_model_type is 'eagle3': an EAGLE-3 draft, not a DSpark / DFlash one; "
-                         "load it as the draft of its target (load(target, draft=...), --draft)")
     if kind is not None and kind not in SPECULATORS_TYPES:
         raise ValueError(
             f"{source}: speculators_model_type is {kind!r}; only {list(SPECULATORS_TYPES)} speculators drafts run here "
