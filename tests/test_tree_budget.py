@@ -151,3 +151,28 @@ def test_bad_tree_nodes_give_one_error_line_naming_the_flag(tiny_qwen3_pair, ext
     assert result.exit_code != 0
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+
+
+def test_a_curve_measured_under_load_heals_from_the_rounds_times_and_the_policy_stops_parking():
+    """A first-use curve whose draft block looked 40 plain steps dear parks `auto`; the rounds' own times (the
+    whole-tree look after each park, the parked plain steps) show a block of 0.2 ms, so the healed curve drafts."""
+    tree = marginal_tree(0.9, 0.05)
+    curve = CostCurve(draft_ms=40.0, verify_ms=[1.0 + 0.02 * n for n in range(CAP + 1)])
+    healing, fixed = AutoTree(curve, CAP, heal=True), AutoTree(curve, CAP, heal=False)
+    right = right_tokens(np.random.default_rng(0), 0.9, 0.05, 400)
+    for policy in (healing, fixed):
+        for r in range(400):
+            nodes = policy.grow_nodes(position=0, depth=DEPTH)
+            verified = policy.pick(tree, position=0) if nodes else []
+            held, path, row = set(verified), [], 0
+            for depth in range(DEPTH):
+                child = next((i + 1 for i, p in enumerate(tree.parents) if p == row and i + 1 in held and tree.tokens[i] == right[r, depth]), None)
+                if child is None:
+                    break
+                path.append(child)
+                row = child
+            ms = curve.verify_ms[len(verified)] + (0.2 if verified else 0.0)  # what the round really took
+            policy.observe(tree, verified=verified, path=path, ms=ms)
+    assert healing.curve.draft_ms < 1.0 and fixed.curve.draft_ms == 40.0
+    assert healing.choices["parked"] < fixed.choices["parked"] / 4
+    assert sum(n for name, n in healing.choices.items() if name.startswith(("chain", "tree"))) > 300

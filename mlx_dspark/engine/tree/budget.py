@@ -33,6 +33,7 @@ from typing import Protocol
 
 from mlx_dspark.engine.costs import heal as cost_heal
 from mlx_dspark.engine.costs.curve import CostCurve
+from mlx_dspark.engine.costs.heal import CurveHealer
 from mlx_dspark.engine.tree.grow import Tree
 
 
@@ -81,10 +82,13 @@ class AutoTree:
         self.cap = min(cap, curve.max_width - 1)
         if self.cap < 1:
             raise ValueError(f"cost curve {curve.source} covers verify width 1 only: tree_nodes 'auto' needs widths 1..{cap + 1}")
-        self.curve, self.smoothing, self.margin, self.explore_every = curve, smoothing, margin, explore_every
+        self.base_curve, self.smoothing, self.margin, self.explore_every = curve, smoothing, margin, explore_every
         self.park_rounds, self.max_park_rounds, self.max_explore_every = park_rounds, max_park_rounds, max_explore_every
         # learn what rounds cost beyond `curve`: by default where it is this machine's (from the cost cache), not a given one
         self.heal = cost_heal.ENABLED and curve.cache_path is not None if heal is None else heal
+        # the curve as this generation's own round times correct it (a curve measured under load heals, as
+        # draft_length.AutoLength's does: a noisy first-use curve would otherwise keep the draft parked)
+        self.healer = CurveHealer(curve) if self.heal else None
         # b -> mean of what the tree's first b rows accepted beyond the top chain's nodes among them (nested in
         # the same rounds: a difference of low variance, so a tree is not picked on a stale lucky mean)
         self.tree_gain: dict[int, float] = {}
@@ -101,6 +105,10 @@ class AutoTree:
         self._parked_for = 0  # rounds left without a draft
         self._park_interval = park_rounds
         self.choices: Counter[str] = Counter()  # "chain-l" / "tree-b" / "look" (the whole tree) / "parked" -> rounds
+
+    @property
+    def curve(self) -> CostCurve:
+        return self.base_curve if self.healer is None else self.healer.curve
 
     def grow_nodes(self, *, position: int, depth: int | None = None) -> int:
         self._position = position
@@ -156,6 +164,8 @@ class AutoTree:
         return best_tree if best_tree[2] > best_chain[2] * (1 + self.margin) else best_chain
 
     def observe(self, tree: Tree, *, verified: list[int], path: list[int], ms: float | None = None) -> None:
+        if ms is not None and self.healer is not None:  # a parked round is a plain step: it scales the verify times
+            self.healer.observe(proposed=len(verified), ms=ms)
         if not verified:
             return
         if ms is not None and self.heal:  # what growing and reading this kind of round costs beyond the curve
