@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.engine.round.accept import accept_greedy, accept_sampled
+from mlx_dspark.engine.round.accept import Acceptance, accept_greedy, accept_sampled
 from mlx_dspark.engine.policy.draft_length import DraftLength, make_draft_length
 from mlx_dspark.models.caches.kv import rollback_limit, trim_caches
 from mlx_dspark.models.target.finite import check_finite_logits
@@ -29,7 +29,7 @@ from mlx_dspark.engine.logits.processing import LogitsProcessor
 from mlx_dspark.engine.options import PREFILL_STEP_SIZE, SpeculationOptions
 from mlx_dspark.engine.round.parked import can_pipeline, parked_steps
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.proposers.base import Proposal, Proposer
+from mlx_dspark.engine.proposers.base import Proposal, Proposer, round_inputs
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.engine.costs.curve import CostCurve, scheduled_length
 
@@ -241,9 +241,7 @@ def speculative_steps(
         num_tokens = min(length, room)
         proposal = None
         if num_tokens or (takes_room and room):
-            extra = {} if hook is None else {"logits_hook": hook}
-            extra.update({"room": room} if takes_room else {})
-            extra.update({"target_cache": cache} if proposer.takes_target_cache else {})
+            extra = round_inputs(proposer, logits_hook=hook, target_cache=cache) | ({"room": room} if takes_room else {})
             proposal = proposer.propose(anchor, position=position, num_tokens=num_tokens, **extra)
             draft_length.untimed(proposer.take_catch_up_ms())
         if proposal is not None:
@@ -257,17 +255,9 @@ def speculative_steps(
         draft_tokens, draft_probs = processor.admit(draft_tokens, draft_probs, hooked=hooked)
         num_draft = draft_tokens.shape[0]
 
-        verify_input = mx.concatenate([anchor, draft_tokens]).reshape(1, num_draft + 1)
-        logits, features = target(verify_input, cache=cache, tap_ids=tap_ids)
-        target_logits = processor.target_logits(logits[0], draft_tokens)  # (l + 1, V)
-        if sampler.greedy:
-            acceptance = accept_greedy(draft_tokens=draft_tokens, target_logits=target_logits)
-        else:
-            acceptance = accept_sampled(
-                draft_tokens=draft_tokens, draft_probs=draft_probs, target_probs=sampler.probs(target_logits)
-            )
-        logprobs = processor.logprob_arrays(target_logits, acceptance.tokens)
-        mx.eval(acceptance.accepted, acceptance.tokens, *logprobs)  # the round's one host read
+        acceptance, features, logprobs = verify(
+            target, cache, anchor, draft_tokens, draft_probs, tap_ids=tap_ids, sampler=sampler, processor=processor
+        )  # fmt: skip
         accepted = int(acceptance.accepted.item())
         committed = acceptance.tokens[: accepted + 1].tolist()
         _commit(processor, proposer, committed)
@@ -292,6 +282,25 @@ def speculative_steps(
             logprobs=processor.read_logprobs(logprobs, committed),
             source=None if proposal is None or num_draft == 0 else proposal.source,
         )
+
+
+def verify(
+    target: Any, cache: Any, anchor: mx.array, draft_tokens: mx.array, draft_probs: mx.array | None, *,
+    tap_ids: Sequence[int], sampler: Sampler, processor: LogitsProcessor,
+) -> tuple[Acceptance, mx.array | None, list]:  # fmt: skip
+    """One target forward over [anchor, drafts], its acceptance (greedy, or sampled against the drafts' own
+    distributions: lossless) and the committed candidates' logprobs, read in the round's one host read."""
+    num_draft = draft_tokens.shape[0]
+    verify_input = mx.concatenate([anchor, draft_tokens]).reshape(1, num_draft + 1)
+    logits, features = target(verify_input, cache=cache, tap_ids=tap_ids)
+    target_logits = processor.target_logits(logits[0], draft_tokens)  # (l + 1, V)
+    if sampler.greedy:
+        acceptance = accept_greedy(draft_tokens=draft_tokens, target_logits=target_logits)
+    else:
+        acceptance = accept_sampled(draft_tokens=draft_tokens, draft_probs=draft_probs, target_probs=sampler.probs(target_logits))
+    logprobs = processor.logprob_arrays(target_logits, acceptance.tokens)
+    mx.eval(acceptance.accepted, acceptance.tokens, *logprobs)  # the round's one host read
+    return acceptance, features, logprobs
 
 
 def _parked_round(tokens: list[int], logprobs: list | None) -> Round:
