@@ -127,3 +127,11 @@ def test_self_alone_chooses_the_depth_of_the_best_measured_rate(tmp_path):
     head = SelfDraft()
     assert head.layers_for(target) == choice.num_layers and head.choice == choice
     assert ideal_rate(1.0, 0.0) == 9.0 and ideal_rate(0.0, 0.5) == pytest.approx(1 / 1.5)
+
+
+def test_each_self_depth_has_a_cost_curve_of_its_own(tmp_path):
+    from mlx_dspark.engine.costs.probe import cost_curve_path
+
+    target = str(write_tiny_mlx_lm_target(tmp_path / "target", family="llama", seed=0))
+    paths = {d: cost_curve_path(mlx_dspark.load(target, draft=d), tmp_path, head="self") for d in ("self", "self:1", "self:2")}
+    assert len(set(paths.values())) == 3

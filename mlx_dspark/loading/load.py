@@ -299,6 +299,8 @@ def load(
     head_files = {slot: (path, checkpoint.config) for slot, (path, checkpoint) in files.items()}
     # the pair's draft file: the block draft's, else the one chained draft's
     draft_path, draft_config = next((head_files[name] for name in file_heads() if name in head_files), (None, None))
+    # a target head with an argument ("self:8") is a draft of its own: its cost curve is keyed by it (`head_source`)
+    head_files.update({name: (target_path, {"draft": f"{name}:{arg}"}) for name, arg in own_heads.items() if arg is not None})
     target_config, target_source = target_checkpoint.config, target_checkpoint.config_source
     del target_checkpoint  # the raw (uncast, unsanitized) weights are no longer needed
 
