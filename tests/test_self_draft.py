@@ -135,3 +135,14 @@ def test_each_self_depth_has_a_cost_curve_of_its_own(tmp_path):
     target = str(write_tiny_mlx_lm_target(tmp_path / "target", family="llama", seed=0))
     paths = {d: cost_curve_path(mlx_dspark.load(target, draft=d), tmp_path, head="self") for d in ("self", "self:1", "self:2")}
     assert len(set(paths.values())) == 3
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_batched_self_draft_rows_equal_their_solo_runs(family, tmp_path):
+    """Each row drafts over its own target caches (packed-verified with the others, rolled back on their own)."""
+    from mlx_dspark.models.packed.forward import packing_problem
+    from tests.test_batch_heads import _greedy_rows_equal_their_solo_runs
+
+    pair = mlx_dspark.load(str(write_tiny_mlx_lm_target(tmp_path / family, family=family, seed=0)), draft="self:3")
+    assert packing_problem(pair) is None
+    _greedy_rows_equal_their_solo_runs(pair)
