@@ -18,7 +18,6 @@ import pytest
 import mlx_dspark
 from mlx_dspark.bench.controlled import reference_block
 from mlx_dspark.bench.runner import RunSettings, prepare_model
-from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.engine.proposers.base import Proposal, Proposer
 from mlx_dspark.engine.proposers.self_draft import SelfDraftProposer
 from mlx_dspark.loading.load import split_draft

@@ -4,7 +4,7 @@ checked against the target's layer count here, `self` alone chooses N at first u
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
