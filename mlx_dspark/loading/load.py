@@ -44,11 +44,12 @@ from mlx_dspark.models.heads.draft_vocab import DraftVocabulary
 from mlx_dspark.loading.weights import fill_model
 
 
-def split_draft(draft: Any) -> tuple[list[Any], list[str]]:
-    """(the draft files to load, the heads wanted from the target's own checkpoint) from `draft=`: a path, such a
-    head's name, several joined by commas ("PATH,NAME", "DSPARK_PATH,EAGLE3_PATH"), or a list of those."""
+def split_draft(draft: Any) -> tuple[list[Any], dict[str, Optional[str]]]:
+    """(the draft files to load, the heads wanted from the target's own checkpoint by name, each with its argument:
+    "NAME:ARG" -> {NAME: "ARG"}, "NAME" -> {NAME: None}) from `draft=`: a path, such a head's name, several joined by
+    commas ("PATH,NAME", "DSPARK_PATH,EAGLE3_PATH"), or a list of those."""
     if draft is None:
-        return [], []
+        return [], {}
     if isinstance(draft, (list, tuple)):
         entries = list(draft)
     elif isinstance(draft, str) and "," in draft and not Path(draft).exists():
@@ -58,7 +59,17 @@ def split_draft(draft: Any) -> tuple[list[Any], list[str]]:
     if any(isinstance(e, str) and not e for e in entries):
         raise ValueError(f"draft: an empty entry in {draft!r}; give paths (or {' / '.join(map(repr, target_heads()))}) separated by single commas")
     own = target_heads()
-    return [e for e in entries if e not in own], [name for name in own if name in entries]
+    wanted: dict[str, Optional[str]] = {}
+    files = []
+    for entry in entries:
+        name, colon, arg = entry.partition(":") if isinstance(entry, str) else (entry, "", "")
+        if name not in own or (colon and Path(entry).exists()):
+            files.append(entry)
+            continue
+        if colon and not getattr(head_loader(name), "TAKES_ARG", False):
+            raise ValueError(f"draft: {entry!r}: {name!r} ({head_loader(name).DESCRIPTION}) takes no ':' argument; give {name!r}")
+        wanted[name] = arg if colon else None
+    return files, {name: wanted[name] for name in own if name in wanted}
 
 
 def read_draft_files(drafts: Sequence[Any], *, tap_ids: Optional[Sequence[int]]) -> dict[str, tuple[Path, Checkpoint]]:
@@ -225,7 +236,7 @@ def load(
     if own_heads and not drafts:
         for name, value in (("draft_tap_ids", draft_tap_ids), ("draft_vocab", draft_vocab), ("draft_vocab_file", draft_vocab_file)):
             if value is not None:
-                head = own_heads[0]
+                head = next(iter(own_heads))
                 raise ValueError(f"{name} applies to a DSpark draft, not to {head_loader(head).DESCRIPTION} (draft={head!r})")
     mx_dtype = parse_dtype(dtype)
     draft_mx_dtype = mx_dtype if draft_dtype is None else parse_dtype(draft_dtype)
@@ -244,7 +255,10 @@ def load(
     target_path = resolve_path(target, role="target")
     target_checkpoint = read_checkpoint(target_path, role="target")
     target_model = build_target(target_checkpoint, dtype=mx_dtype)
-    heads: dict[str, nn.Module] = {name: head_loader(name).build_from_target(target_checkpoint, dtype=draft_mx_dtype) for name in own_heads}
+    heads: dict[str, nn.Module] = {
+        name: head_loader(name).build_from_target(target_checkpoint, dtype=draft_mx_dtype, **({} if arg is None else {"arg": arg}))
+        for name, arg in own_heads.items()
+    }  # fmt: skip
     if split is None:  # a split target is checked after the split: each rank reads its own slice only
         check_finite_weights(target_model, what=f"target ({target_path})")
     if quantize is not None and "quantization" in target_checkpoint.config:
@@ -276,6 +290,8 @@ def load(
     head_files = {slot: (path, checkpoint.config) for slot, (path, checkpoint) in files.items()}
     # the pair's draft file: the block draft's, else the one chained draft's
     draft_path, draft_config = next((head_files[name] for name in file_heads() if name in head_files), (None, None))
+    # a target head with an argument ("self:8") is a draft of its own: its cost curve is keyed by it (`head_source`)
+    head_files.update({name: (target_path, {"draft": f"{name}:{arg}"}) for name, arg in own_heads.items() if arg is not None})
     target_config, target_source = target_checkpoint.config, target_checkpoint.config_source
     del target_checkpoint  # the raw (uncast, unsanitized) weights are no longer needed
 

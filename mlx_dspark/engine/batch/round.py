@@ -328,7 +328,8 @@ def _commit(plan: _Plan) -> None:
             row.length.observe(proposed=num_draft, accepted=accepted)
         else:  # as decode.py: the row's next draft round is timed from here
             row.length.restart_clock()
-        row.proposer.extend(plan.features[:, : accepted + 1])
+        if plan.features is not None:  # a proposer without tapped layers (self-speculation) takes no features
+            row.proposer.extend(plan.features[:, : accepted + 1])
     if row.proposer is not None or row.chooser is not None:
         row.proposed += num_draft
         row.accepted += accepted

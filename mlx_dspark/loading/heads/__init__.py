@@ -2,8 +2,8 @@
 `models.heads.HEADS`). A loader declares `DESCRIPTION` (what a user calls such a file) and `detect(config)`
 (whether a checkpoint's config is one); a head read from a draft file of its own also gives `build(checkpoint,
 *, target, target_source, dtype, options)` (options that do not apply to it refused by name) and `quantize(module,
-*, bits, group_size)`. A head read from the target's own checkpoint (`FROM_TARGET = True`) gives
-`build_from_target(checkpoint, *, dtype)` instead. Imports models/, never engine/."""
+*, bits, group_size)`. A head read from the target's own checkpoint (`FROM_TARGET = True`; `TAKES_ARG` when `NAME:ARG` means something)
+gives `build_from_target(checkpoint, *, dtype)` instead, and `target_weights(config, weights)`: the target's tensors without its own. Imports models/, never engine/."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ HEADS = {
     "eagle3": "eagle3",  # an EAGLE-3 draft (speculators layout)
     "assistant": "gemma4_assistant",  # a Gemma 4 assistant drafter
     "mtp": "mtp",  # the target's own multi-token-prediction layers
+    "self": "self_draft",  # the target's own first N layers, final norm and head (self-speculation)
 }
 
 
