@@ -261,3 +261,31 @@ def test_mlx_lms_flag_names_run_a_draft_model(pairs):
     assert spec.exit_code == 0 and base.exit_code == 0, spec.output + base.output
     ours, theirs = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (spec, base))
     assert ours["tokens"] == theirs["tokens"] and ours["speculative"] and max(map(int, ours["draft_lengths"])) == 3
+
+
+@pytest.mark.parametrize(
+    ("target", "draft"),
+    [
+        ("mlx-community/Qwen3-30B-A3B-4bit", "Qwen/Qwen3-0.6B"),
+        ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-0.6B"),
+        ("mlx-community/Llama-3.3-70B-Instruct-4bit", "mlx-community/Llama-3.2-1B-Instruct-4bit"),
+        ("mlx-community/gemma-3-27b-it-bf16", "google/gemma-3-1b-it"),
+    ],
+)
+def test_draft_auto_takes_the_familys_small_model_where_no_trained_head_is_known(target, draft):
+    from mlx_dspark.loading.draft_registry import choose_draft, resolve_auto_draft
+
+    patterns = []
+    download = lambda repo, *, allow_patterns: patterns.extend(allow_patterns) or f"/cache/{repo}"  # noqa: E731
+    reference, line = resolve_auto_draft(target, fetch_config=lambda repo: None, download=download)
+    assert reference == f"/cache/{draft}" and "tokenizer.json" in patterns  # its tokenizer is compared with the target's
+    assert line.startswith(f"draft auto: {draft} (draft model, ") and "no trained draft known" in line and "\n" not in line
+    assert choose_draft(draft) is None  # the small model is no draft of itself
+
+
+@pytest.mark.parametrize("target", ["mlx-community/Qwen3-8B-8bit", "mlx-community/Llama-3.1-8B-Instruct-4bit", "Qwen/Qwen3-32B"])
+def test_a_trained_head_is_taken_before_the_familys_small_model_and_named_alone(target):
+    from mlx_dspark.loading.draft_registry import choose_draft
+
+    choice = choose_draft(target)
+    assert choice.kind != "draft model" and not any("draft model" in other for other in choice.others)
