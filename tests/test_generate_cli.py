@@ -93,7 +93,8 @@ def test_every_command_takes_the_shared_generation_flags_and_llama_server_aliase
 
     command = typer.main.get_command(importlib.import_module(module).app)
     opts = {param.name: set(param.opts) for param in command.params}
-    assert opts["max_draft_tokens"] == {"--max-draft-tokens", "--spec-draft-n-max"}
+    assert opts["max_draft_tokens"] == {"--max-draft-tokens", "--spec-draft-n-max", "--num-draft-tokens"}  # mlx-lm's too
+    assert opts["draft"] == {"--draft", "--draft-model"}
     assert opts["p_min"] == {"--p-min"}
     # llama-server's --spec-draft-p-min is a confidence threshold for DSpark drafts (common/speculative.cpp)
     assert opts["confidence_threshold"] == {"--confidence-threshold", "--spec-draft-p-min"}

@@ -192,9 +192,9 @@ def test_draft_passed_as_target(tiny_qwen3_pair):
         load(draft)
 
 
-def test_target_passed_as_draft(tiny_qwen3_target):
-    with _raises(ValueError, "not a DSpark draft"):
-        load(tiny_qwen3_target, tiny_qwen3_target)
+def test_target_passed_as_draft_is_a_draft_model(tiny_qwen3_target):
+    """A causal LM with none of the heads' keys is a draft model (mlx-lm's --draft-model; tests/test_draft_lm.py)."""
+    assert list(load(tiny_qwen3_target, tiny_qwen3_target).heads) == ["lm"]
 
 
 @pytest.mark.parametrize(

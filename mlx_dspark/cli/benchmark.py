@@ -96,7 +96,7 @@ def parse_floats(text: str, *, option: str) -> list[float]:
 def main(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", help=flags.MODEL_HELP + " Default: the demo pair."),
-    draft: Optional[str] = typer.Option(None, "--draft", help=flags.DRAFT_HELP + " Required with --model."),
+    draft: Optional[str] = typer.Option(None, "--draft", "--draft-model", help=flags.DRAFT_HELP + " Required with --model."),
     draft_tap_ids: flags.DraftTapIds = None,
     datasets: Optional[list[str]] = typer.Option(None, "--datasets", help="Built-in sets (comma-separated or repeated); default all."),
     dataset_files: Optional[list[str]] = typer.Option(None, "--dataset", help="NAME=FILE.jsonl (repeatable)."),

@@ -140,7 +140,7 @@ def stats_line(result: GenerationResult) -> str:
 def chat(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", help="Target: local directory or Hugging Face repo id."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="DSpark draft: local directory or repo id."),
+    draft: Optional[str] = typer.Option(None, "--draft", "--draft-model", help="DSpark draft: local directory or repo id."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
     tools_file: Optional[str] = typer.Option(None, "--tools", help="JSON file: a list of OpenAI function tools the template offers."),
     max_tokens: int = typer.Option(flags.DEFAULT_OPTIONS.max_tokens, "--max-tokens", "-m", help="Most tokens per reply."),

@@ -94,9 +94,9 @@ ConfidenceThreshold = Annotated[
 MaxDraftTokens = Annotated[
     Optional[str],
     typer.Option(
-        "--max-draft-tokens", "--spec-draft-n-max",
+        "--max-draft-tokens", "--spec-draft-n-max", "--num-draft-tokens",
         help="Draft tokens per round: auto (the default: chosen each few rounds from this machine's measured costs and the "
-        "acceptance seen, none while drafting does not pay) or N, a fixed cap (the model card's is the block size, 7).",
+        "acceptance seen, none while drafting does not pay) or N, a fixed cap (the model card's is the block size, 7; mlx-lm's --num-draft-tokens).",
     ),
 ]
 VerifySchedule = Annotated[

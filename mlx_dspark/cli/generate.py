@@ -44,7 +44,7 @@ def read_prompt(prompt: str) -> str:
 def generate(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", help=flags.MODEL_HELP),
-    draft: Optional[str] = typer.Option(None, "--draft", help=flags.DRAFT_HELP),
+    draft: Optional[str] = typer.Option(None, "--draft", "--draft-model", help=flags.DRAFT_HELP),
     draft_tap_ids: flags.DraftTapIds = None,
     prompt: Optional[str] = typer.Option(
         None, "--prompt", "-p",

@@ -34,7 +34,7 @@ DEMO_MODEL_ID = "mlx-dspark-demo"
 def serve(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", help=flags.MODEL_HELP),
-    draft: Optional[str] = typer.Option(None, "--draft", help=flags.DRAFT_HELP),
+    draft: Optional[str] = typer.Option(None, "--draft", "--draft-model", help=flags.DRAFT_HELP),
     draft_tap_ids: flags.DraftTapIds = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 exposes the server to the network."),
     port: int = typer.Option(8080, "--port", help="Port to bind (0 picks a free one)."),

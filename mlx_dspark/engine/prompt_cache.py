@@ -144,11 +144,11 @@ class PromptCache:
         the heads of the latest generation."""
         return self._plan(prompt, speculative=speculative, chains=self._followers if speculative else ())[0]
 
-    def chain_context(self, name: str, make_cache: Callable[[], list]) -> ChainContext:
-        """The state of the chained head `name` (its registry name), made on first use: build its proposer with
-        `context=` this (chain_propose.ChainProposer) so a later generation resumes it."""
+    def chain_context(self, name: str, make_cache: Callable[[], list], *, state: type[ChainContext] = ChainContext) -> ChainContext:
+        """The state of the chained head `name` (its registry name), made on first use (a `state`: the head's own
+        kind of ChainContext): build its proposer with `context=` this so a later generation resumes it."""
         if name not in self.chains:
-            self.chains[name] = ChainContext(make_cache)
+            self.chains[name] = state(make_cache)
         return self.chains[name]
 
     # -- what the step generators call -----------------------------------------------------------

@@ -40,7 +40,7 @@ from mlx_dspark.loading.precision import DRAFT_SOURCE_PRECISION, check_quantize_
 from mlx_dspark.loading.weights import check_tensors
 from mlx_dspark.loading.gguf_convert import convert_gguf
 from mlx_dspark.loading.mlx_output import AUX_FILES, check_destination, clear_outputs, write_config
-from mlx_dspark.loading.heads import FALLBACK as BLOCK_DRAFT, detect_head, head_loader, target_weights
+from mlx_dspark.loading.heads import FALLBACK as BLOCK_DRAFT, detect_head, generic, head_loader, target_weights
 from mlx_dspark.loading.heads.mtp import is_mtp_tensor, mtp_skeleton
 
 
@@ -54,7 +54,7 @@ def _skeleton(config: dict, files: list[Path], *, src: Path) -> tuple[nn.Module,
     a draft's layer family comes from its tensor names (file headers only)."""
     source = str(src / "config.json")
     head = detect_head(config)  # a draft file of a head other than the block draft loads as it is
-    if head != BLOCK_DRAFT and head_loader(head).detect(config):
+    if head != BLOCK_DRAFT and not generic(head) and head_loader(head).detect(config):  # a causal LM converts as a target
         raise ValueError(f"{source}: {head_loader(head).DESCRIPTION} is not converted; load it as it is (--draft {src})")
     if is_draft_config(config):
         shapes = {canonical_name(name): shape for path in files for name, (_, shape) in read_header(path).items()}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -27,8 +27,9 @@ from mlx_dspark.loading.heads.mtp import MTP_DRAFT, declares_mtp, has_mtp_tensor
 AUTO = "auto"
 HUB_CONNECT_TIMEOUT_S = 5.0
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# what a draft needs: its config and weights (the tokenizer is the target's)
+# what a draft needs: its config and weights (the tokenizer is the target's); a draft model its tokenizer too (compared)
 DRAFT_PATTERNS = ["config.json", "*.safetensors", "*.safetensors.index.json"]
+DRAFT_MODEL_PATTERNS = [*DRAFT_PATTERNS, "tokenizer.json", "tokenizer_config.json", "tokenizer.model"]
 _SIGNATURE = ("model_type", "hidden_size", "num_hidden_layers")
 # conversion / quantization suffixes of a repo or file name, stripped from its end one at a time
 _SUFFIX = re.compile(
@@ -38,7 +39,8 @@ _SUFFIX = re.compile(
 
 
 # the heads a row may name (`kind`), as docs/DRAFT_HEADS.md names them
-KINDS = ("DSpark", "DFlash", "DFlash 2", "EAGLE-3", "Gemma 4 assistant")
+DRAFT_MODEL = "draft model"  # a family's small causal LM (the "lm" head): taken only where no trained head is known
+KINDS = ("DSpark", "DFlash", "DFlash 2", "EAGLE-3", "Gemma 4 assistant", DRAFT_MODEL)
 _FIELDS = ("targets", "model_type", "hidden_size", "num_hidden_layers", "draft", "file", "kind", "packaging", "source")
 
 
@@ -110,8 +112,19 @@ def text_config(config: dict) -> dict:
 
 
 def choose_draft(target: str, config: Optional[dict] = None, *, pairs: Optional[list[dict]] = None) -> Optional[DraftChoice]:
-    """The known draft of `target` (a repo id, directory or file name), or None."""
+    """The known draft of `target` (a repo id, directory or file name), or None. A family's small model (a
+    `draft model` row) only where no trained head is known for it, and never named beside one."""
     pairs = known_pairs() if pairs is None else pairs
+    trained = _match(target, config, [p for p in pairs if p["kind"] != DRAFT_MODEL])
+    if trained is not None:
+        return trained
+    name = normalize_name(target)
+    family = [p for p in pairs if p["kind"] == DRAFT_MODEL and normalize_name(p["draft"]) != name]
+    found = _match(target, config, family)
+    return None if found is None else replace(found, reason=f"the family's small model for {describe(target, config)}, no trained draft known")
+
+
+def _match(target: str, config: Optional[dict], pairs: list[dict]) -> Optional[DraftChoice]:
     name = normalize_name(target)
     by_name = [pair for pair in pairs if name in {normalize_name(t) for t in pair["targets"]}]
     if by_name:
@@ -171,11 +184,13 @@ def resolve_auto_draft(
     if choice is None:
         return None, (
             f"no known draft for {describe(target, config)}; pass --draft DIR, REPO, FILE.gguf or REPO:FILE.gguf "
-            "(a DSpark, DFlash, DFlash 2, EAGLE-3 or Gemma 4 assistant draft for this target), or --no-draft"
+            "(a DSpark, DFlash, DFlash 2, EAGLE-3 or Gemma 4 assistant draft for this target, or a small model of its "
+            "vocabulary), or --no-draft"
         )
     reference = choice.reference
     if download is not None and choice.file is None:
-        reference = str(download(choice.draft, allow_patterns=DRAFT_PATTERNS))
+        patterns = DRAFT_MODEL_PATTERNS if choice.kind == DRAFT_MODEL else DRAFT_PATTERNS
+        reference = str(download(choice.draft, allow_patterns=patterns))
     return reference, auto_line(choice)
 
 

@@ -27,7 +27,7 @@ from mlx_dspark.models.heads.dspark.dflash2 import draft_class
 from mlx_dspark.models.heads.dspark.model import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.heads.dspark.args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.models.heads.dspark.packaging import BONUS_ANCHOR_ARCHITECTURES
-from mlx_dspark.loading.heads import FALLBACK as BLOCK_DRAFT, detect_head, file_heads, head_loader, target_heads, target_weights
+from mlx_dspark.loading.heads import FALLBACK as BLOCK_DRAFT, detect_head, file_heads, generic, head_loader, target_heads, target_weights
 from mlx_dspark.loading.pair import check_shared_tensors, check_zlab_block_embedding, validate_pair
 from mlx_dspark.loading.precision import (
     DRAFT_SOURCE_PRECISION,
@@ -117,7 +117,7 @@ def build_target(checkpoint: Checkpoint, *, dtype: Optional[mx.Dtype] = None) ->
     """The target model of a checkpoint, its (lazy) weights in place; dtype None: the checkpoint's
     `default_dtype` (a GGUF's compute dtype), else the weights as stored."""
     config, source = checkpoint.config, checkpoint.config_source
-    head = next((name for name in file_heads() if head_loader(name).detect(config)), None)
+    head = next((name for name in file_heads() if not generic(name) and head_loader(name).detect(config)), None)
     if head is not None:
         raise ValueError(f"{source}: this is {head_loader(head).DESCRIPTION}, not a target; pass it as draft=, with its target")
     model = mlx_lm_target_from_config(config, source=source, model_class=target_model_class(config))
@@ -276,7 +276,7 @@ def load(
     for name, (_, checkpoint) in files.items():
         if name != BLOCK_DRAFT:  # each other head's own loader (the block draft's build is below)
             heads[name] = head_loader(name).build(checkpoint, target=target_model, target_source=target_checkpoint.config_source,
-                                                  dtype=draft_mx_dtype, options={**block_options, "kv_bits": kv_bits})  # fmt: skip
+                                                  dtype=draft_mx_dtype, options={**block_options, "kv_bits": kv_bits, "target_tokenizer": tokenizer})  # fmt: skip
     if BLOCK_DRAFT in files:
         draft_path, draft_checkpoint = files[BLOCK_DRAFT]
         draft_model, shared = build_draft(

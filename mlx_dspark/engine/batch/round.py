@@ -46,7 +46,6 @@ from mlx_dspark.engine.round.accept import accept_greedy, accept_sampled
 from mlx_dspark.engine.batch.length import BatchCost, Probes, RowDemand
 from mlx_dspark.engine.batch.plan import plan_round
 from mlx_dspark.engine.batch.propose import propose_rows
-from mlx_dspark.engine.proposers.chain import ChainProposer
 from mlx_dspark.engine.policy.proposal_choice import Chooser
 from mlx_dspark.engine.costs.probe import cost_curve_for
 from mlx_dspark.engine.proposers import default_head
@@ -57,7 +56,7 @@ from mlx_dspark.engine.logits.processing import LogitsProcessor
 from mlx_dspark.engine.proposers.lookup import LOOKUP_MAX_TOKENS
 from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.proposers.base import Proposal
+from mlx_dspark.engine.proposers.base import CHAIN, Proposal
 from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.engine.costs.curve import require_confidence_head
 from mlx_dspark.engine.round.request import _chosen, head_proposer, make_processor
@@ -114,7 +113,7 @@ class BatchRow:
         if proposer is None and self.speculation.speculative and lookup != "only" and model.heads.get(head) is not None:
             self.proposer = head_proposer(model, head, self.prompt, options, self.prompt_cache)
         # drafts k chained steps of its own (batch_propose.py); a Gemma 4 assistant over the row's target caches
-        self.chained = isinstance(self.proposer, ChainProposer) or (self.proposer is not None and self.proposer.takes_target_cache)
+        self.chained = self.proposer is not None and self.proposer.cost_kind == CHAIN
         # this machine's single-request curve (measured once and cached), read once for the row's length
         # policy, its Chooser and its confidence schedule
         speculation = self.speculation
@@ -328,7 +327,7 @@ def _commit(plan: _Plan) -> None:
             row.length.observe(proposed=num_draft, accepted=accepted)
         else:  # as decode.py: the row's next draft round is timed from here
             row.length.restart_clock()
-        if plan.features is not None:  # a proposer without tapped layers (self-speculation) takes no features
+        if plan.features is not None:  # a proposer without tapped layers (self-speculation, a draft model) takes no features
             row.proposer.extend(plan.features[:, : accepted + 1])
     if row.proposer is not None or row.chooser is not None:
         row.proposed += num_draft

@@ -161,7 +161,7 @@ class HeadChoice(Proposer):
     def _own(self, name: str, features: mx.array) -> mx.array:
         """A head's columns of the union of tapped features (1, n, len(tap_ids) * hidden)."""
         columns = self._columns[name]
-        if columns == list(range(len(self.tap_ids))):
-            return features
+        if columns == list(range(len(self.tap_ids))) or not columns:  # all of them, or none (a head reading tokens)
+            return features if columns else features[..., :0]
         hidden = features.shape[-1] // len(self.tap_ids)
         return mx.concatenate([features[..., i * hidden : (i + 1) * hidden] for i in columns], axis=-1)

@@ -104,8 +104,8 @@ def prefill_cached(
     The prefill pauses where the prompt cache wants snapshots (near the prompt's end).
     """
     prompt = list(prompt)
-    # A proposer that reads only tokens (lookup alone) keeps no state in the cache: it resumes like plain decoding.
-    stateless = proposer is not None and not proposer.tap_ids and proposer.context is None
+    # A proposer with no state of its own (lookup alone) keeps nothing in the cache: it resumes like plain decoding.
+    stateless = proposer is not None and not proposer.tap_ids and proposer.context is None and not proposer.chains
     start = prompt_cache.resume(target, prompt, proposer=None if stateless else proposer)
     for end in prompt_cache.prefill_stops(start, len(prompt)):
         chunk = prompt[start:end]

@@ -50,7 +50,14 @@ def draft_help() -> str:
     )
 
 
+def generic(head: str) -> bool:
+    """A head whose `detect` matches any model of a kind (`GENERIC = True`: a draft model, any causal LM): tried
+    after the heads with keys of their own, and a target's config is never refused as one."""
+    return getattr(head_loader(head), "GENERIC", False)
+
+
 def detect_head(config: dict) -> str:
-    """The head a draft file's config is: the first whose `detect` says so (the block draft's last)."""
-    names = sorted(file_heads(), key=lambda name: name == FALLBACK)
+    """The head a draft file's config is: the first whose `detect` says so (the heads with keys of their own, the
+    block draft's last of them, then the generic ones); else the block draft, whose loader says what is missing."""
+    names = sorted(file_heads(), key=lambda name: (generic(name), name == FALLBACK))
     return next((name for name in names if head_loader(name).detect(config)), FALLBACK)

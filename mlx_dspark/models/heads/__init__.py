@@ -13,6 +13,7 @@ HEADS = {
     "draft": "dspark",  # a block draft: DSpark, DFlash, DFlash 2
     "eagle3": "eagle3",  # an EAGLE-3 draft (speculators layout)
     "assistant": "gemma4_assistant",  # a Gemma 4 assistant drafter
+    "lm": "draft_lm",  # a small causal LM of the target's vocabulary (mlx-lm's --draft-model)
     "mtp": "mtp",  # the target's own multi-token-prediction layers
     "self": "self_draft",  # the target's own first N layers, final norm and head (self-speculation)
 }

@@ -1,0 +1,65 @@
+"""A small causal LM of the target's vocabulary as a draft head (mlx-lm's `--draft-model`, LM Studio's draft
+model, llama.cpp's `-md`): mlx-lm's own model of the draft's config, over its own caches.
+
+What is ours is thin: `DraftLM` holds mlx-lm's model, gives its caches (`make_cache`: mlx-lm's own, each of
+a kind `models/caches/rollback` rolls back), and its logits over the target's vocabulary (a draft table
+padded or cut to the target's rows: a padded id is never drafted, a cut one is no token of the shared
+tokenizer). `mark` / `rewind` take the caches back to a position after speculative steps, exactly for every
+cache kind: trimmable KV caches move their offset, rotating windows and recurrent / conv states (a hybrid
+draft's GatedDeltaNet, Mamba, short conv) are restored from the state kept at the mark (references for
+states mlx-lm's layers replace, copies of rotating buffers, which a one-token step writes in place).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_dspark.models.caches.rollback import TRIM, LayerState, cache_kind, layer_state, restore_layer
+
+
+class DraftLM(nn.Module):
+    """mlx-lm's `model` (any causal LM mlx-lm runs) drafting over a target of `vocab_size` ids."""
+
+    def __init__(self, model: nn.Module, *, vocab_size: int, model_type: str):
+        super().__init__()
+        self.model = model  # parameters under `model.`: mlx-lm's own names below it
+        self.vocab_size = int(vocab_size)
+        self.model_type = model_type
+
+    def make_cache(self) -> list[Any]:
+        """mlx-lm's own caches of the draft; a kind with no exact rollback is refused here (cache_kind)."""
+        caches = make_prompt_cache(self.model)
+        for c in caches:
+            cache_kind(c)
+        return caches
+
+    def __call__(self, ids: mx.array, cache: list[Any]) -> mx.array:
+        """Logits (B, L, V) over the target's vocabulary, float32, of tokens `ids` (B, L) after the cache's."""
+        logits = self.model(ids, cache=cache).astype(mx.float32)
+        own = logits.shape[-1]
+        if own > self.vocab_size:
+            return logits[..., : self.vocab_size]
+        if own < self.vocab_size:  # ids past the draft's table: never drafted (probability 0)
+            pad = mx.full((*logits.shape[:-1], self.vocab_size - own), -mx.inf, dtype=logits.dtype)
+            return mx.concatenate([logits, pad], axis=-1)
+        return logits
+
+
+def trims_exactly(caches: list[Any]) -> bool:
+    """Whether every cache goes back any number of positions by trimming (full attention KV caches only)."""
+    return all(cache_kind(c) == TRIM for c in caches)
+
+
+def mark(caches: list[Any]) -> list[LayerState]:
+    """The caches' state now, to `rewind` to after speculative steps (offsets for trimmable caches)."""
+    return [layer_state(c, copy=True) for c in caches]
+
+
+def rewind(caches: list[Any], marked: list[LayerState]) -> None:
+    """The caches back to `marked` (in place: the model reads these cache objects)."""
+    for cache, state in zip(caches, marked):
+        restore_layer(cache, state)
