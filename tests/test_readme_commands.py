@@ -122,3 +122,10 @@ def test_compare_on_the_demo_pair_prints_its_line():
     line = re.search(r"^compare: plain [\d.]+ tok/s \((\d+) target forwards\), this run [\d.]+ tok/s: [\d.]+x \| outputs identical: (\S+)", result.stderr, re.M)
     assert line, result.stderr
     assert int(line[1]) == 48 and line[2] == "yes"
+
+
+def test_ci_runs_the_readmes_test_command_verbatim():
+    blocks = re.findall(r"```bash\n(.*?)\n```", _quick_start(), re.S)
+    test_command = next(block.strip() for block in blocks if "pytest" in block)
+    ci = (README.parent / ".ci" / "run").read_text(encoding="utf-8")
+    assert test_command in ci.splitlines(), (test_command, "not a line of .ci/run")
