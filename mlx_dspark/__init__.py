@@ -1,4 +1,9 @@
-"""DSpark speculative decoding for Spark-X2.6 and Qwen3 targets with MLX.
+"""Lossless speculative decoding for any mlx-lm model on Apple Silicon, with MLX.
+
+Seven kinds of proposal, each verified by the target in one forward: block drafts (DSpark, DFlash,
+DFlash 2), EAGLE-3 drafts, Gemma 4 assistants, the target's own MTP layers, and prompt lookup. Greedy
+output is plain decoding's, token for token; sampled output follows the target's distribution exactly.
+`load`, `generate`, `stream_generate` and `make_prompt_cache` are the API (docs/PYTHON_API.md).
 
 The API functions are imported here, after their modules: a later `import mlx_dspark.load` then finds
 the module already loaded and leaves the package attribute `load` bound to the function. The CLI
