@@ -93,7 +93,7 @@ def test_packed_rows_are_bitwise_their_own_forward_and_roll_back_alike(family):
     """3 sequences at different offsets, segments of 1, 4 and a 40-row prefill chunk, then each rolls back
     its own number of rows (a verify's rejected tail) and the next packed forward still equals the solo one."""
     target = TARGETS[family]()
-    assert packing_problem(type("Pair", (), {"target": target, "draft": None})()) is None
+    assert packing_problem(type("Pair", (), {"target": target, "draft": None, "heads": {}})()) is None
     if family in ("qwen3_5", "lfm2", "nemotron_h", "falcon_h1", "mamba2"):  # only the mixer per sequence
         assert target._dspark_split_mode == "module"
     if family == "gemma2":
@@ -106,7 +106,7 @@ def test_next_n_targets_packed_rows_are_bitwise_their_own_forward(family, tmp_pa
     """DeepSeek-V3's MLA attention scores the rotary part itself and hands the sum as the mask: its attention
     runs per sequence; GLM-4.5's calls mlx-lm's attention and packs as any other family."""
     target = mlx_dspark.load(str(write_tiny_nextn_target(tmp_path / family, family=family, seed=0))).target
-    assert packing_problem(type("Pair", (), {"target": target, "draft": None})()) is None
+    assert packing_problem(type("Pair", (), {"target": target, "draft": None, "heads": {}})()) is None
     assert target._dspark_split_mode == ("attention" if family == "deepseek_v3" else "module")
     check_packed_rows(target)
 
@@ -312,7 +312,7 @@ class _IntOffsetGemma2(mlx_lm_gemma2.Model):
 
 
 def test_a_family_that_cannot_be_split_is_refused_in_one_line(tmp_path):
-    problem = packing_problem(type("Pair", (), {"target": _gemma2(_IntOffsetGemma2), "draft": None})())
+    problem = packing_problem(type("Pair", (), {"target": _gemma2(_IntOffsetGemma2), "draft": None, "heads": {}})())
     assert problem.startswith("the target (model_type 'gemma2') fails in a packed forward") and "scaled_dot_product_attention" in problem
     assert "; with its attention per sequence it fails in a packed forward (ValueError: " in problem
     assert "\n" not in problem

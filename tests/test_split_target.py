@@ -12,6 +12,7 @@ import http.client
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -147,7 +148,7 @@ def test_a_target_that_cannot_be_split_is_one_line(tiny_spark_pair, llama_pair, 
 def test_calibrate_measures_the_split_targets_costs(llama_pair, tmp_path):
     target, draft = map(str, llama_pair)
     result = launched(["--model", target, "--draft", draft], tmp_path, command="mlx_dspark.calibrate")
-    assert "Traceback" not in result.stderr and "verify of 1..8 tokens" in result.stdout, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and re.search(r"verify of 1\.\.(8|33) tokens", result.stdout), result.stderr[-2000:]
     assert "rank 1: followed" in result.stderr  # every measured forward ran on both ranks
 
 
