@@ -30,10 +30,13 @@ def marginal_tree(top1: float, top2: float) -> Tree:
     return grow_tree(lambda depth, parents, state: (logprobs, None), mx.array([0]), num_nodes=CAP, max_depth=DEPTH)
 
 
-def drive(policy: AutoTree, tree: Tree, right: np.ndarray, rounds: int) -> None:
-    """`rounds` rounds: the policy picks rows of `tree`; the target's token at each depth is right[round, depth]."""
+def drive(policy: AutoTree, tree: Tree, right: np.ndarray, rounds: int, *, round_ms=None) -> None:
+    """`rounds` rounds: the policy picks rows of `tree`; the target's token at each depth is right[round, depth].
+    `round_ms(verified)`: what a round of those rows took, told to the policy (parked rounds too); None: untimed."""
     for r in range(rounds):
-        if policy.grow_nodes(position=0) == 0:
+        if policy.grow_nodes(position=0, depth=DEPTH) == 0:
+            if round_ms is not None:
+                policy.observe(tree, verified=[], path=[], ms=round_ms([]))
             continue
         verified = policy.pick(tree, position=0)
         held, path, row = set(verified), [], 0
@@ -43,7 +46,7 @@ def drive(policy: AutoTree, tree: Tree, right: np.ndarray, rounds: int) -> None:
                 break
             path.append(child)
             row = child
-        policy.observe(tree, verified=verified, path=path)
+        policy.observe(tree, verified=verified, path=path, ms=None if round_ms is None else round_ms(verified))
 
 
 def right_tokens(rng: np.random.Generator, top1: float, top2: float, rounds: int) -> np.ndarray:
@@ -160,19 +163,8 @@ def test_a_curve_measured_under_load_heals_from_the_rounds_times_and_the_policy_
     curve = CostCurve(draft_ms=40.0, verify_ms=[1.0 + 0.02 * n for n in range(CAP + 1)])
     healing, fixed = AutoTree(curve, CAP, heal=True), AutoTree(curve, CAP, heal=False)
     right = right_tokens(np.random.default_rng(0), 0.9, 0.05, 400)
-    for policy in (healing, fixed):
-        for r in range(400):
-            nodes = policy.grow_nodes(position=0, depth=DEPTH)
-            verified = policy.pick(tree, position=0) if nodes else []
-            held, path, row = set(verified), [], 0
-            for depth in range(DEPTH):
-                child = next((i + 1 for i, p in enumerate(tree.parents) if p == row and i + 1 in held and tree.tokens[i] == right[r, depth]), None)
-                if child is None:
-                    break
-                path.append(child)
-                row = child
-            ms = curve.verify_ms[len(verified)] + (0.2 if verified else 0.0)  # what the round really took
-            policy.observe(tree, verified=verified, path=path, ms=ms)
+    for policy in (healing, fixed):  # what a round really took: its verify, and a draft block of 0.2 ms
+        drive(policy, tree, right, 400, round_ms=lambda verified: curve.verify_ms[len(verified)] + (0.2 if verified else 0.0))
     assert healing.curve.draft_ms < 1.0 and fixed.curve.draft_ms == 40.0
     assert healing.choices["parked"] < fixed.choices["parked"] / 4
     assert sum(n for name, n in healing.choices.items() if name.startswith(("chain", "tree"))) > 300
