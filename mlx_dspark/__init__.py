@@ -1,7 +1,9 @@
 """Lossless speculative decoding for any mlx-lm model on Apple Silicon, with MLX.
 
-Seven kinds of proposal, each verified by the target in one forward: block drafts (DSpark, DFlash,
-DFlash 2), EAGLE-3 drafts, Gemma 4 assistants, the target's own MTP layers, and prompt lookup. Greedy
+Draft heads of every published kind, each verified by the target in one forward: block drafts (DSpark,
+DFlash, DFlash 2), EAGLE-3 drafts, Gemma 4 assistants, the target's own multi-token-prediction layers, a
+small model of the same family (mlx-lm's --draft-model), the target's own first layers (self-speculation),
+and prompt lookup; one folder per head, registered once (docs/ARCHITECTURE.md, "Heads"). Greedy
 output is plain decoding's, token for token; sampled output follows the target's distribution exactly.
 `load`, `generate`, `stream_generate` and `make_prompt_cache` are the API (docs/PYTHON_API.md).
 
