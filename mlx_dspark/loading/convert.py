@@ -33,7 +33,7 @@ from mlx_dspark.loading.checkpoint import (
 )
 from mlx_dspark.models import target_model_class
 from mlx_dspark.models.target.mlx_lm import from_config as mlx_lm_target_from_config
-from mlx_dspark.models.heads.dspark.dflash2 import draft_class
+from mlx_dspark.models.heads.dspark import draft_class
 from mlx_dspark.models.heads.dspark.model import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.heads.dspark.args import DraftArgs, canonical_name, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.loading.precision import DRAFT_SOURCE_PRECISION, check_quantize_options, parse_dtype, quant_predicate

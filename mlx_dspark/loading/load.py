@@ -23,7 +23,7 @@ from mlx_dspark.loading.checkpoint import Checkpoint, read_checkpoint, resolve_p
 from mlx_dspark.models.target.finite import check_finite_weights
 from mlx_dspark.models import target_model_class
 from mlx_dspark.models.target.mlx_lm import check_quantized_caches, from_config as mlx_lm_target_from_config, probe_target
-from mlx_dspark.models.heads.dspark.dflash2 import draft_class
+from mlx_dspark.models.heads.dspark import draft_class
 from mlx_dspark.models.heads.dspark.model import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.heads.dspark.args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.models.heads.dspark.packaging import BONUS_ANCHOR_ARCHITECTURES
@@ -322,11 +322,8 @@ def load(
             nn.quantize(draft_model, q_group_size, quantize, class_predicate=quant_predicate(draft_model, group_size=q_group_size))
         draft_model.eval()
         if draft_vocab is not None:
-            if draft_model.args.dflash2 is not None:  # its selector takes candidates from the whole head
-                raise ValueError(
-                    f"{draft_path}: a DFlash2 draft's candidate selector reads the target's whole LM head; draft_vocab / "
-                    "--draft-vocab applies to DSpark and DFlash drafts"
-                )
+            if draft_model.whole_head_reason is not None:  # e.g. a selector that takes candidates from the whole head
+                raise ValueError(f"{draft_path}: {draft_model.whole_head_reason}; draft_vocab / --draft-vocab applies to DSpark and DFlash drafts")
             if draft_model.args.packaging.draft_vocab_size is not None:
                 raise ValueError(
                     f"{draft_path}: this draft already drafts over a reduced vocabulary of its own (d2t, "

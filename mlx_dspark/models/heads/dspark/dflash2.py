@@ -81,6 +81,8 @@ class CandidateSelector(nn.Module):
 
 
 class DFlash2Draft(DSparkDraft):
+    whole_head_reason = "a DFlash2 draft's candidate selector reads the target's whole LM head"
+
     def __init__(self, args: Any):
         super().__init__(args)
         fields = args.dflash2

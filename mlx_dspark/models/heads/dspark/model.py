@@ -94,6 +94,7 @@ class DSparkDraft(nn.Module):
     # A reduced vocabulary to draft from (models/heads/draft_vocab.py), set by the loader; None: the full one.
     # A plain attribute, not a parameter: its arrays are rows of the target's LM head and of markov_w2.
     vocabulary: Optional[DraftVocabulary] = None
+    whole_head_reason: Optional[str] = None  # why the draft must read the target's whole LM head (no reduced vocabulary)
 
     def __init__(self, args: DraftArgs):
         super().__init__()
