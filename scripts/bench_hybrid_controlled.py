@@ -35,7 +35,7 @@ from mlx_dspark.bench.cost import CostProbe  # noqa: E402
 from mlx_dspark.bench.runner import RunSettings, prepare_model  # noqa: E402
 from mlx_dspark.bench.stats import median  # noqa: E402
 from mlx_dspark.models.caches import rollback as rollback_module  # noqa: E402
-from mlx_dspark.testing.mlx_lm_tiny import tiny_mlx_lm_config, tiny_mlx_lm_weights, write_draft_for  # noqa: E402
+from mlx_dspark.testing.mlx_lm_checkpoints import tiny_mlx_lm_config, tiny_mlx_lm_weights, write_draft_for  # noqa: E402
 from mlx_dspark.testing.tiny import save_hf_weights  # noqa: E402
 from mlx_dspark.testing.tiny_tokenizer import _write_json, write_tokenizer  # noqa: E402
 

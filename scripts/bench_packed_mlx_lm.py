@@ -35,7 +35,7 @@ from mlx_dspark.models.packed.mlx_lm import target_packing_problem as packing_pr
 
 def build(family: str, hidden: int, layers: int, vocab: int):
     if family == "qwen3_5":  # the hybrid: 3 GatedDeltaNet layers per attention layer (testing's scaled one)
-        from mlx_dspark.testing.tiny_mlx_lm import scaled_qwen3_5
+        from mlx_dspark.testing.mlx_lm_models import scaled_qwen3_5
 
         model = scaled_qwen3_5(hidden=hidden, layers=layers, vocab=vocab)
         target = target_class(type(model))(model.args)

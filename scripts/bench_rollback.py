@@ -31,7 +31,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_dspark.models.caches.rollback import RollbackCaches, layer_state, recording, restore_layer  # noqa: E402
-from mlx_dspark.testing.tiny_mlx_lm import scaled_qwen3_5  # noqa: E402
+from mlx_dspark.testing.mlx_lm_models import scaled_qwen3_5  # noqa: E402
 
 WIDTH = 8  # anchor + 7 drafts
 

@@ -7,7 +7,7 @@ Run once as one process and once under `mlx.launch -n 2` (loopback here), on the
     python scripts/bench_split.py --project one.json two.json
 
 Pipeline parallel needs a family mlx-lm pipelines (qwen3_5, deepseek_v3, glm4_moe, ministral3): the tiny
-qwen3_5 of `mlx_dspark.testing.mlx_lm_tiny` or larger. With `--draft DIR` the verify forwards tap the draft's
+qwen3_5 of `mlx_dspark.testing.mlx_lm_checkpoints` or larger. With `--draft DIR` the verify forwards tap the draft's
 layers (a pipeline stage then adds the taps' all_sum) and a greedy generation (auto draft lengths) reports
 target forwards per token: a split forward costs its collectives however many positions it verifies.
 

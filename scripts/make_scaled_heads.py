@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_dspark.testing.dflash2_tiny import write_dflash2_draft  # noqa: E402
 from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant  # noqa: E402
-from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target  # noqa: E402
+from mlx_dspark.testing.mlx_lm_checkpoints import write_tiny_mlx_lm_target  # noqa: E402
 from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target  # noqa: E402
 
 NUM_LAYERS = 36  # as the scaled Spark target

@@ -31,7 +31,7 @@ from mlx_dspark.models.packed.forward import packed_block_hidden, packing_proble
 from mlx_dspark.testing.dflash2_tiny import write_dflash2_draft
 from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
 from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant
-from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import write_tiny_mlx_lm_target
 from mlx_dspark.testing.mtp_deepseek_tiny import write_tiny_nextn_target
 from mlx_dspark.testing.mtp_mimo_tiny import write_tiny_mimo_target
 from mlx_dspark.testing.mtp_nemotron_h_tiny import write_tiny_nemotron_h_target

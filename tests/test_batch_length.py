@@ -143,7 +143,7 @@ def test_measured_once_then_read_from_the_cache(tiny_qwen3_pair, tmp_path):
 
 def test_measured_on_a_hybrid_target_whose_recurrent_state_is_restored(tmp_path):
     """qwen3_5 through mlx-lm: the measurement's forwards roll back (one-row ones by a restored copy)."""
-    from mlx_dspark.testing.mlx_lm_tiny import write_draft_for, write_tiny_mlx_lm_target
+    from mlx_dspark.testing.mlx_lm_checkpoints import write_draft_for, write_tiny_mlx_lm_target
 
     target = write_tiny_mlx_lm_target(tmp_path / "target", family="qwen3_5")
     pair = mlx_dspark.load(str(target), draft=str(write_draft_for(tmp_path / "draft", target_path=target)))

@@ -33,10 +33,10 @@ from mlx_dspark.models.target import mlx_lm as mlx_lm_target
 from mlx_dspark.models.caches.kv import trim_caches
 from mlx_dspark.models.packed.forward import packed_block_hidden, packed_target_forward, packing_problem
 from mlx_dspark.testing.draft_layouts import write_gemma4_draft
-from mlx_dspark.testing.mlx_lm_tiny import HYBRID_FAMILIES, tiny_mlx_lm_config, tiny_mlx_lm_weights, write_draft_for, write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import HYBRID_FAMILIES, tiny_mlx_lm_config, tiny_mlx_lm_weights, write_draft_for, write_tiny_mlx_lm_target
 from mlx_dspark.testing.mtp_deepseek_tiny import write_tiny_nextn_target
 from mlx_dspark.testing.tiny import write_tiny_draft
-from mlx_dspark.testing.tiny_mlx_lm import tiny_mlx_lm_model
+from mlx_dspark.testing.mlx_lm_models import tiny_mlx_lm_model
 from tests.test_mlx_lm_targets import mlx_lm_greedy
 
 SMALL_WINDOW = {"gemma4_text": {"sliding_window": 6}}  # the sliding layers' rotating caches wrap within the test

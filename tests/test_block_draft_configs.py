@@ -111,7 +111,7 @@ def test_a_window_under_dflash_config_must_be_the_layer_configs(layer_types, nes
 def test_a_zlab_draft_beside_a_target_that_scales_its_embedding_is_refused(layout, tmp_path):
     """z-lab's runtime (and mlx-vlm's) embeds the block through a Gemma target's scaled embedding; ours gives a
     qwen3-layer draft the raw table: refused for z-lab's architectures; a DeepSpec draft loads as before."""
-    from mlx_dspark.testing.mlx_lm_tiny import write_draft_for, write_tiny_mlx_lm_target
+    from mlx_dspark.testing.mlx_lm_checkpoints import write_draft_for, write_tiny_mlx_lm_target
 
     target = write_tiny_mlx_lm_target(tmp_path / "target", family="gemma4_text")
     deepspec = write_draft_for(tmp_path / "deepspec", target_path=target, seed=3)

@@ -25,7 +25,7 @@ from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.costs.curve import CostCurve
 from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
 from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant
-from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import write_tiny_mlx_lm_target
 from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target
 
 PROMPT = [1, 5, 9, 20, 33, 7, 100, 250, 3, 64, 17, 42]

@@ -21,7 +21,7 @@ from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions
 from mlx_dspark.engine.proposers.draft_lm import LMProposer
 from mlx_dspark.loading.heads import detect_head
 from mlx_dspark.models.heads.draft_lm import DraftLM
-from mlx_dspark.testing.mlx_lm_tiny import read_config, tiny_mlx_lm_config, write_draft_for, write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import read_config, tiny_mlx_lm_config, write_draft_for, write_tiny_mlx_lm_target
 
 PROMPT = [5, 17, 33, 9, 100, 3, 44, 250, 12]
 FAMILIES = {  # the target's and the draft's caches: full KV, GatedDeltaNet + KV, rotating windows past their size
@@ -135,7 +135,7 @@ def test_sampled_draft_model_speculation_matches_the_exact_target_distribution()
     from mlx.utils import tree_flatten, tree_unflatten
 
     from mlx_dspark.models.target import mlx_lm as mlx_lm_target
-    from mlx_dspark.testing.mlx_lm_tiny import _random
+    from mlx_dspark.testing.mlx_lm_checkpoints import _random
     from tests.engine_helpers import assert_chain_sampling_is_exact
     from tests.test_lossless_sampling import PROMPT as CHI_PROMPT
     from tests.test_mtp import CHI_SAMPLER, FIXED

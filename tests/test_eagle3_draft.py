@@ -25,7 +25,7 @@ from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.models.heads.eagle3.model import Eagle3Draft
 from mlx_dspark.models.heads.eagle3.args import Eagle3Args
 from mlx_dspark.testing.eagle3_tiny import eagle3_config, write_eagle3_draft
-from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import write_tiny_mlx_lm_target
 from tests.eagle3_reference import Eagle3Reference, LlamaTarget
 from tests.engine_helpers import assert_chain_sampling_is_exact, make_target, sampled_prefix
 

@@ -185,7 +185,7 @@ def test_a_drafts_packaging_scales_are_carried_by_both_formats(tiny_qwen3_pair, 
 
 @pytest.fixture(scope="module")
 def llama_target(tmp_path_factory) -> Path:
-    from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
+    from mlx_dspark.testing.mlx_lm_checkpoints import write_tiny_mlx_lm_target
 
     return write_tiny_mlx_lm_target(tmp_path_factory.mktemp("export-eagle3") / "llama", family="llama", seed=0)
 
@@ -266,7 +266,7 @@ def test_the_targets_mtp_layers_are_refused_in_one_line_naming_convert(tmp_path)
 
 def test_a_gemma4_assistant_drafter_is_refused_in_one_line(tmp_path):
     from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant
-    from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
+    from mlx_dspark.testing.mlx_lm_checkpoints import write_tiny_mlx_lm_target
 
     gemma = write_tiny_mlx_lm_target(tmp_path / "gemma4", family="gemma4_text", seed=0)
     draft = write_assistant(tmp_path / "assistant", target_path=gemma, seed=1)

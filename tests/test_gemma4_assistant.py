@@ -27,7 +27,7 @@ from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.models.heads.gemma4_assistant.model import AssistantArgs, Gemma4AssistantDraft
 from mlx_dspark.models.target.mlx_lm import from_config, probe_target
 from mlx_dspark.testing.gemma4_assistant_tiny import assistant_config, assistant_weights, write_assistant
-from mlx_dspark.testing.mlx_lm_tiny import tiny_mlx_lm_config, tiny_mlx_lm_weights, write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import tiny_mlx_lm_config, tiny_mlx_lm_weights, write_tiny_mlx_lm_target
 from tests.engine_helpers import assert_chain_sampling_is_exact, sampled_prefix
 from tests.gemma4_assistant_reference import AssistantReference, GemmaTargetKV
 

@@ -30,7 +30,7 @@ from mlx_dspark.models.caches.rollback import REPLAY
 from mlx_dspark.models.layers.base import FINAL_TAP
 from mlx_dspark.models.packed.forward import packing_problem
 from mlx_dspark.models.target import mlx_lm as mlx_lm_target
-from mlx_dspark.testing.mlx_lm_tiny import HELD_OUT_FAMILIES, write_draft_for, write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import HELD_OUT_FAMILIES, write_draft_for, write_tiny_mlx_lm_target
 from mlx_dspark.testing.tiny import write_tiny_draft
 from tests.test_batch_mlx_lm import check_batched_rows, check_packed_rows
 from tests.test_mlx_lm_targets import PROMPT, InjectingProposer, mlx_lm_greedy

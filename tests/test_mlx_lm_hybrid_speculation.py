@@ -26,7 +26,7 @@ from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.models.target import mlx_lm as mlx_lm_target
 from mlx_dspark.models.caches.rollback import REPLAY, ROTATING, RollbackCaches
 from mlx_dspark.testing.draft_layouts import write_gemma4_draft
-from mlx_dspark.testing.mlx_lm_tiny import tiny_mlx_lm_config, write_draft_for, write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import tiny_mlx_lm_config, write_draft_for, write_tiny_mlx_lm_target
 from tests.engine_helpers import sampled_prefix
 from tests.test_lossless_sampling import RandomDraftProposer, chi_square_p_value, marginals, to_array
 from tests.test_mlx_lm_targets import PROMPT, TOKENS, InjectingProposer, mlx_lm_greedy
@@ -126,7 +126,7 @@ def tiny_vocab_hybrid():
     (testing's init; large embeddings so that the recurrent state moves the next token)."""
     from mlx.utils import tree_flatten, tree_unflatten
 
-    from mlx_dspark.testing.mlx_lm_tiny import _random
+    from mlx_dspark.testing.mlx_lm_checkpoints import _random
 
     config = tiny_mlx_lm_config("qwen3_5", {"bos": 1, "eos": 2, "pad": 0})
     config["text_config"].update(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=2, head_dim=32,

@@ -15,7 +15,7 @@ from mlx_dspark.bench.runner import RunSettings, prepare_model
 from mlx_dspark.cli.benchmark import app as benchmark_app
 from mlx_dspark.cli.convert import app as convert_app
 from mlx_dspark.cli.generate import app as generate_app
-from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import write_tiny_mlx_lm_target
 from mlx_dspark.testing.tiny_tokenizer import tools_chat_template, write_chat_template
 from tests.test_mlx_lm_targets import PROMPT, mlx_lm_greedy, write_pair
 from tests.test_server import call, pair_loader, running_server

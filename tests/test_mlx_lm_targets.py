@@ -18,7 +18,7 @@ from mlx_dspark.bench.runner import RunSettings, prepare_model
 from mlx_dspark.engine.proposers.base import Proposal, Proposer
 from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.models.target import mlx_lm as mlx_lm_target
-from mlx_dspark.testing.mlx_lm_tiny import HYBRID_FAMILIES, MLX_LM_FAMILIES, write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import HYBRID_FAMILIES, MLX_LM_FAMILIES, write_tiny_mlx_lm_target
 from mlx_dspark.testing.tiny import write_tiny_draft
 
 PROMPT = [1, 5, 9, 20, 33, 7, 100, 250, 3, 64, 17, 42]

@@ -202,7 +202,7 @@ def tiny_vocab_pair():
 
     from mlx_dspark.models.target import mlx_lm as mlx_lm_target
     from mlx_dspark.models.heads.mtp.qwen3_5 import MTP, MTPArgs
-    from mlx_dspark.testing.mlx_lm_tiny import _random
+    from mlx_dspark.testing.mlx_lm_checkpoints import _random
     from mlx_dspark.testing.mtp_tiny import tiny_qwen3_5_mtp_config
 
     config = tiny_qwen3_5_mtp_config({"bos": 1, "eos": 2, "pad": 0}, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
@@ -303,7 +303,7 @@ def test_more_than_one_mtp_layer_is_refused_in_one_line_naming_the_file_and_fiel
 
 
 def test_a_target_that_declares_no_mtp_layers_is_one_clear_error(tmp_path):
-    from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
+    from mlx_dspark.testing.mlx_lm_checkpoints import write_tiny_mlx_lm_target
 
     plain = write_tiny_mlx_lm_target(tmp_path / "llama", family="llama")
     with pytest.raises(ValueError, match="model_type 'llama' has no MTP layers"):

@@ -26,7 +26,7 @@ from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.testing.eagle3_tiny import write_eagle3_draft
 from mlx_dspark.testing.gemma4_assistant_tiny import write_assistant
-from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import write_tiny_mlx_lm_target
 from mlx_dspark.testing.mtp_mimo_tiny import write_tiny_mimo_target
 from mlx_dspark.testing.mtp_tiny import write_tiny_qwen3_5_mtp_target
 from mlx_dspark.testing.tiny import write_tiny_draft

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCach
 
 from mlx_dspark.models.caches.kv import trim_caches
 from mlx_dspark.models.caches.rollback import REPLAY, ROTATING, TRIM, RollbackCaches, cache_kind, recording
-from mlx_dspark.testing.tiny_mlx_lm import FACTORIES, VOCAB, make_mlx_lm_cache, tiny_mlx_lm_model
+from mlx_dspark.testing.mlx_lm_models import FACTORIES, VOCAB, make_mlx_lm_cache, tiny_mlx_lm_model
 
 
 def cache_state(cache) -> list[mx.array]:

@@ -19,7 +19,7 @@ from mlx_dspark.engine.round.decode import plain_steps, speculative_steps
 from mlx_dspark.engine.prompt_cache import PromptCache
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.models.caches.rollback import RollbackCaches, recording
-from mlx_dspark.testing.tiny_mlx_lm import FACTORIES, VOCAB, make_mlx_lm_cache, tiny_mlx_lm_model
+from mlx_dspark.testing.mlx_lm_models import FACTORIES, VOCAB, make_mlx_lm_cache, tiny_mlx_lm_model
 from tests.engine_helpers import OracleProposer
 
 

@@ -23,7 +23,7 @@ from mlx_dspark.engine.proposers.self_draft import SelfDraftProposer
 from mlx_dspark.loading.load import split_draft
 from mlx_dspark.models.caches.rollback import layer_state
 from mlx_dspark.models.heads.self_draft.model import SelfDraft, choose_layers, ideal_rate
-from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import write_tiny_mlx_lm_target
 from tests.engine_helpers import make_target
 from tests.test_lossless_sampling import (
     MIN_P_VALUE, SAMPLERS, VOCAB, chi_square_p_value, exact_distribution, marginals, sample_runs, to_array,

@@ -28,7 +28,7 @@ import pytest
 
 from mlx_dspark.loading.load import load
 from mlx_dspark.models.distributed.split_target import SplitTargetError, lead
-from mlx_dspark.testing.mlx_lm_tiny import write_draft_for, write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import write_draft_for, write_tiny_mlx_lm_target
 
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
 _LAUNCHES = itertools.count()

@@ -16,7 +16,7 @@ import mlx_dspark
 from mlx_dspark.bench.runner import RunSettings, prepare_model
 from mlx_dspark.loading.pair import check_shared_tensors
 from mlx_dspark.models.target.lm_head import head_is_tied, target_head
-from mlx_dspark.testing.mlx_lm_tiny import write_tiny_mlx_lm_target
+from mlx_dspark.testing.mlx_lm_checkpoints import write_tiny_mlx_lm_target
 from mlx_dspark.testing.tiny import write_tiny_draft
 
 PROMPT = [1, 5, 9, 20, 33, 7, 100, 250, 3, 64, 17, 42]

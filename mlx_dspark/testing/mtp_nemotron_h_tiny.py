@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mlx_dspark.testing.mlx_lm_tiny import _random
+from mlx_dspark.testing.mlx_lm_checkpoints import _random
 from mlx_dspark.testing.tiny import save_hf_weights, write_target_dir
 from mlx_dspark.testing.tiny_tokenizer import VOCAB_SIZE
 

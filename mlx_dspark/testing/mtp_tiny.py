@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mlx_dspark.testing.mlx_lm_tiny import _random, tiny_mlx_lm_config
+from mlx_dspark.testing.mlx_lm_checkpoints import _random, tiny_mlx_lm_config
 from mlx_dspark.testing.tiny import save_hf_weights, write_target_dir
 
 # mlx-lm's qwen3_5 sanitize adds 1 to these (raw HF checkpoints store w - 1)
