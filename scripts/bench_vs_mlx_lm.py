@@ -6,16 +6,19 @@ Settings, each greedy over the same prompt ids, end-of-sequence ignored:
 - `mlx-lm k=K`: `mlx_lm.generate.speculative_generate_step` with `num_draft_tokens=K`, its default 2 and each
   `--sweep` length (the best of them is named in the summary);
 - `ours DRAFT`: `mlx_dspark.load(target, draft=DRAFT)` with our default options (`auto` length, lookup on), for
-  each `--ours` (default the `--draft` path; `self` compares self-speculation too).
+  each `--ours` (default the `--draft` path; `self` compares self-speculation too), and with `--lookup-off` each
+  of those with lookup="off" as well (the draft alone).
 
-Printed per setting: median tok/s over `--repeats` (whole call, prefill included; one untimed warm-up
-each), the ratio to plain, target forwards per generated token (mlx-lm's counted by a wrapper around its
-model's `__call__`, prefill chunks included; ours the engine's own count: the prefill's last forward, then one
-per verify or step), and whether the tokens are plain decoding's (greedy: they must be; the first differing
+Printed per setting: min / median / max tok/s over `--repeats` times each `--prompt` (whole call, prefill
+included; one untimed warm-up each; the settings' order rotates from run to run), the ratio to plain, target
+forwards per generated token (mlx-lm's counted by a wrapper around its model's `__call__`, prefill chunks included;
+ours the engine's own count: the prefill's last forward, then one per verify or step), and whether the tokens are plain decoding's (greedy: they must be; the first differing
 position otherwise). Beside it: each of our heads' cost curve on this machine (what its `auto` length reads:
 verify forwards by width, the draft's first and further chained steps) and /proc/loadavg.
 
     python scripts/bench_vs_mlx_lm.py --model TARGET --draft SMALL_LM [--ours self] --max-tokens 256 --repeats 5
+    python scripts/bench_vs_mlx_lm.py --openblas --model /tmp/lmpair/target --draft /tmp/lmpair/draft --lookup-off \
+        --sweep 1,3,4,5,6 --prompt "..." --prompt "..." --max-tokens 128 --repeats 3   # scripts/make_lm_draft_pair.py
     python scripts/bench_vs_mlx_lm.py --model mlx_dspark/demo/target --draft mlx_dspark/demo/target --max-tokens 32 --repeats 1
 
 `--openblas` re-executes under OpenBLAS (Linux only; ../shared/BENCHMARKING.md): float32 then runs in the
@@ -87,14 +90,14 @@ def mlx_lm_setting(target: Any, draft: Any | None, ids: list[int], *, max_tokens
     return run
 
 
-def ours_setting(loaded: Any, ids: list[int], *, max_tokens: int) -> Callable[[], dict]:
+def ours_setting(loaded: Any, ids: list[int], *, max_tokens: int, **options: Any) -> Callable[[], dict]:
     import mlx_dspark
 
     def run() -> dict:
         start = time.perf_counter()
-        result = mlx_dspark.generate(loaded, ids, max_tokens=max_tokens)
+        result = mlx_dspark.generate(loaded, ids, max_tokens=max_tokens, **options)
         return {"tokens": result.tokens, "seconds": time.perf_counter() - start, "forwards": result.target_forwards,
-                "acceptance": result.mean_acceptance_length, "draft_lengths": result.draft_lengths}  # fmt: skip
+                "acceptance_lengths": result.acceptance_lengths, "proposal_lengths": result.proposal_lengths}  # fmt: skip
 
     return run
 
@@ -128,12 +131,17 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
+def spread(values: list[float]) -> str:
+    return f"{min(values):6.1f} {statistics.median(values):6.1f} {max(values):6.1f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="target checkpoint directory (mlx-lm loads it too)")
     parser.add_argument("--draft", required=True, help="small causal LM of the target's vocabulary (mlx-lm's --draft-model)")
     parser.add_argument("--ours", action="append", help="draft= for our load (repeatable; default the --draft path; e.g. self)")
-    parser.add_argument("--prompt", default=None, help="raw prompt text (default: the demo pair's)")
+    parser.add_argument("--lookup-off", action="store_true", help="also run each of ours with lookup='off' (the draft alone)")
+    parser.add_argument("--prompt", action="append", default=None, help="raw prompt text (repeatable; default: the demo pair's)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sweep", default="1,3,4,6,8", help="further mlx-lm num_draft_tokens to try besides its default 2")
@@ -146,16 +154,19 @@ def main() -> None:
 
     from mlx_dspark.bench.stats import loadavg
     from mlx_dspark.cli.demo import DEMO_PROMPT
+    from mlx_dspark.engine.round.results import length_histogram
 
     target, tokenizer = load_mlx_lm(args.model, args.dtype)
     draft, draft_tokenizer = load_mlx_lm(args.draft, args.dtype)
     if draft_tokenizer.vocab_size != tokenizer.vocab_size:
         sys.exit(f"error: the draft's vocabulary ({draft_tokenizer.vocab_size}) is not the target's ({tokenizer.vocab_size})")
-    ids = list(tokenizer.encode(args.prompt if args.prompt is not None else DEMO_PROMPT))
+    prompts = [list(tokenizer.encode(p)) for p in (args.prompt or [DEMO_PROMPT])]
     lengths = [2] + [k for k in (int(x) for x in args.sweep.split(",") if x.strip()) if k != 2]
-    settings: dict[str, Callable[[], dict]] = {"plain (mlx-lm)": mlx_lm_setting(target, None, ids, max_tokens=args.max_tokens, num_draft=None)}
+    # settings[name][p]: one run of that setting on prompt p
+    settings: dict[str, list[Callable[[], dict]]] = {
+        "plain (mlx-lm)": [mlx_lm_setting(target, None, ids, max_tokens=args.max_tokens, num_draft=None) for ids in prompts]}  # fmt: skip
     for k in lengths:
-        settings[f"mlx-lm k={k}"] = mlx_lm_setting(target, draft, ids, max_tokens=args.max_tokens, num_draft=k)
+        settings[f"mlx-lm k={k}"] = [mlx_lm_setting(target, draft, ids, max_tokens=args.max_tokens, num_draft=k) for ids in prompts]
     ours: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     for name in args.ours or [args.draft]:
@@ -164,37 +175,47 @@ def main() -> None:
             skipped[f"ours {name}"] = why
             continue
         ours[name] = loaded
-        settings[f"ours {name}"] = ours_setting(loaded, ids, max_tokens=args.max_tokens)
+        settings[f"ours {name}"] = [ours_setting(loaded, ids, max_tokens=args.max_tokens) for ids in prompts]
+        if args.lookup_off:
+            settings[f"ours {name}, lookup off"] = [ours_setting(loaded, ids, max_tokens=args.max_tokens, lookup="off") for ids in prompts]
 
-    print(f"target {args.model}, draft {args.draft}, {len(ids)} prompt tokens, {args.max_tokens} new, dtype {args.dtype}, loadavg {loadavg()}")
+    print(f"target {args.model}, draft {args.draft}, {len(prompts)} prompt(s) of {[len(i) for i in prompts]} tokens, "
+          f"{args.max_tokens} new, dtype {args.dtype}, {args.repeats} repeats, loadavg {loadavg()}")  # fmt: skip
     for name, loaded in ours.items():  # measured before any timing, not inside it
         print(f"cost curve, ours {name}:\n{cost_text(loaded)}")
-    runs: dict[str, list[dict]] = {name: [] for name in settings}
+    runs: dict[str, list[list[dict]]] = {name: [[] for _ in prompts] for name in settings}
     names = list(settings)
     for name in names:  # warm-up: kernels, allocator, first-use measurements
-        settings[name]()
+        settings[name][0]()
     for repeat in range(args.repeats):
-        rotation = repeat % len(names)
-        for name in names[rotation:] + names[:rotation]:
-            runs[name].append(settings[name]())
+        for p in range(len(prompts)):
+            rotation = (repeat * len(prompts) + p) % len(names)
+            for name in names[rotation:] + names[:rotation]:
+                runs[name][p].append(settings[name][p]())
+        print(f"  repeat {repeat + 1}/{args.repeats} done, loadavg {loadavg()}", flush=True)
 
-    reference = runs["plain (mlx-lm)"][0]["tokens"]
-    plain_tps = statistics.median(len(r["tokens"]) / r["seconds"] for r in runs["plain (mlx-lm)"])
+    references = [runs["plain (mlx-lm)"][p][0]["tokens"] for p in range(len(prompts))]
+    tok_s = {name: [len(r["tokens"]) / r["seconds"] for per_prompt in runs[name] for r in per_prompt] for name in names}
+    plain_tps = statistics.median(tok_s["plain (mlx-lm)"])
     rows = {}
-    print(f"\n{'setting':<24} {'tok/s':>8} {'vs plain':>9} {'fwd/token':>10} {'identical':>10}  notes")
+    print(f"\n{'setting':<40} {'tok/s min   med    max':>22} {'vs plain':>9} {'fwd/token':>10} {'identical':>10}  notes")
     for name in names:
-        tps = statistics.median(len(r["tokens"]) / r["seconds"] for r in runs[name])
-        last = runs[name][-1]
-        differs = [first_difference(reference, r["tokens"]) for r in runs[name]]
-        same = all(d is None for d in differs)
-        notes = "" if same else f"first difference at {next(d for d in differs if d is not None)}"
-        if "acceptance" in last:
-            notes += f"mean acceptance {last['acceptance']:.2f}, draft lengths {last['draft_lengths']}"
-        rows[name] = {"tok_s": tps, "vs_plain": tps / plain_tps, "forwards_per_token": last["forwards"] / len(last["tokens"]),
-                      "identical": same, "notes": notes}  # fmt: skip
-        print(f"{name:<24} {tps:8.1f} {tps / plain_tps:8.2f}x {rows[name]['forwards_per_token']:10.3f} {str(same):>10}  {notes}")
+        tps = statistics.median(tok_s[name])
+        every = [(p, r) for p in range(len(prompts)) for r in runs[name][p]]
+        differs = [(p, first_difference(references[p], r["tokens"])) for p, r in every]
+        same = all(d is None for _, d in differs)
+        notes = "" if same else "first difference: prompt {}, position {}; ".format(*next((p, d) for p, d in differs if d is not None))
+        forwards = sum(r["forwards"] for _, r in every) / sum(len(r["tokens"]) for _, r in every)
+        if "acceptance_lengths" in every[0][1]:
+            last = [runs[name][p][-1] for p in range(len(prompts))]
+            accepted = [a for r in last for a in r["acceptance_lengths"]]
+            lengths_seen = length_histogram([n for r in last for n in r["proposal_lengths"]])
+            notes += f"mean acceptance {sum(accepted) / max(1, len(accepted)):.2f}, drafts per round {lengths_seen}"
+        rows[name] = {"tok_s": tps, "tok_s_min": min(tok_s[name]), "tok_s_max": max(tok_s[name]), "tok_s_all": tok_s[name],
+                      "vs_plain": tps / plain_tps, "forwards_per_token": forwards, "identical": same, "notes": notes}  # fmt: skip
+        print(f"{name:<40} {spread(tok_s[name]):>22} {tps / plain_tps:8.2f}x {forwards:10.3f} {str(same):>10}  {notes}")
     for name, why in skipped.items():
-        print(f"{name:<24} not run: {why}")
+        print(f"{name:<40} not run: {why}")
     spec = {n: r for n, r in rows.items() if n.startswith("mlx-lm")}
     best = max(spec, key=lambda n: spec[n]["tok_s"])
     print(f"\nmlx-lm default (k=2): {spec['mlx-lm k=2']['tok_s']:.1f} tok/s; its best fixed length here: {best} ({spec[best]['tok_s']:.1f} tok/s)")
@@ -203,7 +224,9 @@ def main() -> None:
               f"{rows[name]['tok_s'] / spec[best]['tok_s']:.2f}x its best")  # fmt: skip
     print(f"loadavg {loadavg()}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"rows": rows, "skipped": skipped, "loadavg": loadavg(), "args": vars(args)}, default=str, indent=1))
+        curves = {name: cost_text(loaded) for name, loaded in ours.items()}
+        args.json.write_text(json.dumps({"rows": rows, "skipped": skipped, "loadavg": loadavg(), "cost_curves": curves,
+                                         "args": vars(args)}, default=str, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -65,11 +65,34 @@ def test_auto_settles_on_the_analytic_optimum():
     optimum = max(range(1, 8), key=lambda n: by_length[n])
     assert optimum == 4  # the fixture is what we think it is
     exact = AutoLength(GENTLE, 7, margin=0.0)
-    assert Counter(run(exact, lambda i, length: 3 + (i % 2), 300)[-100:]) == Counter({optimum: 100})
+    settled = Counter(run(exact, lambda i, length: 3 + (i % 2), 300)[-100:])
+    # the stale estimate past the optimum (position 5, never accepted) is tried again now and then (STALE_RELAX)
+    assert settled[optimum] >= 90 and set(settled) <= {optimum, optimum + 1}
     policy = AutoLength(GENTLE, 7)  # the default margin keeps a length within 5% of the best one
     settled = Counter(run(policy, lambda i, length: 3 + (i % 2), 300)[-100:]).most_common(1)[0][0]
     assert by_length[settled] >= by_length[optimum] / 1.05
     assert not policy.parked and policy.parked_rounds == 0
+
+
+def test_a_position_rejected_in_a_few_early_rounds_is_tried_again_once_the_shorter_rounds_accept():
+    # The LM-draft pair's curve and first rounds (benchmarks/RESULTS.md section 28, its third prompt): three rounds
+    # of 3 drafts rejected outright, one rejecting position 3, four of 1 and an exploration of 4 accepting 1 left
+    # q(3) at 0.1, and the rounds of 2 that followed never sampled position 3 again (their full-acceptance streaks
+    # too short to explore): locked at 2 drafts, 16 tok/s where mlx-lm's k=3 made 21. Afterwards position 3 is
+    # always accepted once 2 are (q = 0.8, 0.75, 1.0): 3 drafts pay best by far.
+    curve = CostCurve(draft_ms=0.0, draft_step_ms=9.7, verify_ms=[108, 112, 125, 125, 134, 136, 142, 142])
+    early, cycle = [0, 0, 0, 2, 1, 1, 1, 1, 1], [3, 3, 1, 3, 0]
+
+    def accepted(i, length):
+        return min(length, early[i] if i < len(early) else cycle[i % len(cycle)])
+
+    by_length = rates(curve, [0.8, 0.75, 1.0, 0.0, 0.0, 0.0], 6)
+    assert max(range(1, 7), key=lambda n: by_length[n]) == 3 and by_length[3] > 1.15 * by_length[2]  # the fixture
+    policy = AutoLength(curve, 6)
+    lengths = run(policy, accepted, 120)
+    assert lengths[:9] == [3, 3, 3, 3, 1, 1, 1, 1, 4]  # the measured start
+    assert policy.acceptance[2] > 0.9
+    assert sum(n >= 3 for n in lengths[-60:]) >= 55
 
 
 def test_auto_parks_when_verify_2_already_costs_more_than_the_gain_and_never_probes_a_hopeless_curve():

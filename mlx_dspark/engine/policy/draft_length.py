@@ -35,6 +35,11 @@ AUTO = "auto"
 OPTIMISTIC = 0.9  # the acceptance a probe's length is chosen for: what a good draft shows
 NEAR_PAYING = 0.8  # a remembered acceptance this close to paying still gets a free look at the start
 CONFIRM_ACCEPTED, MAX_CONFIRMS = 2, 2  # a probe accepting this many gets a free second look, this often per generation
+# A position past the rounds' length keeps the estimate its last samples left, and a length shorter than it is
+# never corrected by the rounds: each drafted round moves such an estimate up toward the mean of the positions it
+# did reach, by this rate divided by the samples the position ever had (a stale value from a few unlucky early
+# rounds is tried again within tens of rounds; one sampled often, and low, stays low far longer)
+STALE_RELAX = 0.05
 
 
 class DraftLength:
@@ -147,6 +152,7 @@ class AutoLength(DraftLength):
             raise ValueError(f"cost curve {curve.source} covers verify width 1 only: auto needs widths 1..{cap + 1}")
         self.acceptance = [prior] * self.cap  # q(k), k = 1..cap
         self.observed = [False] * self.cap
+        self.samples = [0] * self.cap  # how often each position was sampled (STALE_RELAX)
         # What this pair's draft showed in earlier generations (acceptance_memory.py): the prior, and no
         # free look when it says the draft does not pay
         self._memory_path = curve.cache_path if heal else None
@@ -308,6 +314,12 @@ class AutoLength(DraftLength):
             for k, c in enumerate(confidence[0, start:stop].tolist(), start=start):
                 if k < self.cap:
                     self._update(k, float(c), weight=0.5)
+        reached = min(proposed, self.cap)
+        if not probe and reached < self.cap:
+            fresh = sum(self.acceptance[:reached]) / reached
+            for k in range(reached, self.cap):
+                if self.observed[k] and self.acceptance[k] < fresh:
+                    self.acceptance[k] += STALE_RELAX / max(1, self.samples[k]) * (fresh - self.acceptance[k])
         seen = [k for k in range(self.cap) if self.observed[k]]
         if seen:  # never-reached positions follow the mean of those seen, not the prior (one rejection
             # at position k says little of k + 1 once k is accepted)
@@ -319,6 +331,7 @@ class AutoLength(DraftLength):
         rate = min(1.0, self.smoothing * weight) if self.observed[k] else 0.5  # the first sample moves the prior halfway
         self.acceptance[k] += rate * (value - self.acceptance[k])
         self.observed[k] = True
+        self.samples[k] += 1
 
     def _best(self, curve: CostCurve) -> tuple[int, bool]:
         """The best length (ties: the shorter) and whether it beats plain decoding."""
