@@ -98,7 +98,11 @@ class AutoTree:
         self._samples: Counter[tuple[int, int]] = Counter()  # (table, key) -> rounds observed
         self._until_explore = 0  # the first round looks at the whole tree
         self._explore_interval = explore_every
-        self._look = False  # this round grows and verifies the whole tree
+        self._look = False  # this round verifies everything it grew (the whole tree, or the chain alone)
+        # rounds until a look grows the whole tree again while chains win: growing and reading a wide tree costs
+        # the host more than its verify (measured: ~80 ms for 32 nodes of the demo pair), so a chain-winning
+        # generation looks at the chain alone and at the tree only every `max_explore_every` rounds
+        self._until_tree_look = 0
         self._trees = True  # the last decision was a tree: grow the whole tree (else the chain alone)
         self._grown = "tree"  # how this round was grown
         self._position = 0
@@ -120,7 +124,11 @@ class AutoTree:
         self._look = self._until_explore < 0
         if self._look:
             self._until_explore = self._explore_interval - 1
-        chain_only = not (self._look or self._trees) and depth is not None
+        self._until_tree_look -= 1
+        tree_look = self._look and (self._trees or self._until_tree_look < 0)
+        if tree_look:
+            self._until_tree_look = self.max_explore_every
+        chain_only = not (tree_look or self._trees) and depth is not None
         self._grown = "chain" if chain_only else "tree"
         return min(depth, self.cap) if chain_only else self.cap
 
@@ -164,7 +172,9 @@ class AutoTree:
         return best_tree if best_tree[2] > best_chain[2] * (1 + self.margin) else best_chain
 
     def observe(self, tree: Tree, *, verified: list[int], path: list[int], ms: float | None = None) -> None:
-        if ms is not None and self.healer is not None:  # a parked round is a plain step: it scales the verify times
+        if ms is not None and self.healer is not None and (not verified or self._grown == "chain"):
+            # a parked round is a plain step (it scales the verify times); a chain round's time is the curve's
+            # draft block and verify (a tree's growth beyond the chain is `overhead_ms`, not the draft block)
             self.healer.observe(proposed=len(verified), ms=ms)
         if not verified:
             return
