@@ -22,7 +22,9 @@ from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.engine.round.decode import Round, _check_cancel, _commit, prefill_cached
+from mlx_dspark.engine.round.decode import Round, _check_cancel, _commit, _parked_round, prefill_cached
+from mlx_dspark.engine.round.parked import parked_steps
+from mlx_dspark.engine.policy.draft_length import DraftLength
 from mlx_dspark.engine.logits.processing import LogitsProcessor
 from mlx_dspark.engine.options import PREFILL_STEP_SIZE
 from mlx_dspark.engine.prompt_cache import PromptCache
@@ -72,13 +74,29 @@ def tree_steps(
     emitted = 1
     _commit(processor, proposer, [anchor_id])
     yield Round(tokens=[anchor_id])
+    def depth_at(emitted: int) -> int:
+        return max_depth if max_tokens is None else max(0, min(max_depth, max_tokens - emitted - 1))
+
+    asked = None  # nodes for the next round when a parked run already asked the budget
     while True:
         _check_cancel(cancel)
         prompt_cache.claim(lease)
-        depth = max_depth if max_tokens is None else max(0, min(max_depth, max_tokens - emitted - 1))
+        depth = depth_at(emitted)
+        asked = budget.grow_nodes(position=position, depth=depth) if asked is None else asked
+        if asked == 0 and depth:  # parked: plain decoding's own pipelined steps until the budget drafts again
+            resume = yield from parked_steps(
+                target, proposer, anchor=anchor, anchor_id=anchor_id, position=position, emitted=emitted, cache=cache,
+                tap_ids=tap_ids, prompt_cache=prompt_cache, sampler=sampler, processor=processor,
+                draft_length=_ParkedBudget(budget, lambda p: depth_at(p - position + emitted)),
+                room=lambda e: depth_at(e), commit=lambda tokens: _commit(processor, proposer, tokens),
+                round_of=_parked_round, check_cancel=lambda: _check_cancel(cancel),
+            )  # fmt: skip
+            anchor, anchor_id, position, emitted, asked = (resume.anchor, resume.anchor_id, resume.position,
+                                                           resume.emitted, resume.length)  # fmt: skip
+            continue
         start = time.perf_counter()
         grown = Tree(tokens=[], parents=[], depths=[], path_probs=[])
-        nodes = min(num_nodes, budget.grow_nodes(position=position, depth=depth))
+        nodes, asked = min(num_nodes, asked), None
         if depth and nodes:  # the draft's top chain as deep as the round goes, then the best other nodes
             grown = grow_tree(proposer.tree_children(anchor, position=position, depth=depth), anchor, num_nodes=nodes, max_depth=depth)
         verified = budget.pick(grown, position=position) if grown.size else []
@@ -97,6 +115,16 @@ def tree_steps(
         prompt_cache.record([anchor_id, *committed[:-1]])  # the bonus, the new anchor, is not in the caches
         anchor_id = committed[-1]
         yield Round(tokens=committed, proposed=tree.size, accepted=accepted, verified=True, source="draft" if tree.size else None)
+
+
+class _ParkedBudget(DraftLength):
+    """A tree budget asked as a length policy by the parked steps: drafting again when it grows nodes."""
+
+    def __init__(self, budget: TreeBudget, depth_at: Any) -> None:
+        self.budget, self.depth_at, self.cap = budget, depth_at, 0
+
+    def next_length(self, *, position: int) -> int:
+        return self.budget.grow_nodes(position=position, depth=self.depth_at(position))
 
 
 def _verify(
