@@ -331,3 +331,43 @@ def test_a_tree_never_needs_more_target_forwards_than_the_chain_at_equal_depth_o
     tree, tree_forwards = _forwards(tree_steps(target, proposer(), PROMPT, num_nodes=nodes, max_depth=depth), limit)
     assert chain == tree == reference[:limit]
     assert tree_forwards <= chain_forwards, (tree_forwards, chain_forwards)
+
+
+class _ParksThenDrafts:
+    """A tree budget that parks in rounds [10, 60) of the positions after the prompt, else verifies 8 nodes."""
+
+    def __init__(self, prompt_len):
+        self.prompt_len, self.asked = prompt_len, []
+
+    def grow_nodes(self, *, position, depth=None):
+        self.asked.append(position)
+        return 0 if 10 <= position - self.prompt_len < 60 else 8
+
+    def pick(self, tree, *, position):
+        return list(range(1, tree.size + 1))
+
+    def observe(self, tree, *, verified, path, ms=None):
+        pass
+
+
+def test_a_parked_tree_budget_runs_plain_decodings_pipelined_steps_and_drafts_again(qwen3, monkeypatch):
+    """While the budget parks, tree rounds hand over to round/parked.parked_steps (the next forward queued
+    before the last is read), asking the budget before each token; the output stays plain decoding's."""
+    from mlx_dspark.engine.tree import rounds as tree_rounds
+
+    target, reference = qwen3
+    proposer = RankedProposer(reference, prompt_len=len(PROMPT), vocab_size=VOCAB, top1=0.6, top2=0.85)
+    calls = []
+    original = tree_rounds.parked_steps
+    monkeypatch.setattr(tree_rounds, "parked_steps", lambda *a, **k: (calls.append(k["position"]), (yield from original(*a, **k)))[1])
+    budget = _ParksThenDrafts(len(PROMPT))
+    tokens, drafted_after = [], 0
+    for step in tree_steps(target, proposer, PROMPT, num_nodes=8, max_depth=7, budget=budget, max_tokens=120):
+        tokens.extend(step.tokens)
+        drafted_after += step.proposed > 0 and len(tokens) > 60
+        if len(tokens) >= 120:  # the generator runs on (rounds of the anchor alone): the caller stops it
+            break
+    assert tokens == reference[: len(tokens)] and len(tokens) >= 120
+    assert len(calls) == 1  # one parked run, every parked position inside it
+    assert set(range(len(PROMPT) + 11, len(PROMPT) + 60)) <= set(budget.asked)  # asked before each parked token
+    assert drafted_after > 0  # it drafts again once the budget grows nodes
