@@ -37,7 +37,7 @@ from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.engine.costs.curve import _nondecreasing
 from mlx_dspark.models.caches.kv import trim_caches
 from mlx_dspark.models.packed.forward import packed_block_hidden, packed_target_forward
-from mlx_dspark.models.caches.rollback import restore_caches, snapshot_caches
+from mlx_dspark.models.caches.snapshot import restore_caches, snapshot_caches
 
 PROBE_LENGTH = 2  # a row the plan keeps parked drafts this many now and then, so its estimates stay current
 PROBE_EVERY, MAX_PROBE_EVERY = 8, 128  # rounds between probes; doubles while the probes do not pay

@@ -6,8 +6,8 @@ sequence (`tokens`: prompt, then each round's commits) and how many of them its 
 (`entries`). A proposal for the anchor at `position` first catches up: the tokens the draft has not read
 (the accepted drafts and the bonus of the last round, a parked run's tokens, a prompt) in one forward, the
 anchor last, whose logits predict the first draft. Then k - 1 chained steps feed each draft back. The caches
-are then taken back to the anchor (`models/heads/draft_lm.mark` / `rewind`: trim, or a hybrid's recurrent
-and rotating states restored), so only committed tokens ever stay: the rollback is exact for every cache kind,
+are then taken back to the anchor (models/caches/snapshot's `cache_states` / `restore_caches`: trim, or a
+hybrid's recurrent and rotating states restored), so only committed tokens ever stay: the rollback is exact for every cache kind,
 and the next round catches up on what was accepted. That costs k draft forwards per k drafts, as mlx-lm's
 own loop does (its first step feeds the bonus, or the last draft and the bonus).
 
@@ -32,7 +32,7 @@ from mlx_dspark.engine.options import PREFILL_STEP_SIZE
 from mlx_dspark.engine.proposers.base import CHAIN, Proposal, Proposer
 from mlx_dspark.engine.proposers.chain import draw_chain
 from mlx_dspark.engine.proposers.chain_context import ChainContext, common_prefix
-from mlx_dspark.models.heads.draft_lm import mark, rewind, trims_exactly
+from mlx_dspark.models.caches.snapshot import cache_states, restore_caches, trims_exactly
 
 DEFAULT_CHAIN = 6  # the most drafts per proposal; `auto` picks fewer from the measured chain curve
 COST_KIND = CHAIN
@@ -114,7 +114,7 @@ class LMProposer(Proposer):
         state = self.state
         assert len(state.tokens) > position, (len(state.tokens), position)
         first = self._catch_up(position + 1)
-        marked = mark(state.cache)
+        marked = cache_states(state.cache)
         cache = state.cache
 
         def step(tokens: mx.array, logits: mx.array, k: int) -> mx.array:
@@ -122,7 +122,7 @@ class LMProposer(Proposer):
 
         proposal = draw_chain(first, step=step, logits=lambda h, k: h, num_tokens=num_tokens, greedy=self.greedy,
                               temperature=self.temperature, logits_hook=logits_hook)  # fmt: skip
-        rewind(cache, marked)  # the chained steps were speculative: the caches hold 0 .. position again
+        restore_caches(cache, marked, copy=False)  # the chained steps were speculative: the caches hold 0 .. position again
         return proposal
 
     def _catch_up(self, end: int) -> mx.array:

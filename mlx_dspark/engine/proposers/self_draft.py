@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from mlx_dspark.engine.proposers.base import CHAIN, Proposal, Proposer
 from mlx_dspark.engine.proposers.chain import draw_chain
-from mlx_dspark.models.caches.rollback import layer_state, restore_layer
+from mlx_dspark.models.caches.snapshot import cache_states, restore_caches
 from mlx_dspark.models.heads.self_draft.model import exit_logits
 
 DEFAULT_TOKENS = 4  # drafts per proposal by default; `auto` chooses from the chain's measured cost
@@ -58,7 +58,7 @@ class SelfDraftProposer(Proposer):
         caches (`target_cache`) hold positions 0 .. position - 1 and hold them again afterwards."""
         if target_cache is None:
             raise ValueError("draft 'self' proposes over the target's own caches: pass target_cache=")
-        saved = [layer_state(c, copy=True) for c in target_cache]  # references, and copies of in-place buffers
+        saved = cache_states(target_cache)  # references, and copies of in-place buffers
 
         def step(tokens: mx.array, _: Any, k: int) -> mx.array:
             return exit_logits(self.target, tokens, target_cache, self.num_layers)  # (1, 1, V)
@@ -68,5 +68,4 @@ class SelfDraftProposer(Proposer):
             return draw_chain(first, step=step, logits=lambda logits, k: logits, num_tokens=num_tokens, greedy=self.greedy,
                               temperature=self.temperature, logits_hook=logits_hook)  # fmt: skip
         finally:
-            for cache, state in zip(target_cache, saved):
-                restore_layer(cache, state, copy=True)
+            restore_caches(target_cache, saved)

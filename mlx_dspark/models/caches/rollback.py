@@ -134,20 +134,6 @@ def restore_layer(cache: Any, saved: LayerState, *, copy: bool = False) -> None:
         cache.trim(cache.offset - saved.state)
 
 
-def snapshot_caches(caches: Sequence[Any]) -> list[LayerState] | None:
-    """Copies of every layer's state when some cache cannot trim a width-1 forward (a hybrid's), else None:
-    what a probe timing plain steps restores with `restore_caches` (a width-1 forward is never recorded)."""
-    if all(cache_kind(c) == TRIM for c in caches):
-        return None
-    return [layer_state(c, copy=True) for c in caches]
-
-
-def restore_caches(caches: Sequence[Any], saved: Sequence[LayerState]) -> None:
-    for cache, state in zip(caches, saved):
-        restore_layer(cache, state, copy=True)
-
-
-
 # -- rollback of the latest forward ----------------------------------------------------------------
 
 

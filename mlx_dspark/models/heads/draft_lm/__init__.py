@@ -4,10 +4,9 @@ model, llama.cpp's `-md`): mlx-lm's own model of the draft's config, over its ow
 What is ours is thin: `DraftLM` holds mlx-lm's model, gives its caches (`make_cache`: mlx-lm's own, each of
 a kind `models/caches/rollback` rolls back), and its logits over the target's vocabulary (a draft table
 padded or cut to the target's rows: a padded id is never drafted, a cut one is no token of the shared
-tokenizer). `mark` / `rewind` take the caches back to a position after speculative steps, exactly for every
-cache kind: trimmable KV caches move their offset, rotating windows and recurrent / conv states (a hybrid
-draft's GatedDeltaNet, Mamba, short conv) are restored from the state kept at the mark (references for
-states mlx-lm's layers replace, copies of rotating buffers, which a one-token step writes in place).
+tokenizer). Its caches go back after speculative steps with models/caches/snapshot's `cache_states` /
+`restore_caches`, exactly for every cache kind (trimmable KV caches move their offset; rotating windows and a
+hybrid draft's recurrent / conv states are restored from the state kept before the steps).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_dspark.models.caches.rollback import TRIM, LayerState, cache_kind, layer_state, restore_layer
+from mlx_dspark.models.caches.rollback import cache_kind
 
 
 class DraftLM(nn.Module):
@@ -47,19 +46,3 @@ class DraftLM(nn.Module):
             pad = mx.full((*logits.shape[:-1], self.vocab_size - own), -mx.inf, dtype=logits.dtype)
             return mx.concatenate([logits, pad], axis=-1)
         return logits
-
-
-def trims_exactly(caches: list[Any]) -> bool:
-    """Whether every cache goes back any number of positions by trimming (full attention KV caches only)."""
-    return all(cache_kind(c) == TRIM for c in caches)
-
-
-def mark(caches: list[Any]) -> list[LayerState]:
-    """The caches' state now, to `rewind` to after speculative steps (offsets for trimmable caches)."""
-    return [layer_state(c, copy=True) for c in caches]
-
-
-def rewind(caches: list[Any], marked: list[LayerState]) -> None:
-    """The caches back to `marked` (in place: the model reads these cache objects)."""
-    for cache, state in zip(caches, marked):
-        restore_layer(cache, state)
