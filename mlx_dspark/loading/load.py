@@ -27,7 +27,7 @@ from mlx_dspark.models.heads.dspark import draft_class
 from mlx_dspark.models.heads.dspark.model import SHARED_PREFIXES, DSparkDraft
 from mlx_dspark.models.heads.dspark.args import DraftArgs, canonical_names, is_draft_config, layer_family, with_tensor_fields
 from mlx_dspark.models.heads.dspark.packaging import BONUS_ANCHOR_ARCHITECTURES
-from mlx_dspark.loading.heads import FALLBACK as BLOCK_DRAFT, detect_head, file_heads, generic, head_loader, target_heads, target_weights
+from mlx_dspark.loading.heads import FALLBACK as BLOCK_DRAFT, declares, detect_head, file_heads, generic, head_loader, target_heads, target_weights
 from mlx_dspark.loading.pair import check_shared_tensors, check_zlab_block_embedding, validate_pair
 from mlx_dspark.loading.precision import (
     DRAFT_SOURCE_PRECISION,
@@ -66,7 +66,7 @@ def split_draft(draft: Any) -> tuple[list[Any], dict[str, Optional[str]]]:
         if name not in own or (colon and Path(entry).exists()):
             files.append(entry)
             continue
-        if colon and not getattr(head_loader(name), "TAKES_ARG", False):
+        if colon and not declares(name, "TAKES_ARG"):
             raise ValueError(f"draft: {entry!r}: {name!r} ({head_loader(name).DESCRIPTION}) takes no ':' argument; give {name!r}")
         wanted[name] = arg if colon else None
     return files, {name: wanted[name] for name in own if name in wanted}
@@ -334,7 +334,7 @@ def load(
             ids = read_ranked_ids(rank_file, size=draft_vocab, vocab_size=target_model.args.vocab_size)
             draft_model.vocabulary = DraftVocabulary(ids, target=target_model, markov_head=getattr(draft_model, "markov_head", None))
         mx.eval(draft_model.parameters())
-        heads = {BLOCK_DRAFT: draft_model, **heads}
+        heads[BLOCK_DRAFT] = draft_model
     heads = {name: heads[name] for name in HEADS if name in heads}  # registry order
     return LoadedModel(
         target=target_model, tokenizer=tokenizer, target_config=target_config, target_path=target_path, heads=heads,

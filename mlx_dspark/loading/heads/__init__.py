@@ -13,6 +13,10 @@ from types import ModuleType
 from mlx_dspark.models.heads import HEADS, head_module_name
 
 FALLBACK = "draft"  # a file no head detects is read as a block draft (whose loader says what is missing)
+# what a loader may declare, and its default where it does not
+FLAGS = {"FROM_TARGET": False, "TAKES_ARG": False, "GENERIC": False}
+# load() options that shape a block draft's taps and vocabulary and mean nothing to a head of another kind
+BLOCK_DRAFT_OPTIONS = ("draft_tap_ids", "draft_vocab", "draft_vocab_file")
 
 
 def head_loader(head: str) -> ModuleType:
@@ -20,14 +24,26 @@ def head_loader(head: str) -> ModuleType:
     return importlib.import_module(f"mlx_dspark.loading.heads.{head_module_name(head)}")
 
 
+def declares(head: str, flag: str) -> bool:
+    """A loader's flag (`FLAGS`: FROM_TARGET, TAKES_ARG, GENERIC), its default where the loader leaves it out."""
+    return bool(vars(head_loader(head)).get(flag, FLAGS[flag]))
+
+
+def refuse_block_options(options: dict, *, source: str, this: str) -> None:
+    """Refuse, in one line, a block draft's option (`BLOCK_DRAFT_OPTIONS`) given with a head that is `this`."""
+    for name in BLOCK_DRAFT_OPTIONS:
+        if options.get(name) is not None:
+            raise ValueError(f"{source}: {name} applies to DSpark drafts; this is {this}: drop it")
+
+
 def file_heads() -> list[str]:
     """The heads read from draft files of their own, in registry order."""
-    return [name for name in HEADS if not getattr(head_loader(name), "FROM_TARGET", False)]
+    return [name for name in HEADS if not declares(name, "FROM_TARGET")]
 
 
 def target_heads() -> list[str]:
     """The heads read from the target's own checkpoint (named in `draft=` by their name)."""
-    return [name for name in HEADS if getattr(head_loader(name), "FROM_TARGET", False)]
+    return [name for name in HEADS if declares(name, "FROM_TARGET")]
 
 
 def target_weights(config: dict, weights: dict) -> dict:
@@ -53,7 +69,7 @@ def draft_help() -> str:
 def generic(head: str) -> bool:
     """A head whose `detect` matches any model of a kind (`GENERIC = True`: a draft model, any causal LM): tried
     after the heads with keys of their own, and a target's config is never refused as one."""
-    return getattr(head_loader(head), "GENERIC", False)
+    return declares(head, "GENERIC")
 
 
 def detect_head(config: dict) -> str:

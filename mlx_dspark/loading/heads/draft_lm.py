@@ -17,14 +17,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dspark.loading.checkpoint import Checkpoint
+from mlx_dspark.loading.heads import refuse_block_options
 from mlx_dspark.loading.precision import quant_predicate
 from mlx_dspark.loading.tokenizer import TOKENIZER_FILES, load_tokenizer
 from mlx_dspark.loading.weights import fill_model
 from mlx_dspark.models.heads.draft_lm import DraftLM
 from mlx_dspark.models.target.mlx_lm import mlx_lm_classes
 
-# load() options that shape a DSpark draft and mean nothing to a draft model
-DSPARK_ONLY_OPTIONS = ("draft_tap_ids", "draft_vocab", "draft_vocab_file")
 # a config names a causal LM by its architecture (a multimodal wrapper of one, as Qwen3.5's, drafts its text)
 CAUSAL_ARCHITECTURES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
@@ -43,13 +42,6 @@ def detect(config: dict) -> bool:
     except ValueError:
         return False
     return True
-
-
-def check_options(options: dict[str, Any], *, source: str) -> None:
-    for name in DSPARK_ONLY_OPTIONS:
-        if options.get(name) is not None:
-            raise ValueError(f"{source}: {name} applies to DSpark drafts; this is a draft model (a causal LM reading "
-                             "tokens, over the whole vocabulary): drop it")  # fmt: skip
 
 
 def _tokenizer_file(directory: Path) -> Path:
@@ -74,7 +66,7 @@ def build(checkpoint: Checkpoint, *, target: nn.Module, target_source: str, dtyp
           options: dict[str, Any]) -> DraftLM:  # fmt: skip
     """The draft model (lazy weights), its tokenizer checked against the target's (`options["target_tokenizer"]`)."""
     config, config_source, path = checkpoint.config, checkpoint.config_source, Path(checkpoint.path)
-    check_options(options, source=config_source)
+    refuse_block_options(options, source=config_source, this="a draft model (a causal LM reading tokens, over the whole vocabulary)")
     target_tokenizer = options.get("target_tokenizer")
     if target_tokenizer is not None:
         draft_file, target_file = _tokenizer_file(path), _tokenizer_file(Path(target_source).parent)

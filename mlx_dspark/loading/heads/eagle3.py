@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dspark.loading.checkpoint import Checkpoint
+from mlx_dspark.loading.heads import refuse_block_options
 from mlx_dspark.loading.pair import check_shared_tensors
 from mlx_dspark.loading.weights import fill_model
 from mlx_dspark.models.heads.d2t import CHECKPOINT_NAME
@@ -26,16 +27,6 @@ from mlx_dspark.models.heads.eagle3.model import Eagle3Draft, canonical_name
 from mlx_dspark.models.heads.eagle3.args import Eagle3Args, default_aux_ids, is_eagle3_config
 
 EMBEDDING = "embed_tokens.weight"
-# load() options that shape a DSpark draft and mean nothing to an EAGLE-3 one
-DSPARK_ONLY_OPTIONS = ("draft_tap_ids", "draft_vocab", "draft_vocab_file")
-
-
-def check_options(options: dict[str, Any], *, source: str) -> None:
-    """Refuse, in one line, a DSpark-only load option given with an EAGLE-3 draft."""
-    for name in DSPARK_ONLY_OPTIONS:
-        if options.get(name) is not None:
-            raise ValueError(f"{source}: {name} applies to DSpark drafts; this is an EAGLE-3 draft (its taps are "
-                             "eagle_aux_hidden_state_layer_ids, its vocabulary its d2t): drop it")  # fmt: skip
 
 
 def check_pair(target_args: Any, args: Eagle3Args, *, target_source: str, draft_source: str) -> None:
@@ -110,7 +101,8 @@ def detect(config: dict) -> bool:
 
 def build(checkpoint: Checkpoint, *, target: nn.Module, target_source: str, dtype: Optional[mx.Dtype],
           options: dict[str, Any]) -> Eagle3Draft:  # fmt: skip
-    check_options(options, source=checkpoint.config_source)
+    refuse_block_options(options, source=checkpoint.config_source,
+                         this="an EAGLE-3 draft (its taps are eagle_aux_hidden_state_layer_ids, its vocabulary its d2t)")
     return build_eagle3(checkpoint, target=target, target_source=target_source, dtype=dtype)
 
 
