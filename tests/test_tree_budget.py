@@ -30,13 +30,31 @@ def marginal_tree(top1: float, top2: float) -> Tree:
     return grow_tree(lambda depth, parents, state: (logprobs, None), mx.array([0]), num_nodes=CAP, max_depth=DEPTH)
 
 
-def drive(policy: AutoTree, tree: Tree, right: np.ndarray, rounds: int, *, round_ms=None) -> None:
+class Clock:
+    """A stand-in for time.perf_counter that a drive advances by what each round took."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def drive(policy: AutoTree, tree: Tree, right: np.ndarray, rounds: int, *, round_ms=None, clock: Clock | None = None) -> None:
     """`rounds` rounds: the policy picks rows of `tree`; the target's token at each depth is right[round, depth].
-    `round_ms(verified)`: what a round of those rows took, told to the policy (parked rounds too); None: untimed."""
+    `round_ms(verified)`: what a round of those rows took, told to the policy and added to `clock` (parked rounds
+    too); None: untimed."""
     for r in range(rounds):
-        if policy.grow_nodes(position=0, depth=DEPTH) == 0:
-            if round_ms is not None:
-                policy.observe(tree, verified=[], path=[], ms=round_ms([]))
+        nodes = policy.grow_nodes(position=0, depth=DEPTH)
+        if clock is not None:
+            clock.now += (round_ms(tree.top_chain()[:nodes] if policy.chain_round else list(range(1, nodes + 1)))) / 1000
+        if nodes == 0:
+            policy.length_policy.observe(proposed=0, accepted=0)  # a parked step, as the parked steps tell it
+            continue
+        if policy.chain_round:  # the chain alone (the tree's top chain: its first rows)
+            chain = tree.top_chain()[:nodes]
+            accepted = next((k for k, row in enumerate(chain) if tree.tokens[row - 1] != right[r, k]), len(chain))
+            policy.observe_chain(proposed=len(chain), accepted=accepted, ms=None if round_ms is None else round_ms(chain))
             continue
         verified = policy.pick(tree, position=0)
         held, path, row = set(verified), [], 0
@@ -85,14 +103,27 @@ def test_an_uncertain_draft_with_a_cheap_wide_verify_picks_the_tree():
     assert sum(n for name, n in policy.choices.items() if name.startswith("chain")) <= 4, policy.choices
 
 
-def test_where_width_costs_as_much_as_it_brings_the_policy_parks_and_looks_again_less_often():
+def test_where_width_costs_as_much_as_it_brings_the_policy_parks_and_never_looks():
+    """verify(n) grows like n: not even a tree accepting every node could beat a plain step, so no look is spent."""
     curve = CostCurve(draft_ms=1.0, verify_ms=[1.0 + n for n in range(CAP + 1)])  # a forward of n costs ~n steps
     tree = marginal_tree(0.5, 0.4)
-    policy = AutoTree(curve, CAP, park_rounds=4)
+    policy = AutoTree(curve, CAP)
     drive(policy, tree, right_tokens(np.random.default_rng(2), 0.5, 0.4, 200), 200)
-    assert policy.choices["parked"] > 150, policy.choices
-    looks = sum(n for name, n in policy.choices.items() if name != "parked")
-    assert 2 <= looks <= 8  # the first round, then a look after each park, the parks doubling
+    assert policy.choices == {"parked": 200}, policy.choices
+
+
+def test_where_a_tree_could_pay_but_does_not_the_looks_come_less_often():
+    """A draft whose chain pays and whose siblings never hold the target's token, on a curve where width costs
+    something (a tree accepting every node would still pay): the looks find the chain better and back off (the
+    first round, then intervals doubling to `max_explore_every`)."""
+    curve = CostCurve(draft_ms=0.5, verify_ms=[1.0 + 0.1 * n for n in range(CAP + 1)])
+    tree = marginal_tree(0.6, 0.3)
+    policy = AutoTree(curve, CAP, depth=DEPTH)
+    right = right_tokens(np.random.default_rng(3), 0.7, 0.0, 300)  # the top token or none of the tree's
+    drive(policy, tree, right, 300)
+    assert 3 <= policy.choices["look"] <= 7, policy.choices  # 1, 9, 25, 57, 121, 185, 249 at most
+    assert not any(name.startswith("tree") for name in policy.choices), policy.choices
+    assert policy.choices[f"chain-{DEPTH}"] > 200, policy.choices
 
 
 def test_auto_tree_rounds_on_a_target_stay_plain_decoding_and_use_trees_where_width_is_cheap():
@@ -156,15 +187,20 @@ def test_bad_tree_nodes_give_one_error_line_naming_the_flag(tiny_qwen3_pair, ext
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
 
 
-def test_a_curve_measured_under_load_heals_from_the_rounds_times_and_the_policy_stops_parking():
+def test_a_curve_measured_under_load_heals_from_the_rounds_times_and_the_policy_stops_parking(monkeypatch):
     """A first-use curve whose draft block looked 40 plain steps dear parks `auto`; the rounds' own times (the
-    whole-tree look after each park, the parked plain steps) show a block of 0.2 ms, so the healed curve drafts."""
+    chain policy's probes, the parked plain steps) show a block of 0.2 ms, so the healed curve drafts."""
+    from mlx_dspark.engine.policy import draft_length
+
+    clock = Clock()
+    monkeypatch.setattr(draft_length, "time", clock)
     tree = marginal_tree(0.9, 0.05)
     curve = CostCurve(draft_ms=40.0, verify_ms=[1.0 + 0.02 * n for n in range(CAP + 1)])
-    healing, fixed = AutoTree(curve, CAP, heal=True), AutoTree(curve, CAP, heal=False)
+    healing, fixed = AutoTree(curve, CAP, depth=DEPTH, heal=True), AutoTree(curve, CAP, depth=DEPTH, heal=False)
     right = right_tokens(np.random.default_rng(0), 0.9, 0.05, 400)
     for policy in (healing, fixed):  # what a round really took: its verify, and a draft block of 0.2 ms
-        drive(policy, tree, right, 400, round_ms=lambda verified: curve.verify_ms[len(verified)] + (0.2 if verified else 0.0))
+        drive(policy, tree, right, 400, clock=clock,
+              round_ms=lambda verified: curve.verify_ms[len(verified)] + (0.2 if verified else 0.0))  # fmt: skip
     assert healing.curve.draft_ms < 1.0 and fixed.curve.draft_ms == 40.0
     assert healing.choices["parked"] < fixed.choices["parked"] / 4
     assert sum(n for name, n in healing.choices.items() if name.startswith(("chain", "tree"))) > 300

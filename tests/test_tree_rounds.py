@@ -18,6 +18,7 @@ from mlx_dspark.engine.round.request import make_steps
 from mlx_dspark.engine.tree.grow import Tree, grow_tree
 from mlx_dspark.engine.tree.accept import accept_tree_greedy
 from mlx_dspark.engine.tree.rounds import tree_steps
+from mlx_dspark.engine.tree.budget import TreeBudget
 from tests.engine_helpers import greedy_reference, make_draft, make_target
 
 PROMPT = [3, 14, 15, 9, 26, 5]
@@ -333,7 +334,7 @@ def test_a_tree_never_needs_more_target_forwards_than_the_chain_at_equal_depth_o
     assert tree_forwards <= chain_forwards, (tree_forwards, chain_forwards)
 
 
-class _ParksThenDrafts:
+class _ParksThenDrafts(TreeBudget):
     """A tree budget that parks in rounds [10, 60) of the positions after the prompt, else verifies 8 nodes."""
 
     def __init__(self, prompt_len):

@@ -47,6 +47,7 @@ class DraftLength:
 
     cap: int  # the most draft tokens any round of this generation may propose
     acceptance: list[float] | None = None  # per-position acceptance estimates, where the policy keeps them
+    curve: CostCurve | None = None  # the cost curve it chooses on (healed by the rounds), where it has one
 
     def next_length(self, *, position: int) -> int:
         """Draft tokens for the round whose anchor sits at `position` (0: no draft, a plain target step)."""

@@ -152,12 +152,15 @@ def _tree_rounds(
         say_chain_rounds(speculation.tree_nodes, reasons)
         return None
     if proposer is None:
-        proposer = DraftProposer(
-            model.draft, model.target, greedy=True, temperature=1.0,
+        proposer = DraftProposer(  # its chain rounds draft as the request samples (a tree's growth reads log-probabilities)
+            model.draft, model.target, greedy=options.sampling.greedy, temperature=options.sampling.temperature or 1.0,
             context=None if prompt_cache is None else prompt_cache.draft_context,
         )  # fmt: skip
     if speculation.tree_nodes == AUTO:
-        budget = AutoTree(speculation.cost_curve or cost_curve_for(model), MAX_TREE_NODES)
+        depth, curve = speculation.draft_length(int(proposer.block_size)), speculation.cost_curve or cost_curve_for(model)
+        # the chain rounds' own length policy (auto, or the fixed cap asked), with trees where they pay
+        chain = make_draft_length(speculation.max_draft_tokens, depth, curve)
+        budget = AutoTree(curve, MAX_TREE_NODES, depth=depth, chain=chain)
     else:
         budget = FixedTree(speculation.tree_nodes)
     return _flushed(proposer, tree_steps(

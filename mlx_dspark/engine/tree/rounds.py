@@ -22,13 +22,14 @@ from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from mlx_dspark.engine.round.decode import Round, _check_cancel, _commit, _parked_round, prefill_cached
+from mlx_dspark.engine.round.decode import Round, _check_cancel, _commit, _parked_round, prefill_cached, verify
 from mlx_dspark.engine.round.parked import parked_steps
 from mlx_dspark.engine.policy.draft_length import DraftLength
 from mlx_dspark.engine.logits.processing import LogitsProcessor
 from mlx_dspark.engine.options import PREFILL_STEP_SIZE
 from mlx_dspark.engine.prompt_cache import PromptCache
-from mlx_dspark.engine.proposers.base import Proposer
+from mlx_dspark.engine.proposers.base import Proposer, round_inputs
+from mlx_dspark.models.caches.kv import trim_caches
 from mlx_dspark.engine.logits.sample import Sampler
 from mlx_dspark.engine.tree.grow import Tree, grow_tree
 from mlx_dspark.engine.tree.accept import accept_tree_greedy, accept_tree_sampled
@@ -95,17 +96,26 @@ def tree_steps(
                                                            resume.emitted, resume.length)  # fmt: skip
             continue
         start = time.perf_counter()
-        grown = Tree(tokens=[], parents=[], depths=[], path_probs=[])
         nodes, asked = min(num_nodes, asked), None
-        if depth and nodes:  # the draft's top chain as deep as the round goes, then the best other nodes
-            grown = grow_tree(proposer.tree_children(anchor, position=position, depth=depth), anchor, num_nodes=nodes, max_depth=depth)
-        verified = budget.pick(grown, position=position) if grown.size else []
-        tree = grown.subtree(verified)
-        committed, rows, features = _verify(target, cache, tree, anchor_id, position, tap_ids, sampler)
-        ms = 1000 * (time.perf_counter() - start)  # to the round's host read: the draft, growth, verify
-        budget.observe(grown, verified=verified, path=[verified[row - 1] for row in rows[1:]], ms=ms)
-        accepted = len(committed) - 1
-        keep_path(cache, width=tree.size + 1, rows=rows[1:])
+        if budget.chain_round:  # the chain alone: the chain round's own propose and verify, no tree to grow or mask
+            committed, features = _chain_round(target, cache, proposer, anchor, position, nodes if depth else 0, tap_ids, sampler)
+            accepted = len(committed) - 1
+            budget.observe_chain(proposed=nodes if depth else 0, accepted=accepted, ms=1000 * (time.perf_counter() - start))
+            trim_caches(cache, (nodes if depth else 0) - accepted)
+            rows = list(range(accepted + 1))
+            proposed = nodes if depth else 0
+        else:
+            grown = Tree(tokens=[], parents=[], depths=[], path_probs=[])
+            if depth and nodes:  # the draft's top chain as deep as the round goes, then the best other nodes
+                grown = grow_tree(proposer.tree_children(anchor, position=position, depth=depth), anchor, num_nodes=nodes, max_depth=depth)
+            verified = budget.pick(grown, position=position) if grown.size else []
+            tree = grown.subtree(verified)
+            committed, rows, features = _verify(target, cache, tree, anchor_id, position, tap_ids, sampler)
+            ms = 1000 * (time.perf_counter() - start)  # to the round's host read: the draft, growth, verify
+            budget.observe(grown, verified=verified, path=[verified[row - 1] for row in rows[1:]], ms=ms)
+            accepted = len(committed) - 1
+            keep_path(cache, width=tree.size + 1, rows=rows[1:])
+            proposed = tree.size
         _commit(processor, proposer, committed)
         if features is not None:
             proposer.extend(features[:, mx.array(rows, dtype=mx.int32)])
@@ -114,17 +124,47 @@ def tree_steps(
         emitted += accepted + 1
         prompt_cache.record([anchor_id, *committed[:-1]])  # the bonus, the new anchor, is not in the caches
         anchor_id = committed[-1]
-        yield Round(tokens=committed, proposed=tree.size, accepted=accepted, verified=True, source="draft" if tree.size else None)
+        yield Round(tokens=committed, proposed=proposed, accepted=accepted, verified=True, source="draft" if proposed else None)
 
 
 class _ParkedBudget(DraftLength):
-    """A tree budget asked as a length policy by the parked steps: drafting again when it grows nodes."""
+    """A tree budget asked as a length policy by the parked steps: drafting again when it grows nodes; the
+    parked steps' times and counts go to the budget's own length policy (it times plain steps, probes)."""
 
     def __init__(self, budget: TreeBudget, depth_at: Any) -> None:
         self.budget, self.depth_at, self.cap = budget, depth_at, 0
+        self.inner = budget.length_policy or DraftLength()
 
     def next_length(self, *, position: int) -> int:
         return self.budget.grow_nodes(position=position, depth=self.depth_at(position))
+
+    def observe(self, *, proposed: int, accepted: int, confidence: Any = None) -> None:
+        self.inner.observe(proposed=proposed, accepted=accepted, confidence=confidence)
+
+    def restart_clock(self) -> None:
+        self.inner.restart_clock()
+
+    def untimed(self, ms: float) -> None:
+        self.inner.untimed(ms)
+
+
+def _chain_round(
+    target: Any, cache: Any, proposer: Proposer, anchor: mx.array, position: int, num_tokens: int,
+    tap_ids: tuple[int, ...], sampler: Sampler,
+) -> tuple[list[int], mx.array | None]:  # fmt: skip
+    """A chain round as decode.speculative_steps runs it: the proposer's block, one causal verify forward and
+    its acceptance (the round's one host read) -> (committed tokens, the forward's features (1, 1 + l, F) or
+    None); the caches still hold the rejected drafts."""
+    draft_tokens, draft_probs = mx.zeros((0,), mx.int32), None
+    if num_tokens:
+        proposal = proposer.propose(anchor, position=position, num_tokens=num_tokens, **round_inputs(proposer, target_cache=cache))
+        mx.async_eval(proposal.tokens)  # the draft on the device while the host builds the verify graph
+        draft_tokens = proposal.tokens[0, :num_tokens].astype(mx.int32)
+        draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[0, :num_tokens]
+    acceptance, features, _ = verify(target, cache, anchor, draft_tokens, draft_probs, tap_ids=tap_ids, sampler=sampler,
+                                     processor=LogitsProcessor.passthrough())  # fmt: skip
+    accepted = int(acceptance.accepted.item())
+    return acceptance.tokens[: accepted + 1].tolist(), features
 
 
 def _verify(
