@@ -2,12 +2,14 @@
 
     python scripts/bench_batch_chains.py /tmp/bench/scaled/target --draft /tmp/bench/scaled/eagle3
     python scripts/bench_batch_chains.py /tmp/bench/scaled/mtp-target --draft mtp
+    python scripts/bench_batch_chains.py /tmp/lmpair/target --draft /tmp/lmpair/draft  # a draft model (the lm head)
 
 n rows (n = 2, 4, 8), each with its own prompt (lengths 40 + 23 i: their drafter caches differ) prefilled
 through the target and its chained head's proposer, propose k drafts (greedy):
-- per row: each row's `ChainProposer.propose` (its k steps, as before; what a single request runs);
-- packed: `engine/batch_chain.propose_chains` over the n rows (one drafter forward and one head call per step).
-Both trim back to the committed entries, so every repeat sees the same caches. The two are interleaved per
+- per row: each row's own `propose` (its k steps, as before; what a single request runs);
+- packed: `engine/batch/chains.propose_chains` over the n rows (one drafter forward and one head call per step).
+Both go back to the committed entries, so every repeat sees the same caches (a draft model reads its prompt
+at its first proposal: the best of the repeats leaves that out). The two are interleaved per
 repeat and the fastest of --repeats is printed, with the drafts of both compared (they must be equal).
 """
 
@@ -55,7 +57,7 @@ def packed(rows, k: int) -> list[list[int]]:
     return [t[0].tolist() for t in made]
 
 
-def main(target: str, draft: str = typer.Option(..., help="a chained head: 'mtp' or an EAGLE-3 draft's path"),
+def main(target: str, draft: str = typer.Option(..., help="a chained head: 'mtp', an EAGLE-3 draft's or a draft model's path"),
          steps: str = "1,3,4", widths: str = "2,4,8", repeats: int = 7) -> None:
     pair = mlx_dspark.load(target, draft=draft)
     for n in (int(w) for w in widths.split(",")):

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 import mlx_dspark
 from mlx_dspark.engine.costs import probe as cost_probe
 from mlx_dspark.engine.costs.probe import measure_chain_curve, measure_cost_curve
-from mlx_dspark.engine.options import GenerationOptions, SpeculationOptions
+from mlx_dspark.engine.options import GenerationOptions, SamplingOptions, SpeculationOptions
 from mlx_dspark.engine.proposers.draft_lm import LMProposer
 from mlx_dspark.loading.heads import detect_head
 from mlx_dspark.models.heads.draft_lm import DraftLM
@@ -162,8 +162,23 @@ def test_sampled_draft_model_speculation_matches_the_exact_target_distribution()
 # -- batching, the prompt cache -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
-def test_batched_draft_model_rows_equal_their_solo_runs(pairs, family):
+def _count_draft_steps(monkeypatch) -> tuple[list[int], list[int]]:
+    """The rows of every packed draft-model step (`DraftLM.packed`: one forward for all of them), and of every
+    chained proposal a batch leaves to a row alone (engine/batch/propose.py's per-row path)."""
+    from mlx_dspark.engine.batch import propose as batch_propose
+
+    packed, alone = [], []
+    real_packed, real_chained = DraftLM.packed, batch_propose._chained
+    monkeypatch.setattr(DraftLM, "packed", lambda self, ids, caches: packed.append(len(caches)) or real_packed(self, ids, caches))
+    monkeypatch.setattr(batch_propose, "_chained", lambda row, *args: alone.append(1) or real_chained(row, *args))
+    return packed, alone
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_batched_draft_model_rows_equal_their_solo_runs_drafting_together(pairs, family, monkeypatch):
+    """Three rows of different prompt lengths and draft lengths, joining at different rounds: every chain step
+    after the first is one packed forward of the draft (each row over its own caches: plain KV, a hybrid's
+    recurrent states, wrapped sliding windows), and each row's tokens are its single request's."""
     from tests.batch_helpers import drive_batch
 
     target, _, partly = pairs[family]
@@ -174,11 +189,97 @@ def test_batched_draft_model_rows_equal_their_solo_runs(pairs, family):
         ([7, 7, 3, 11, 13] * 2, GenerationOptions(max_tokens=18, speculation=SpeculationOptions(max_draft_tokens=2))),
     ]
     solo = [mlx_dspark.generate(model, prompt, options=options).tokens for prompt, options in requests]
+    packed, alone = _count_draft_steps(monkeypatch)
     out, rows, widths = drive_batch(model, requests, joins=[0, 1, 0])
     assert max(widths) >= 3 and all(rows[i].chained for i in rows)
     assert any(0 < row.accepted < row.proposed for row in rows.values())
+    assert max(packed, default=0) == 3 and not alone, f"the rows' chain steps ran packed: {packed}, {len(alone)} rows alone"
     for i in range(len(requests)):
         assert out[i] == solo[i], f"request {i}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_seeded_sampled_draft_model_rows_equal_their_runs_alone(pairs, family, monkeypatch):
+    """Three seeded sampled rows (prompts and draft lengths of their own; the draft samples too, its q returned)
+    drafted together, each with keys of its own stream: each row's tokens are those it gives alone in the
+    batch (where it drafts by the same keys); another seed gives others."""
+    from tests.batch_helpers import drive_batch
+
+    target, _, partly = pairs[family]
+    model = mlx_dspark.load(str(target), draft=str(partly))
+
+    def sampled(seed, k, n):
+        return GenerationOptions(max_tokens=n, sampling=SamplingOptions(temperature=0.9, seed=seed),
+                                 speculation=SpeculationOptions(max_draft_tokens=k, draft_sampling="sample"))  # fmt: skip
+
+    requests = [(PROMPT, sampled(7, 3, 20)), (PROMPT[:5], sampled(8, 4, 16)), ([7, 7, 3, 11, 13] * 2, sampled(9, 2, 18))]
+    alone = [drive_batch(model, [request], joins=[0])[0][0] for request in requests]
+    packed, per_row = _count_draft_steps(monkeypatch)
+    out, rows, widths = drive_batch(model, requests, joins=[0, 1, 0])
+    assert max(widths) == 3 and max(packed, default=0) == 3 and not per_row, (packed, len(per_row))
+    assert any(0 < row.accepted < row.proposed for row in rows.values()), "sampled drafts, some accepted"
+    for i in range(len(requests)):
+        assert out[i] == alone[i], f"request {i}"
+    other = drive_batch(model, [(PROMPT, sampled(10, 3, 20))], joins=[0])[0][0]
+    assert other != alone[0], "another seed draws another sample"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_draft_model_chains_are_each_rows_own_and_drop_finished_rows(pairs, family, monkeypatch):
+    """Rows whose caches read 12, 3 and 20 tokens (a wrapped window, a hybrid's states), chains of 4, 1 and 4
+    drafts, a hook ending the third after two: each row drafts what its own proposal does (bitwise), a row
+    leaves the packed steps when its chain ends (2, 2 rows, then the first alone), and every row's caches are
+    back at its anchor, twice over."""
+    from types import SimpleNamespace
+
+    from mlx_dspark.engine.batch.chains import chains_packable, propose_chains
+
+    target, _, partly = pairs[family]
+    draft = mlx_dspark.load(str(target), draft=str(partly)).heads["lm"]
+    committed = [PROMPT + [5, 6, 70], PROMPT[:3], (PROMPT * 3)[:20]]
+    lengths = [4, 1, 4]
+    hooks = [None, None, lambda row, tokens: None if len(tokens) == 2 else row]
+    fresh = lambda c: LMProposer(draft, prompt=c, greedy=True, temperature=1.0)  # noqa: E731
+    rows = [SimpleNamespace(proposer=fresh(c), position=len(c) - 1) for c in committed]
+    assert chains_packable(rows)
+    steps: list[int] = []
+    real_step = LMProposer.chain_step
+    monkeypatch.setattr(LMProposer, "chain_step", lambda self, rows, *a: steps.append(len(rows)) or real_step(self, rows, *a))
+    for _ in range(2):
+        steps.clear()
+        together = propose_chains(rows, lengths, hooks)
+        assert steps == [2, 2, 1], steps
+        for i, c in enumerate(committed):
+            own = fresh(c).propose(mx.array([c[-1]]), position=len(c) - 1, num_tokens=lengths[i], logits_hook=hooks[i])
+            assert together[i].tokens.shape == (1, 2 if i == 2 else lengths[i])
+            assert mx.array_equal(together[i].tokens, own.tokens).item(), i
+            assert mx.array_equal(together[i].token_probs, own.token_probs).item(), i
+            assert rows[i].proposer.state.entries == len(c) and rows[i].proposer.marked is None
+
+
+def test_a_draft_model_whose_packed_step_fails_its_probe_drafts_per_row(pairs, monkeypatch):
+    """A draft whose forward reads its cache's offset as an int outside its attention cannot take packed steps:
+    its probe says why in one line, and each row drafts by itself, as before, its tokens its single request's."""
+    from tests.batch_helpers import drive_batch
+
+    target, _, partly = pairs["llama"]
+    model = mlx_dspark.load(str(target), draft=str(partly))
+    inner = model.heads["lm"].model
+
+    class IntOffset(type(inner)):
+        def __call__(self, inputs, cache=None, **kwargs):
+            out = super().__call__(inputs, cache=cache, **kwargs)
+            return out + 0 * int(cache[0].offset) if cache else out
+
+    inner.__class__ = IntOffset
+    problem = model.heads["lm"].packing_problem()
+    assert problem.startswith("the draft model (model_type 'llama') fails in a packed step (ValueError: ") and "\n" not in problem
+    requests = [(p, GenerationOptions(max_tokens=12, speculation=SpeculationOptions(max_draft_tokens=3))) for p in (PROMPT, PROMPT[:4])]
+    packed, alone = _count_draft_steps(monkeypatch)
+    out, _, widths = drive_batch(model, requests, joins=[0, 0])
+    assert widths[0] == 2 and not packed and alone, "each row drafted alone"
+    for i, (prompt, options) in enumerate(requests):
+        assert out[i] == mlx_dspark.generate(model, prompt, options=options).tokens, i
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])

@@ -3,9 +3,9 @@
 A block draft's rows (DSpark, DFlash, DFlash 2) share one packed draft block forward
 (`models/packed.packed_block_hidden`); their heads run together for the greedy rows without a logits hook,
 per row otherwise. A chained head's rows each keep their own
-drafter cache; their chain steps run as one packed drafter forward per step (engine/batch/chains.py), or,
-where the drafter's packed step fails its probe, each row runs its own k steps as a single request does
-(engine/proposers/chain.py). A row's proposer may then `revise` what it proposed (a benchmark's controlled
+drafter cache; their chain steps run as one packed drafter forward per step (engine/batch/chains.py: the MTP
+layers, an EAGLE-3 draft, a draft model), or, where the head packs no chains (a Gemma 4 assistant) or the
+drafter's packed step fails its probe, each row runs its own k steps as a single request does. A row's proposer may then `revise` what it proposed (a benchmark's controlled
 acceptance).
 """
 
@@ -30,8 +30,8 @@ def _row_proposal(proposal: Proposal, i: int) -> Proposal:
 
 def propose_rows(model: Any, rows: list[Any], lengths: list[int]) -> list[Proposal]:
     """The drafting rows' proposals: a chained head's rows together, one packed drafter forward per chain
-    step (engine/batch/chains.py), or each from its own proposer (`_chained`) where the drafter's packed
-    step fails its probe; the block draft's rows from one packed draft block forward (`_blocks`). Then a
+    step (engine/batch/chains.py), or each from its own proposer (`_chained`) where the head packs no chains
+    or the drafter's packed step fails its probe; the block draft's rows from one packed draft block forward (`_blocks`). Then a
     proposer's own `revise`."""
     hooks = [r.processor.draft_hook() for r in rows]
     proposals: list[Proposal | None] = [None] * len(rows)

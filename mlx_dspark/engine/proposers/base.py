@@ -12,7 +12,8 @@ a declaration instead of probing for attributes. A head overrides what it does d
   prompt cache holds), `resumable` (that state is a prompt cache's);
 - its cost: `cost_kind` ("block": one draft forward per proposal; "chain": one forward per draft token);
 - its abilities: `grows_trees` (`tree_children`), `takes_room` / `wants_round` (a proposer that sizes its own
-  blocks), `round_estimate`.
+  blocks), `round_estimate`, `packs_chains` (a batch runs its rows' chain steps as one packed forward each:
+  `chain_packing_problem`, `begin_chain`, `chain_step`, `chain_logits`, `end_chain`; engine/batch/chains.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Proposer:
     context: Any = None  # a block draft's context cache (a prompt cache holds it)
     chains: tuple = ()  # chain_context.ChainContexts it drafts over (a prompt cache holds them)
     grammar: Any = None  # a forced-run grammar the proposer reads (proposal_choice.Chooser)
+    packs_chains: bool = False  # a batch drafts its rows' chains together through the `chain_*` methods below
 
     def extend(self, features: mx.array) -> None:
         """Take the target features (1, n, F) of the next n committed positions."""
@@ -80,6 +82,32 @@ class Proposer:
 
     def tree_children(self, anchor: mx.array, *, position: int, depth: int) -> Any:
         raise NotImplementedError(f"{type(self).__name__} grows no trees")
+
+    # A chained head whose batched rows draft together (`packs_chains`): engine/batch/chains.py starts each
+    # row's chain alone, runs every step k as ONE packed drafter forward for the rows still drafting and one
+    # head call, then ends each row's chain.
+
+    def chain_packing_problem(self) -> str | None:
+        """Why this head's rows cannot take their chain steps packed (its drafter's probe, run once), or None."""
+        return f"{type(self).__name__} drafts each row by itself"
+
+    def begin_chain(self, *, position: int) -> mx.array:
+        """Start this row's chain, alone: what its state has not read yet read (waiting entries, unread
+        tokens); the output (1, 1, C) that predicts the first draft after the anchor at `position`."""
+        raise NotImplementedError(f"{type(self).__name__} packs no chains")
+
+    def chain_step(self, rows: Sequence["Proposer"], tokens: mx.array, outputs: mx.array, k: int) -> mx.array:
+        """Chain step k of `rows` (this head's proposers, each over its own state) as one forward: the drafts
+        just taken (b, 1), the previous outputs (b, 1, C) -> the next (b, 1, C)."""
+        raise NotImplementedError(f"{type(self).__name__} packs no chains")
+
+    def chain_logits(self, outputs: mx.array, k: int) -> mx.array:
+        """Step k's outputs (b, 1, C) -> logits over the target's vocabulary (b, 1, V)."""
+        raise NotImplementedError(f"{type(self).__name__} packs no chains")
+
+    def end_chain(self) -> None:
+        """This row's state back to its committed entries (the chained ones were speculative)."""
+        raise NotImplementedError(f"{type(self).__name__} packs no chains")
 
 
 def round_inputs(proposer: Proposer, *, logits_hook: Callable | None = None, target_cache: Any = None) -> dict:

@@ -17,24 +17,30 @@ drafting is argmax (one-hot). A subclass gives `tap_ids`, `_entries`, `_step` an
 The state (the drafter's cache, the entries, the committed tokens, the waiting features) is a
 chain_context.ChainContext: the proposer's own, or a prompt cache's (`context=prompt_cache.chain_context(name,
 make_cache)`), which the prompt cache's `resume` rewinds to the prompt's reusable prefix (`resumable`).
+A batch packs its rows' chain steps (`packs_chains`: `begin_chain` flushes, `chain_step` runs the drafter's
+step for all rows at once, models/packed/chain.py, where `chain_packing_problem`'s probe passes).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
 from mlx_dspark.engine.proposers.chain_context import ChainContext
 from mlx_dspark.engine.proposers.base import CHAIN, Proposal, Proposer
 from mlx_dspark.engine.proposers.dspark import PENDING_LIMIT
+from mlx_dspark.models.packed import chain as packed_chain
 
 
 class ChainProposer(Proposer):
     cost_kind = CHAIN
     takes_logits_hook = True
     resumable = True  # its state is its ChainContext: a prompt cache's when built over one
+    packs_chains = True
     tap_ids: tuple[int, ...]
+    module: Any  # the drafter a batch's packed chain step runs (models/packed/chain.py), with its `make_cache`
+    target: Any
 
     def __init__(self, *, prompt: Sequence[int], greedy: bool, temperature: float, block_size: int, what: str,
                  make_cache: Callable[[], list], context: ChainContext | None = None) -> None:  # fmt: skip
@@ -107,13 +113,40 @@ class ChainProposer(Proposer):
 
     def propose(self, anchor: mx.array, *, position: int, num_tokens: int, logits_hook: Callable | None = None) -> Proposal:
         """Up to `num_tokens` chained drafts for positions position+1 ..; anchor (1,) sits at `position`."""
-        self.flush()
-        assert self.entries == position and self.chain.last is not None, (self.entries, position)
-        proposal = draw_chain(self.chain.last, step=lambda tokens, h, k: self._step(tokens, h, step=k),
+        first = self.begin_chain(position=position)
+        proposal = draw_chain(first, step=lambda tokens, h, k: self._step(tokens, h, step=k),
                               logits=lambda h, k: self._logits(h, step=k), num_tokens=num_tokens, greedy=self.greedy,
                               temperature=self.temperature, logits_hook=logits_hook)  # fmt: skip
-        self.chain.drop_speculative()  # the graph keeps the chained entries' values
+        self.end_chain()
         return proposal
+
+    def begin_chain(self, *, position: int) -> mx.array:
+        self.flush()
+        assert self.entries == position and self.chain.last is not None, (self.entries, position)
+        return self.chain.last
+
+    def end_chain(self) -> None:
+        self.chain.drop_speculative()  # the graph keeps the chained entries' values
+
+    def chain_packing_problem(self) -> str | None:
+        self.flush()
+        if self.chain.last is None:
+            return "no committed entry yet"
+        return packed_chain.chain_packing_problem(
+            self.module, lambda ids, hidden, caches: self._step(ids, hidden, step=1, cache=caches),
+            width=self.chain.last.shape[-1], vocab=self.target.args.vocab_size, make_cache=self.module.make_cache,
+        )  # fmt: skip
+
+    def chain_step(self, rows: Sequence[Proposer], tokens: mx.array, outputs: mx.array, k: int) -> mx.array:
+        if len(rows) == 1:
+            return rows[0]._step(tokens, outputs, step=k)
+        return packed_chain.packed_chain_step(
+            self.module, lambda caches: self._step(tokens, outputs, step=k, cache=caches), [p.cache for p in rows],
+            make_cache=self.module.make_cache,
+        )  # fmt: skip
+
+    def chain_logits(self, outputs: mx.array, k: int) -> mx.array:
+        return self._logits(outputs, step=k)
 
 
 def draw_chain(first: mx.array, *, step: Callable, logits: Callable, num_tokens: int, greedy: bool, temperature: float,

@@ -11,6 +11,11 @@ hybrid's recurrent and rotating states restored), so only committed tokens ever 
 and the next round catches up on what was accepted. That costs k draft forwards per k drafts, as mlx-lm's
 own loop does (its first step feeds the bonus, or the last draft and the bonus).
 
+A batch's rows draft together (`packs_chains`): each row catches up alone (`begin_chain`: its own count of
+unread tokens), then every chain step is one forward of the draft for the rows still drafting
+(`DraftLM.packed`: mlx-lm's model over (b, 1) with each row's attention over its own caches), where the
+draft's probe passes (`chain_packing_problem`); each row's caches then go back to its anchor (`end_chain`).
+
 Greedy drafting is argmax; sampled drafting draws from softmax(logits / T), the draft's own distribution q,
 returned as `draft_probs`, so the round's residual acceptance (engine/round/accept.py) stays lossless.
 
@@ -86,6 +91,7 @@ class LMProposer(Proposer):
     cost_kind = CHAIN
     takes_logits_hook = True
     resumable = True  # its state is its LMContext: a prompt cache's when built over one
+    packs_chains = True
     tap_ids = ()
 
     def __init__(self, draft: Any, *, prompt: Sequence[int], greedy: bool, temperature: float, block_size: int = DEFAULT_CHAIN,
@@ -97,6 +103,7 @@ class LMProposer(Proposer):
         self.state = LMContext(draft.make_cache, prompt) if context is None else context
         self.step_size = step_size
         self.catch_up_ms = 0.0
+        self.marked: list | None = None  # the caches' states at the anchor while a chain runs
 
     @property
     def chains(self) -> tuple[LMContext, ...]:
@@ -111,19 +118,36 @@ class LMProposer(Proposer):
 
     def propose(self, anchor: mx.array, *, position: int, num_tokens: int, logits_hook: Callable | None = None) -> Proposal:
         """Up to `num_tokens` drafts for positions position+1 ..; anchor (1,) sits at `position`."""
+        first = self.begin_chain(position=position)
+        proposal = draw_chain(first, step=lambda tokens, logits, k: self.chain_step([self], tokens, logits, k),
+                              logits=self.chain_logits, num_tokens=num_tokens, greedy=self.greedy,
+                              temperature=self.temperature, logits_hook=logits_hook)  # fmt: skip
+        self.end_chain()
+        return proposal
+
+    def begin_chain(self, *, position: int) -> mx.array:
+        """The caches read the committed tokens up to the anchor at `position` (marked there); its logits (1, 1, V)."""
         state = self.state
         assert len(state.tokens) > position, (len(state.tokens), position)
         first = self._catch_up(position + 1)
-        marked = cache_states(state.cache)
-        cache = state.cache
+        self.marked = cache_states(state.cache)
+        return first
 
-        def step(tokens: mx.array, logits: mx.array, k: int) -> mx.array:
-            return self.draft(tokens, cache)[:, -1:]
+    def end_chain(self) -> None:
+        restore_caches(self.state.cache, self.marked, copy=False)  # the chained steps were speculative: back to the anchor
+        self.marked = None
 
-        proposal = draw_chain(first, step=step, logits=lambda h, k: h, num_tokens=num_tokens, greedy=self.greedy,
-                              temperature=self.temperature, logits_hook=logits_hook)  # fmt: skip
-        restore_caches(cache, marked, copy=False)  # the chained steps were speculative: the caches hold 0 .. position again
-        return proposal
+    def chain_packing_problem(self) -> str | None:
+        return self.draft.packing_problem()
+
+    def chain_step(self, rows: Sequence[Proposer], tokens: mx.array, outputs: mx.array, k: int) -> mx.array:
+        """The logits (b, 1, V) after the drafts just taken (b, 1), each row over its own caches."""
+        if len(rows) == 1:
+            return self.draft(tokens, rows[0].state.cache)[:, -1:]
+        return self.draft.packed(tokens, [r.state.cache for r in rows])
+
+    def chain_logits(self, outputs: mx.array, k: int) -> mx.array:
+        return outputs  # a draft model's outputs are its logits
 
     def _catch_up(self, end: int) -> mx.array:
         """The caches read tokens[:end]; returns the logits (1, 1, V) after the last. What a round adds (its

@@ -35,12 +35,16 @@ modules (every sub-module that takes a cache) run per sequence the same way ("at
 call of the sequence's own forward, so bitwise; the projections, MLPs and head stay packed). A family that
 still fails (an `int` offset read outside the layers) is refused with its model_type and both reasons named,
 never approximated.
+
+`packed_views` is that set-up for any mlx-lm model: a draft model's chain steps use it too
+(models/packed/lm_steps.py), with the same split modes (`choose_split_mode`) probed on the draft.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -151,11 +155,11 @@ def _dispatcher(original: Callable) -> Callable:
 _CURRENT: list[_Forward] = []  # the packed forwards running now (keys are matched by identity)
 
 
-def install_dispatch(target: MLXLMTarget) -> list[str]:
-    """Route the attention calls of every module the target's layers come from through the dispatcher
+def install_dispatch(model: Any) -> list[str]:
+    """Route the attention calls of every module the model's layers come from through the dispatcher
     (once per module; other callers of the module see the original). Returns the modules' names; empty when
     no module of its layers calls mlx-lm's `scaled_dot_product_attention` by that name."""
-    names = sorted({type(m).__module__ for layer in target.layers for _, m in layer.named_modules()})
+    names = sorted({type(m).__module__ for layer in model.layers for _, m in layer.named_modules()})
     patched = []
     for name in names:
         module = sys.modules.get(name)
@@ -246,6 +250,8 @@ class _PerSequence:
             return out
         out = per_sequence(self._layer, args, kwargs, view, f"layer {self._index}")
         capture = self._capture  # the per-sequence calls recorded per-sequence taps: the packed ones instead
+        if capture is None:
+            return out
         if self._index == 0 and -1 in capture.tap_ids:
             capture.taps[-1] = args[0]
         if self._index in capture.tap_ids:
@@ -275,6 +281,38 @@ def _begin_recording(caches: Any, width: int) -> None:
             caches.record(None, (hidden,), {"cache": caches[i]})
 
 
+@contextmanager
+def packed_views(model: Any, caches: Sequence[list], lengths: Sequence[int], *, name: str,
+                 capture: Any = None) -> Iterator[list[PackedView]]:  # fmt: skip
+    """Within it, mlx-lm's own `model(inputs (T, 1), cache=views)` is one packed forward: sequence i's
+    `lengths[i]` rows over its own cache list `caches[i]` (the views, the attention dispatch, and the layer
+    stand-ins of the split mode the model's probe chose). `name` says which model in an error; `capture`: a
+    target's (the taps of layers run per sequence are recorded packed)."""
+    offsets = [_first_offset(c) for c in caches]
+    row_positions = mx.array([o + j for o, n in zip(offsets, lengths) for j in range(n)], dtype=mx.int32)
+    forward = _Forward()
+    views = [PackedView([c[i] for c in caches], lengths, row_positions, forward, caches) for i in range(len(caches[0]))]
+    if not getattr(model, "_dspark_packed_dispatch", None):
+        object.__setattr__(model, "_dspark_packed_dispatch", install_dispatch(model))
+    mode = getattr(model, "_dspark_split_mode", "module")
+    if not model._dspark_packed_dispatch and mode != "attention" and not all(view.recurrent for view in views):
+        raise ValueError(
+            f"{name}: its attention does not call mlx-lm's scaled_dot_product_attention, the call a packed forward splits per sequence"
+        )
+    for c, n in zip(caches, lengths):
+        _begin_recording(c, n)
+    owner = layer_owner(model)
+    layers = owner["layers"]
+    if mode == "attention" or any(view.recurrent for view in views):
+        owner["layers"] = [_PerSequence(layer, i, capture, mode) for i, layer in enumerate(layers)]
+    _CURRENT.append(forward)  # list.append / remove: atomic under the GIL
+    try:
+        yield views
+    finally:
+        _CURRENT.remove(forward)
+        owner["layers"] = layers
+
+
 def packed_mlx_lm_forward(
     target: MLXLMTarget,
     tokens: mx.array,
@@ -287,33 +325,13 @@ def packed_mlx_lm_forward(
     """models/packed.packed_target_forward for an mlx-lm target (same arguments and results)."""
     total = sum(lengths)
     tap_ids = check_tap_ids(tap_ids, target.args.num_hidden_layers, final=True)  # FINAL_TAP: a head reading the final state
-    offsets = [_first_offset(c) for c in caches]
-    row_positions = mx.array([o + j for o, n in zip(offsets, lengths) for j in range(n)], dtype=mx.int32)
-    forward = _Forward()
-    views = [PackedView([c[i] for c in caches], lengths, row_positions, forward, caches) for i in range(len(caches[0]))]
-    if not getattr(target, "_dspark_packed_dispatch", None):
-        object.__setattr__(target, "_dspark_packed_dispatch", install_dispatch(target))
-    mode = getattr(target, "_dspark_split_mode", "module")
-    if not target._dspark_packed_dispatch and mode != "attention" and not all(view.recurrent for view in views):
-        raise ValueError(
-            f"model_type {target.mlx_lm_model_type!r}: its attention does not call mlx-lm's scaled_dot_product_attention, "
-            "the call a packed forward splits per sequence"
-        )
-    for c, n in zip(caches, lengths):
-        _begin_recording(c, n)
     capture = target._capture
     capture.start("forward", tap_ids=tap_ids)
-    owner = layer_owner(target)
-    layers = owner["layers"]
-    if mode == "attention" or any(view.recurrent for view in views):
-        owner["layers"] = [_PerSequence(layer, i, capture, mode) for i, layer in enumerate(layers)]
-    _CURRENT.append(forward)  # list.append / remove: atomic under the GIL
     try:
-        super(MLXLMTarget, target).__call__(tokens.reshape(total, 1), cache=views)  # its logits: never evaluated
+        with packed_views(target, caches, lengths, name=f"model_type {target.mlx_lm_model_type!r}", capture=capture) as views:
+            super(MLXLMTarget, target).__call__(tokens.reshape(total, 1), cache=views)  # its logits: never evaluated
         final, taps, bad = capture.final, dict(capture.taps), capture.bad_output
     finally:
-        _CURRENT.remove(forward)
-        owner["layers"] = layers
         capture.start("off")
     if bad or final is None:
         raise ValueError(f"model_type {target.mlx_lm_model_type!r}: the packed forward was not recorded ({bad})")
@@ -340,18 +358,26 @@ def target_packing_problem(target: MLXLMTarget) -> Optional[str]:
     known = getattr(target, "_dspark_packing_problem", False)
     if known is not False:
         return known
-    object.__setattr__(target, "_dspark_split_mode", "module")
-    problem = probe_packing(target)
-    if problem is not None and any(cache_kind(c) == REPLAY for c in target.make_cache()):
-        object.__setattr__(target, "_dspark_split_mode", "layer")  # whole recurrent layers per sequence
-        problem = probe_packing(target)
-    if problem is not None:
-        object.__setattr__(target, "_dspark_split_mode", "attention")  # every cache-taking sub-module per sequence
-        split = probe_packing(target)
-        problem = None if split is None else f"{problem}; with its attention per sequence it {split}"
+    problem = choose_split_mode(target, lambda: probe_packing(target), target.make_cache)
     if problem is not None:
         problem = f"the target (model_type {target.mlx_lm_model_type!r}) {problem}"
     object.__setattr__(target, "_dspark_packing_problem", problem)
+    return problem
+
+
+def choose_split_mode(model: Any, probe: Callable[[], Optional[str]], make_cache: Callable[[], Any]) -> Optional[str]:
+    """The first split mode under which `probe()` passes, kept on the model: "module" (only the sub-module
+    that takes a recurrent cache per sequence), "layer" (whole recurrent layers), "attention" (every
+    cache-taking sub-module). None, or what failed (the first mode's and the attention mode's reasons)."""
+    object.__setattr__(model, "_dspark_split_mode", "module")
+    problem = probe()
+    if problem is not None and any(cache_kind(c) == REPLAY for c in make_cache()):
+        object.__setattr__(model, "_dspark_split_mode", "layer")  # whole recurrent layers per sequence
+        problem = probe()
+    if problem is not None:
+        object.__setattr__(model, "_dspark_split_mode", "attention")  # every cache-taking sub-module per sequence
+        split = probe()
+        problem = None if split is None else f"{problem}; with its attention per sequence it {split}"
     return problem
 
 

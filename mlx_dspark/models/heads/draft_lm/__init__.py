@@ -6,18 +6,20 @@ a kind `models/caches/rollback` rolls back), and its logits over the target's vo
 padded or cut to the target's rows: a padded id is never drafted, a cut one is no token of the shared
 tokenizer). Its caches go back after speculative steps with models/caches/snapshot's `cache_states` /
 `restore_caches`, exactly for every cache kind (trimmable KV caches move their offset; rotating windows and a
-hybrid draft's recurrent / conv states are restored from the state kept before the steps).
+hybrid draft's recurrent / conv states are restored from the state kept before the steps). A batch's rows
+take their chain steps together (`packed`: models/packed/lm_steps.py) where its probe passes (`packing_problem`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_dspark.models.caches.rollback import cache_kind
+from mlx_dspark.models.packed.lm_steps import packed_steps, steps_packing_problem
 
 
 class DraftLM(nn.Module):
@@ -46,3 +48,17 @@ class DraftLM(nn.Module):
             pad = mx.full((*logits.shape[:-1], self.vocab_size - own), -mx.inf, dtype=logits.dtype)
             return mx.concatenate([logits, pad], axis=-1)
         return logits
+
+    def packed(self, ids: mx.array, caches: Sequence[list]) -> mx.array:
+        """Logits (b, 1, V) of one token per sequence, ids (b, 1), sequence i after its own caches `caches[i]`:
+        one forward of mlx-lm's model for the b rows (models/packed/lm_steps.py)."""
+        return packed_steps(self.model, lambda views: self(ids, views), caches, name=self._name)
+
+    def packing_problem(self) -> Optional[str]:
+        """Why `packed` cannot stand for the rows' own steps (its probe, run once per model), or None."""
+        return steps_packing_problem(self.model, lambda ids, caches: self.model(ids, cache=caches),
+                                     make_cache=self.make_cache, vocab=self.vocab_size, name=self._name)  # fmt: skip
+
+    @property
+    def _name(self) -> str:
+        return f"the draft model (model_type {self.model_type!r})"
