@@ -279,11 +279,16 @@ def test_missing_unexpected_and_reduced_vocabulary_tensors_are_named(tiny_spark_
     _one_line(e)
 
 
-def test_role_mismatch_and_bad_options(tiny_qwen3_pair, tmp_path):
+def test_role_mismatch_and_bad_options(tiny_qwen3_pair, tiny_spark_target, tmp_path):
     target, draft = tiny_qwen3_pair
     path = write_gguf_target(target, tmp_path / "t.gguf")
+    # a qwen3 language model given as the draft is a draft model (tests/test_gguf_draft_lm.py), a spark2_5 one a target
+    assert read_gguf(path, role="draft").config["architectures"] == ["Qwen3ForCausalLM"]
+    spark = write_gguf_target(tiny_spark_target, tmp_path / "s.gguf")
     with pytest.raises(ValueError, match="is a target .*given as the draft"):
-        read_gguf(path, role="draft")
+        read_gguf(spark, role="draft")
+    with pytest.raises(ValueError, match="is a draft .*given as the target"):
+        read_gguf(write_gguf_draft(draft, tmp_path / "d.gguf", target_path=target), role="target")
     with pytest.raises(ValueError, match="kquant 'int4' is not one of"):
         read_gguf(path, kquant="int4")
 

@@ -253,7 +253,7 @@ def test_gguf_target_without_any_tokenizer_names_the_fix(tiny_qwen3_target, tmp_
 
 
 def _unknown_architecture(path: Path) -> Path:
-    w = GGUFWriter(path, "llama")
+    w = GGUFWriter(path, "gemma3")  # a language model we read from GGUF neither as a target nor as a draft model
     w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return path
@@ -290,7 +290,9 @@ def _bad_draft(case: str, target: Path, draft: Path, tmp: Path) -> Path:
 
 BAD_DRAFTS = {
     "truncated": "truncated",
-    "architecture": "GGUF architecture 'llama' is not supported; expected a DSpark draft (dflash, dspark)",
+    "architecture": "GGUF architecture 'gemma3' is neither a DSpark draft (dflash, dspark) nor a language model we read from "
+                    "GGUF as a draft model (llama, qwen2, qwen3); for a language model, pass the model's Hugging Face id, or a "
+                    "folder mlx_lm.convert made from it, as --draft",
     "missing": "missing tensor(s) ['blk.1.ffn_up.weight']",
     "unexpected": "unexpected tensor(s) ['blk.0.attn_gate.weight']",
     "hidden": "hidden_size is 64 but the target",
@@ -335,7 +337,7 @@ def test_bad_gguf_target_is_one_line_through_load_and_the_generate_command(tiny_
 
     for path, message in (
         (_truncated(write_gguf_target(tiny_qwen3_target, tmp_path / "cut.gguf")), "truncated"),
-        (_unknown_architecture(tmp_path / "llama.gguf"), "GGUF architecture 'llama' is not supported"),
+        (_unknown_architecture(tmp_path / "gemma3.gguf"), "GGUF architecture 'gemma3' is not supported"),
         (write_gguf_draft(*_draft_of(tiny_qwen3_target, tmp_path), tmp_path / "d.gguf", target_path=tiny_qwen3_target),
          "this GGUF is a draft (architecture 'dflash'), but it was given as the target"),
     ):  # fmt: skip

@@ -10,13 +10,15 @@ mlx-lm's own greedy `generate` as the oracle:
   whole per sequence (two sub-modules take the recurrent cache).
 
 Each: speculation with injected wrong drafts (partial acceptances roll every cache kind back) equals mlx-lm's
-generate, the real draft alone too, packed rows are bitwise their own forwards, and batched rows
-(`--max-batch`) equal their solo runs.
+generate, the real draft alone too, packed rows are bitwise their own forwards, batched rows equal their
+solo runs, and so do the server's answers to concurrent requests under `--max-batch` (rounds shared by the
+rows, each row's tokens mlx-lm's generate).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,6 +27,7 @@ import pytest
 
 import mlx_dspark
 from mlx_dspark.bench.runner import RunSettings, prepare_model
+from mlx_dspark.engine.options import GenerationOptions
 from mlx_dspark.engine.proposers.dspark import DraftProposer
 from mlx_dspark.models.caches.rollback import REPLAY
 from mlx_dspark.models.layers.base import FINAL_TAP
@@ -34,6 +37,7 @@ from mlx_dspark.testing.mlx_lm_checkpoints import HELD_OUT_FAMILIES, write_draft
 from mlx_dspark.testing.tiny import write_tiny_draft
 from tests.test_batch_mlx_lm import check_batched_rows, check_packed_rows
 from tests.test_mlx_lm_targets import PROMPT, InjectingProposer, mlx_lm_greedy
+from tests.test_server import call, running_server, wait_for
 
 TOKENS = 120
 
@@ -80,6 +84,66 @@ def test_held_out_packed_rows_are_bitwise_their_own_forwards(pair):
 def test_held_out_batched_rows_equal_their_solo_runs_and_mlx_lms_generate(pair):
     _, target, _, loaded = pair
     check_batched_rows(loaded, target)
+
+
+SERVED = [(PROMPT, 14), (list(range(40, 60)), 9), ([9, 8, 7, 6, 5, 4, 3, 2, 1] * 2, 12)]  # (prompt ids, max_tokens)
+
+
+def test_held_out_server_with_max_batch_answers_concurrent_requests_as_their_solo_runs(pair, monkeypatch):
+    """Three concurrent greedy completions on `--max-batch 3`: every row's tokens (read off the rounds the
+    worker runs) are mlx-lm's generate, each answer is the same request's answer served alone, and the rows
+    decoded in shared rounds, drafting 3 tokens a round (the random draft's rejections roll each row back)."""
+    from mlx_dspark.serve import batch_worker
+
+    family, target, _, loaded = pair
+    rows, tokens, widths = {}, {}, []
+    shared_round = batch_worker.batch_round
+    all_queued = threading.Event()  # set once the first round has waited for the other requests
+
+    def recording_round(model, batch, **options):  # the worker's rounds, as it runs them
+        if not all_queued.is_set():  # the first round: the requests not in it wait in the queue, to join the next one
+            all_queued.set()
+            assert wait_for(lambda: len(batch) + server.worker.queued == len(SERVED), timeout=30)
+        widths.append(sum(not row.prefilling for row in batch))  # rows decoding in this round
+        shared_round(model, batch, **options)
+        for row in batch:
+            rows[tuple(row.prompt)] = row
+            tokens.setdefault(tuple(row.prompt), []).extend(t for r in row.rounds for t in r.tokens)
+
+    monkeypatch.setattr(batch_worker, "batch_round", recording_round)
+    defaults = GenerationOptions.from_keywords(lookup="off")  # as above: the draft's blocks, not lookup's, are verified
+    with running_server(lambda: loaded, defaults=defaults, max_batch=3, batch_prefill_chunk=8) as server:
+        assert server.worker.load_error is None and isinstance(server.worker, batch_worker.BatchWorker)
+
+        def complete(prompt, n):
+            status, _, reply = call(server, "POST", "/v1/completions",
+                                    {"prompt": prompt, "max_tokens": n, "temperature": 0, "max_draft_tokens": 3})  # fmt: skip
+            assert status == 200, reply
+            assert reply["usage"]["completion_tokens"] == n  # the end-of-sequence id is ignored (prepare_model)
+            return reply["choices"][0]["text"]
+
+        together: dict[int, str] = {}
+        gate = threading.Barrier(len(SERVED))
+
+        def run(i, prompt, n):
+            gate.wait()
+            together[i] = complete(prompt, n)
+
+        threads = [threading.Thread(target=run, args=(i, *served)) for i, served in enumerate(SERVED)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert server.worker.peak_active == len(SERVED), family
+        assert sum(width >= 2 for width in widths) >= 5, f"{family}: rows decoded in shared rounds {widths}"
+        for i, (prompt, n) in enumerate(SERVED):
+            assert tokens[tuple(prompt)][:n] == mlx_lm_greedy(target, prompt, n), f"{family} request {i}: mlx-lm's generate"
+            row = rows[tuple(prompt)]
+            assert 0 <= row.accepted < row.proposed, f"{family} request {i}: the row drafted and rolled back"
+        widths.clear()
+        for i, (prompt, n) in enumerate(SERVED):
+            assert complete(prompt, n) == together[i], f"{family} request {i}: the answer served alone"
+        assert max(widths) == 1
 
 
 @pytest.mark.parametrize("pair", ["plamo2"], indirect=True)

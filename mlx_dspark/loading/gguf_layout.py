@@ -50,7 +50,7 @@ DRAFT_GLOBAL = {
 DRAFT_SHARED = ("token_embd", "output")
 
 
-def _sizes(meta: Metadata, arch: str) -> dict[str, Any]:
+def size_fields(meta: Metadata, arch: str) -> dict[str, Any]:
     """The size fields every family shares, from `<arch>.*` keys."""
     p = f"{arch}."
     hidden = meta.integer(p + "embedding_length", low=1)
@@ -146,7 +146,7 @@ def _family_fields(meta: Metadata, arch: str, family: str, sizes: dict[str, Any]
     }
 
 
-def _special_ids(meta: Metadata, config: dict[str, Any]) -> None:
+def special_ids(meta: Metadata, config: dict[str, Any]) -> None:
     for field_name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is not None:
@@ -155,7 +155,7 @@ def _special_ids(meta: Metadata, config: dict[str, Any]) -> None:
 
 def target_layout(meta: Metadata, arch: str) -> tuple[dict[str, Any], dict[str, str]]:
     """(config, GGUF tensor name -> our name) of a target."""
-    sizes = _sizes(meta, arch)
+    sizes = size_fields(meta, arch)
     num_layers = sizes["num_hidden_layers"]
     embed_shape = meta.tensor_or_fail("token_embd.weight", "every target has its token embedding")
     layer_types, window = _layer_types(meta, arch, num_layers)
@@ -163,7 +163,7 @@ def target_layout(meta: Metadata, arch: str) -> tuple[dict[str, Any], dict[str, 
     config.update(_family_fields(meta, arch, arch, sizes, layer_types, window))
     config["vocab_size"] = embed_shape[0]
     config["tie_word_embeddings"] = "output.weight" not in meta.tensors
-    _special_ids(meta, config)
+    special_ids(meta, config)
 
     embed = "model.embedding" if arch == "spark2_5" else "model.embed_tokens"
     names = {"token_embd.weight": f"{embed}.weight", "output_norm.weight": "model.norm.weight"}
@@ -198,7 +198,7 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
     """(config, GGUF tensor name -> our name) of a DSpark draft, in DeepSpec's config layout."""
     p = f"{arch}."
     family = "gemma4" if gguf_gemma4.is_gemma4_draft(meta) else _draft_family(meta)
-    sizes = _sizes(meta, arch)
+    sizes = size_fields(meta, arch)
     hidden, num_layers = sizes["hidden_size"], sizes["num_hidden_layers"]
     layer_types, window = _layer_types(meta, arch, num_layers)
     config: dict[str, Any] = {"architectures": [DRAFT_CLASSES[family]], **sizes}
@@ -282,7 +282,7 @@ def draft_layout(meta: Metadata, arch: str, *, tap_ids: Optional[list[int]]) -> 
             "confidence_head_with_markov": with_markov,
         }
     )
-    _special_ids(meta, config)
+    special_ids(meta, config)
 
     markov = () if rank else ("markov_w1", "markov_w2")
     names = {f"{g}.weight": f"{h}.weight" for g, h in DRAFT_GLOBAL.items() if g not in ("conf_proj", *DRAFT_SHARED, *markov)}

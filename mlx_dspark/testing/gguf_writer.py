@@ -1,9 +1,11 @@
 """GGUF files in upstream llama.cpp's layouts, written from tiny checkpoint directories (test fixtures).
 
-`write_gguf_target` converts a tiny Hugging Face target (either family) and `write_gguf_draft` a tiny
-DeepSpec draft into a GGUF with `gguf.GGUFWriter`, as upstream's converter would: names mapped (the
-table of GGUF.md, restated here so that the reader is checked against an independent copy), no
-permutes, sizes and windows as `<arch>.*` keys, the tokenizer as `tokenizer.ggml.*` keys. Options
+`write_gguf_target` converts a tiny Hugging Face causal LM (a spark2_5 or qwen3 target; a llama, qwen2 or
+qwen3 draft model) and `write_gguf_draft` a tiny DeepSpec draft into a GGUF with `gguf.GGUFWriter`, as
+upstream's converter would: names mapped (the table of GGUF.md, restated here so that the reader is checked
+against an independent copy), no permutes but llama's (its converter reorders each q / k head's rows for
+llama.cpp's interleaved RoPE: `llama_permute`), sizes and windows as `<arch>.*` keys, the tokenizer as
+`tokenizer.ggml.*` keys. Options
 cover the variations real files have: the `dflash` / `dspark` prefix, `target_layers` as HF id + 1 or
 unchanged, with or without `token_embd` / `output`, the mask id under either key, tensor types F32,
 F16, BF16, Q8_0, Q4_0, Q4_1 (quantized from the weights by `gguf.quants`) and K-quants (random but
@@ -61,6 +63,12 @@ def gguf_name(name: str, *, layer_prefix: str, globals_: dict[str, str]) -> str:
         index, rest = stem[len(layer_prefix) :].split(".", 1)
         return f"blk.{index}.{({**_COMMON, **_QWEN3, **_SPARK})[rest]}.{suffix}"
     return f"{globals_[stem]}.{suffix}"
+
+
+def llama_permute(array: np.ndarray, heads: int) -> np.ndarray:
+    """upstream's `LlamaModel.permute` (convert_hf_to_gguf.py), restated: each head's rows (rotate-half order:
+    the first halves of the rotated pairs, then the second halves) interleaved (pair members side by side)."""
+    return array.reshape(heads, 2, array.shape[0] // heads // 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
 
 
 def encode(array: np.ndarray, kind: str, *, rng: np.random.Generator) -> tuple[np.ndarray, Any]:
@@ -189,6 +197,20 @@ def _add_sizes(writer: Any, arch: str, config: dict[str, Any]) -> None:
         writer.add_array(p + "attention.sliding_window_pattern", [t == "sliding_attention" for t in types])
 
 
+def _add_keys(writer: Any, keys: dict[str, Any]) -> None:
+    """More key/values by full name (bool, int as u32, float as f32, str), each replacing one written before."""
+    for key, value in keys.items():
+        writer.kv_data[0].pop(key, None)
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_string(key, value)
+
+
 def _write(writer: Any, tensors: dict[str, np.ndarray], *, tensor_type: str, tensor_types: dict[str, str], seed: int) -> None:
     rng = np.random.default_rng(seed)
     for name, array in tensors.items():
@@ -212,14 +234,16 @@ def write_gguf_target(
     separate_qkv: bool = False,
     tokenizer: bool = True,
     tokenizer_pre: Optional[str] = None,
+    extra_keys: Optional[dict[str, Any]] = None,
+    extra_tensors: Optional[dict[str, np.ndarray]] = None,
     seed: int = 0,
 ) -> Path:
-    """A target GGUF (architecture = the family) from the tiny Hugging Face target at `source`.
+    """A GGUF of a causal LM (architecture = the family) from the tiny Hugging Face model at `source`.
 
     tensor_type: the type of every 2-D tensor; tensor_types: per-GGUF-name overrides; separate_qkv:
     a spark2_5 target's fused q_k_v_proj stored as attn_q / attn_k / attn_v; tokenizer: write the
     `tokenizer.ggml.*` keys; tokenizer_pre: another `tokenizer.ggml.pre` name (as a vendor's converter
-    may write for its own pre-tokenizer)."""
+    may write for its own pre-tokenizer); extra_keys / extra_tensors (GGUF names): as `write_gguf_draft`'s."""
     from gguf import GGUFWriter
 
     source, path = Path(source), Path(path)
@@ -227,11 +251,17 @@ def write_gguf_target(
     arch = config["model_type"]
     writer = GGUFWriter(path, arch)
     _add_sizes(writer, arch, config)
+    if arch == "llama":
+        writer.add_uint32(f"{arch}.vocab_size", config["vocab_size"])
+    _add_keys(writer, extra_keys or {})
     if tokenizer:
         add_tokenizer(writer, source, mask_key=None, pre=tokenizer_pre)
     tensors = {}
     for name, array in _read_hf_weights(source).items():
         gname = gguf_name(name, layer_prefix="model.layers.", globals_=_TARGET)
+        kind = gname.split(".")[-2]
+        if arch == "llama" and kind in ("attn_q", "attn_k"):  # weight and bias alike, as upstream
+            array = llama_permute(array, config["num_key_value_heads" if kind == "attn_k" else "num_attention_heads"])
         if separate_qkv and gname.endswith("attn_qkv.weight"):
             heads, kv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
             q, k, v = np.split(array, [heads * hd, (heads + kv) * hd])
@@ -239,6 +269,7 @@ def write_gguf_target(
                 tensors[gname.replace("attn_qkv", part)] = arr
             continue
         tensors[gname] = array
+    tensors.update(extra_tensors or {})
     _write(writer, tensors, tensor_type=tensor_type, tensor_types=tensor_types or {}, seed=seed)
     return path
 
@@ -285,16 +316,7 @@ def write_gguf_draft(
     if arch == "dspark":
         writer.add_uint32(p + "markov_rank", config["markov_rank"])
         writer.add_string(p + "markov_head_type", config["markov_head_type"])
-    for key, value in (extra_keys or {}).items():
-        writer.kv_data[0].pop(key, None)  # replaces a key written above (e.g. rope.dimension_count)
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_string(key, value)
+    _add_keys(writer, extra_keys or {})  # may replace a key written above (e.g. rope.dimension_count)
     meta = add_tokenizer(writer, target_path, mask_key="tokenizer.ggml.mask_token_id" if mask_key == "tokenizer" else None)
     if mask_key == "arch":
         writer.add_uint32(p + "mask_token_id", config["mask_token_id"])

@@ -33,6 +33,9 @@ CONTRACT_FAMILIES = ("gemma3_text", "youtu_llm")
 # a conv state beside each layer's K/V (a CacheList), plamo2 nests its layer list under the backbone (Mamba +
 # attention), rwkv7 is recurrent only, its layers handing a second tensor (v_first) from layer to layer.
 HELD_OUT_FAMILIES = ("baichuan_m1", "plamo2", "rwkv7")
+# Small causal LMs written only as draft models (the GGUF draft model's families beside llama): qwen2's q / k / v
+# biases, its head tied.
+DRAFT_MODEL_FAMILIES = ("qwen2",)
 
 
 def _base(ids: dict[str, Any]) -> dict[str, Any]:
@@ -110,11 +113,14 @@ def tiny_mlx_lm_config(family: str, ids: dict[str, Any], **overrides: Any) -> di
     elif family == "plamo2":  # Mamba layers 0 and 2, attention layers 1 and 3
         config.update(architectures=["Plamo2ForCausalLM"], model_type="plamo2", hidden_size_per_head=32, mamba_d_state=16,
                       mamba_d_conv=4, mamba_num_heads=4, mamba_step=2, mamba_chunk_size=16, tie_word_embeddings=True)  # fmt: skip
+    elif family == "qwen2":
+        config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", rope_theta=10000.0,
+                      tie_word_embeddings=True)  # fmt: skip
     elif family == "rwkv7":
         config.update(architectures=["RWKV7ForCausalLM"], model_type="rwkv7", norm_eps=1e-5, a_low_rank_dim=16, v_low_rank_dim=16,
                       gate_low_rank_dim=32, decay_low_rank_dim=16, tie_word_embeddings=False)  # fmt: skip
     else:
-        known = MLX_LM_FAMILIES + HYBRID_FAMILIES + MOE_HYBRID_FAMILIES + CONTRACT_FAMILIES + HELD_OUT_FAMILIES
+        known = MLX_LM_FAMILIES + HYBRID_FAMILIES + MOE_HYBRID_FAMILIES + CONTRACT_FAMILIES + HELD_OUT_FAMILIES + DRAFT_MODEL_FAMILIES
         raise ValueError(f"family {family!r} is not one of {known}")
     config.update(overrides)
     return dict(sorted(config.items()))

@@ -3,6 +3,9 @@ any model mlx-lm runs, told apart by its config being a causal LM's with none of
 (`GENERIC`: tried after the heads that have keys of their own). Built into models/heads/draft_lm.DraftLM over
 mlx-lm's own model class, its weights through the family's sanitize, stored quantization read as stored.
 
+A plain language model's GGUF (`llama`, `qwen2`, `qwen3`; llama.cpp's `-md small.gguf`) is read into the same
+form by loading/gguf_lm.py, its tokenizer from its `tokenizer.ggml.*` keys.
+
 The draft must share the target's vocabulary: its tokenizer is read and compared with the target's token by
 token (ids both have map to the same token; ids only one has lie past the other's table, as a padded
 embedding does); a mismatch is one line naming both files. Options that shape a DSpark draft are refused.
@@ -16,7 +19,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dspark.loading.checkpoint import Checkpoint
+from mlx_dspark.loading.checkpoint import Checkpoint, is_gguf
 from mlx_dspark.loading.heads import refuse_block_options
 from mlx_dspark.loading.precision import quant_predicate
 from mlx_dspark.loading.tokenizer import TOKENIZER_FILES, load_tokenizer
@@ -70,10 +73,10 @@ def build(checkpoint: Checkpoint, *, target: nn.Module, target_source: str, dtyp
     target_tokenizer = options.get("target_tokenizer")
     if target_tokenizer is not None:
         draft_file, target_file = _tokenizer_file(path), _tokenizer_file(Path(target_source).parent)
-        if draft_file == path:
+        if draft_file == path and not is_gguf(path):  # a GGUF's tokenizer is its tokenizer.ggml.* keys (or files beside it)
             raise ValueError(f"{path}: no tokenizer files (expected one of {list(TOKENIZER_FILES)}) beside the draft model: "
                              f"its vocabulary cannot be checked against the target's ({target_file}); add them")  # fmt: skip
-        draft_tokenizer = load_tokenizer(path, config)
+        draft_tokenizer = load_tokenizer(path, config, gguf_tokenizer=checkpoint.tokenizer)
         check_vocabulary(draft_tokenizer.get_vocab(), target_tokenizer.get_vocab(), draft_file=draft_file, target_file=target_file)
     model_class, args_class = mlx_lm_classes(config, source=config_source)
     try:
